@@ -1,0 +1,28 @@
+"""Collectives: the only package that calls ``torch.distributed``."""
+
+from ._compressed import CompressedAllGather, CompressedAllReduce, chunk_bounds
+from ._dist import (
+    DEFAULT_TIMEOUT,
+    CollectiveError,
+    all_reduce_mean,
+    broadcast,
+    get_rank,
+    get_world_size,
+    is_distributed,
+)
+from ._meter import Meter, measure
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "CollectiveError",
+    "CompressedAllGather",
+    "CompressedAllReduce",
+    "Meter",
+    "all_reduce_mean",
+    "broadcast",
+    "chunk_bounds",
+    "get_rank",
+    "get_world_size",
+    "is_distributed",
+    "measure",
+]

@@ -1,0 +1,53 @@
+"""Compressors: one flat chunk to a :class:`Payload` and back. Nothing here touches the network.
+
+Adding a compressor is one file, one entry in ``_REGISTRY`` and one row in the contract
+tests' table.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._base import Compressor, Payload
+from ._block_sign import BlockSignCompressor
+from ._identity import IdentityCompressor
+from ._sign import SignCompressor
+from ._stochastic import StochasticSignCompressor
+from ._topk import TopKCompressor
+
+__all__ = [
+    "BlockSignCompressor",
+    "Compressor",
+    "IdentityCompressor",
+    "Payload",
+    "SignCompressor",
+    "StochasticSignCompressor",
+    "TopKCompressor",
+    "available",
+    "get",
+]
+
+_REGISTRY: dict[str, type[Compressor]] = {
+    cls.name: cls
+    for cls in (IdentityCompressor, SignCompressor, BlockSignCompressor, TopKCompressor, StochasticSignCompressor)
+}
+
+
+def available() -> list[str]:
+    """Names accepted by :func:`get`."""
+    return sorted(_REGISTRY)
+
+
+def get(name: str | Compressor, **kwargs: Any) -> Compressor:
+    """A compressor by registry name (``kwargs`` go to its constructor); instances pass through."""
+    if isinstance(name, Compressor):
+        if kwargs:
+            raise ValueError(f"compressor options {sorted(kwargs)} given with a Compressor instance")
+        return name
+    if not isinstance(name, str):
+        raise TypeError(f"compressor must be a name or a Compressor, got {type(name).__name__}")
+    try:
+        cls = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown compressor {name!r}; available: {', '.join(available())}") from None
+    return cls(**kwargs)

@@ -1,0 +1,50 @@
+"""Comp-AMS Top-k (Definition 1): keep the ``k`` largest magnitudes, zero the rest."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ._base import Compressor
+
+__all__ = ["TopKCompressor"]
+
+
+class TopKCompressor(Compressor):
+    """Top-k with ``k = ceil(ratio * n)`` (at least one value of a non-empty chunk).
+
+    Wire: ``k`` fp32 values then ``k`` int32 indices. Ties are broken by ``torch.topk``.
+    """
+
+    name = "topk"
+
+    def __init__(self, ratio: float = 0.01) -> None:
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
+            raise TypeError(f"ratio must be a float in (0, 1], got {ratio!r}")
+        if not 0.0 < ratio <= 1.0:
+            raise ValueError(f"ratio must be in (0, 1], got {ratio}")
+        self.ratio = float(ratio)
+
+    def k(self, numel: int) -> int:
+        """Number of values kept from a chunk of ``numel``."""
+        return min(numel, max(1, math.ceil(self.ratio * numel))) if numel else 0
+
+    def wire_spec(self, numel: int) -> tuple[tuple[torch.dtype, int], ...]:
+        k = self.k(numel)
+        return ((torch.float32, k), (torch.int32, k))
+
+    def _compress(self, x: Tensor) -> tuple[Tensor, ...]:
+        k = self.k(x.numel())
+        _, idx = torch.topk(x.abs(), k, sorted=False)
+        return x[idx], idx.to(torch.int32)
+
+    def _decompress(self, tensors: tuple[Tensor, ...], numel: int, out: Tensor) -> Tensor:
+        values, idx = tensors
+        out.zero_()
+        out[idx.long()] = values
+        return out
+
+    def __repr__(self) -> str:
+        return f"TopKCompressor(ratio={self.ratio})"

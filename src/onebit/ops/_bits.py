@@ -1,0 +1,152 @@
+"""Bit packing of signs, 8 values per byte.
+
+Layout (the wire format of every 1-bit compressor): value ``8*i + k`` is bit ``k`` of
+byte ``i`` (little bit order); bit 1 means the IEEE sign bit is clear (``x >= +0.0``),
+bit 0 means it is set (negative values and ``-0.0``). Using the sign bit rather than
+``x >= 0`` makes packing agree with ``torch.copysign``, which the fused error-feedback
+kernel uses to form the dequantized value.
+
+Two implementations produce the same bytes: a pure-torch reference that runs on any
+device, and a CPU fast path on numpy's vectorised ``packbits``/``unpackbits``
+(5-10x faster than the reference). ``reference_kernels()`` forces the reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = [
+    "packed_numel",
+    "pack_bits",
+    "unpack_bits",
+    "pack_signs",
+    "unpack_signs",
+    "reference_kernels",
+]
+
+_BIT_WEIGHTS: dict[torch.device, Tensor] = {}
+_FORCE_REFERENCE = False
+
+
+def packed_numel(numel: int) -> int:
+    """Bytes needed to hold ``numel`` bits."""
+    return (numel + 7) // 8
+
+
+@contextlib.contextmanager
+def reference_kernels() -> Iterator[None]:
+    """Use the pure-torch reference kernels inside the block (tests, benchmarks)."""
+    global _FORCE_REFERENCE
+    previous, _FORCE_REFERENCE = _FORCE_REFERENCE, True
+    try:
+        yield
+    finally:
+        _FORCE_REFERENCE = previous
+
+
+def _fast_cpu(t: Tensor) -> bool:
+    return not _FORCE_REFERENCE and t.device.type == "cpu"
+
+
+def _weights(device: torch.device) -> Tensor:
+    w = _BIT_WEIGHTS.get(device)
+    if w is None:
+        w = torch.tensor([1 << k for k in range(8)], dtype=torch.uint8, device=device)
+        _BIT_WEIGHTS[device] = w
+    return w
+
+
+def _check_out(out: Tensor | None, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    if out is None:
+        return torch.empty(numel, dtype=dtype, device=device)
+    if out.dtype != dtype or out.numel() != numel or out.device != device or not out.is_contiguous():
+        raise ValueError(
+            f"out must be a contiguous {dtype} tensor of {numel} elements on {device}, "
+            f"got {out.dtype} of {out.numel()} elements on {out.device}"
+        )
+    return out
+
+
+def pack_bits(bits: Tensor, out: Tensor | None = None) -> Tensor:
+    """Pack a 1-D bool tensor into ``ceil(n/8)`` uint8 (little bit order, zero padded)."""
+    if bits.dtype != torch.bool:
+        raise TypeError(f"bits must be a bool tensor, got dtype={bits.dtype}")
+    bits = bits.reshape(-1)
+    n = bits.numel()
+    nbytes = packed_numel(n)
+    out = _check_out(out, nbytes, torch.uint8, bits.device)
+    if n == 0:
+        return out
+    if _fast_cpu(bits):
+        out.numpy()[:] = np.packbits(bits.numpy(), bitorder="little")
+        return out
+    pad = nbytes * 8 - n
+    if pad:
+        bits = torch.cat([bits, bits.new_zeros(pad)])
+    torch.sum(bits.view(nbytes, 8).to(torch.uint8) * _weights(bits.device), dim=1, dtype=torch.uint8, out=out)
+    return out
+
+
+def unpack_bits(packed: Tensor, numel: int) -> Tensor:
+    """Inverse of :func:`pack_bits`: the first ``numel`` bits as a bool tensor."""
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"packed must be a uint8 tensor, got dtype={packed.dtype}")
+    if numel < 0 or packed_numel(numel) > packed.numel():
+        raise ValueError(f"numel={numel} does not fit in {packed.numel()} packed bytes")
+    packed = packed.reshape(-1)
+    if numel == 0:
+        return torch.empty(0, dtype=torch.bool, device=packed.device)
+    if _fast_cpu(packed):
+        bits = np.unpackbits(packed.numpy(), count=numel, bitorder="little")
+        return torch.from_numpy(bits).view(torch.bool)
+    nbytes = packed_numel(numel)
+    expanded = packed[:nbytes].unsqueeze(1).bitwise_and(_weights(packed.device)).ne(0)
+    return expanded.reshape(-1)[:numel]
+
+
+def _sign_bits_clear(x: Tensor) -> Tensor:
+    """Bool tensor: True where the IEEE sign bit of ``x`` is clear."""
+    if _fast_cpu(x):
+        return torch.from_numpy(np.signbit(x.numpy())).logical_not_()
+    return torch.signbit(x).logical_not_()
+
+
+def pack_signs(x: Tensor, out: Tensor | None = None) -> Tensor:
+    """Pack the signs of a float tensor (bit 1 = sign bit clear) into uint8."""
+    if not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point tensor, got dtype={x.dtype}")
+    x = x.reshape(-1)
+    if _fast_cpu(x) and x.dtype in (torch.float32, torch.float64) and x.numel():
+        nbytes = packed_numel(x.numel())
+        out = _check_out(out, nbytes, torch.uint8, x.device)
+        # Pack the *set* sign bits and invert the bytes: one vectorised pass instead of two.
+        packed = np.packbits(np.signbit(x.numpy()), bitorder="little")
+        np.invert(packed, out=out.numpy())
+        tail = x.numel() % 8
+        if tail:
+            out[-1] &= (1 << tail) - 1
+        return out
+    return pack_bits(_sign_bits_clear(x.float() if x.dtype not in (torch.float32, torch.float64) else x), out=out)
+
+
+def unpack_signs(packed: Tensor, numel: int, scale: float | Tensor = 1.0, out: Tensor | None = None) -> Tensor:
+    """Decode :func:`pack_signs` output to ``+scale``/``-scale`` float32 values.
+
+    ``scale`` may be a Python float or a 0-d/1-element tensor (kept on device: no sync).
+    """
+    bits = unpack_bits(packed, numel)
+    out = _check_out(out, numel, torch.float32, packed.device)
+    if numel == 0:
+        return out
+    if not isinstance(scale, Tensor):
+        scale = torch.tensor(float(scale), dtype=torch.float32, device=packed.device)
+    scale = scale.reshape(()).to(torch.float32)
+    # out = (2*bit - 1) * scale, in two in-place passes over a reused buffer.
+    torch.mul(bits.view(torch.uint8), 2.0, out=out)
+    out.sub_(1.0).mul_(scale)
+    return out

@@ -1,0 +1,40 @@
+"""Accurate vector norms at fp32 speed.
+
+A plain fp32 reduction over ~10M values drifts by ~1e-4 relative (seen with
+``torch.linalg.vector_norm`` on one CPU thread); scales that enter every compressed
+value should not. Norms of 4096-value rows are fp32-accurate; the rows are combined in
+fp64, so the result is the fp32 rounding of the exact norm to within a few ulps at no
+extra pass over memory.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["l1_norm", "l2_norm"]
+
+_ROW = 4096
+
+
+def _rowwise(x: Tensor, ord: int) -> Tensor:
+    x = x.reshape(-1)
+    full = x.numel() // _ROW * _ROW
+    total = torch.zeros((), dtype=torch.float64, device=x.device)
+    if full:
+        rows = torch.linalg.vector_norm(x[:full].view(-1, _ROW), ord=ord, dim=1, dtype=torch.float32).double()
+        total += rows.square().sum() if ord == 2 else rows.sum()
+    if full < x.numel():
+        tail = x[full:].double()
+        total += tail.square().sum() if ord == 2 else tail.abs().sum()
+    return total
+
+
+def l2_norm(x: Tensor) -> Tensor:
+    """``||x||_2`` as a 0-d fp32 tensor on ``x``'s device (no host sync)."""
+    return _rowwise(x, 2).sqrt().to(torch.float32)
+
+
+def l1_norm(x: Tensor) -> Tensor:
+    """``||x||_1`` as a 0-d fp32 tensor on ``x``'s device (no host sync)."""
+    return _rowwise(x, 1).to(torch.float32)

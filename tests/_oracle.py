@@ -1,0 +1,49 @@
+"""Plain single-process oracles written from the papers, independent of the library code."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+def sign_compress(v: Tensor) -> Tensor:
+    """1-bit Adam's C_w: sign(v) * ||v||_2 / sqrt(n) (sign bit decides, so +0 -> +, -0 -> -)."""
+    n = v.numel()
+    if n == 0:
+        return v.clone()
+    scale = torch.sqrt(torch.sum(v.double() * v.double()) / n).float()
+    return torch.where(torch.signbit(v), -scale, scale)
+
+
+def chunks(n: int, world: int, align: int) -> list[tuple[int, int]]:
+    chunk = math.ceil(n / (world * align)) * align
+    return [(min(j * chunk, n), min((j + 1) * chunk, n)) for j in range(world)]
+
+
+class SimulatedCompressedAllReduce:
+    """n workers + per-chunk servers of Algorithm 1 (lines 7, 10, 11), one process, plain loops."""
+
+    def __init__(self, n_workers: int, numel: int, compress=sign_compress, align: int = 8) -> None:
+        self.w = n_workers
+        self.bounds = chunks(numel, n_workers, align)
+        self.compress = compress
+        self.worker_err = [torch.zeros(numel) for _ in range(n_workers)]
+        self.server_err = [torch.zeros(hi - lo) for lo, hi in self.bounds]
+
+    def __call__(self, xs: list[Tensor]) -> Tensor:
+        sent = []
+        for i, x in enumerate(xs):
+            c = x.float() + self.worker_err[i]
+            q = torch.cat([self.compress(c[lo:hi]) for lo, hi in self.bounds])
+            self.worker_err[i] = c - q
+            sent.append(q)
+        out = []
+        for j, (lo, hi) in enumerate(self.bounds):
+            avg = sum(q[lo:hi] for q in sent) / self.w
+            s = avg + self.server_err[j]
+            m = self.compress(s)
+            self.server_err[j] = s - m
+            out.append(m)
+        return torch.cat(out)

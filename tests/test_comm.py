@@ -1,0 +1,196 @@
+import hashlib
+import logging
+import time
+
+import pytest
+import torch
+
+from _harness import run_ranks
+from _oracle import SimulatedCompressedAllReduce, chunks
+from onebit import comm, compress
+
+
+def _inputs(world: int, n: int, step: int) -> list[torch.Tensor]:
+    return [torch.randn(n, generator=torch.Generator().manual_seed(1000 * step + r)) for r in range(world)]
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _allreduce_worker(rank, world, n, steps):
+    car = comm.CompressedAllReduce("sign")
+    outs, meters = [], []
+    for step in range(steps):
+        x = _inputs(world, n, step)[rank]
+        before = x.clone()
+        with comm.measure() as m:
+            y = car(x)
+        assert torch.equal(x, before), "input was modified"
+        outs.append(y)
+        meters.append(m.bytes_sent)
+    dense = torch.randn(n)
+    with comm.measure() as plain:
+        comm.all_reduce_mean(dense)
+    return {"outs": outs, "digests": [_digest(y) for y in outs], "bytes": meters, "plain": plain.bytes_sent,
+            "chunk": car.chunk, "state": car.state_dict()}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_compressed_allreduce_matches_oracle_and_is_identical(world):
+    n, steps = 1_000_003, 3
+    res = run_ranks(_allreduce_worker, world, n, steps)
+    oracle = SimulatedCompressedAllReduce(world, n)
+    for step in range(steps):
+        expect = oracle(_inputs(world, n, step))
+        assert len({r["digests"][step] for r in res}) == 1, "ranks disagree"
+        got = res[0]["outs"][step]
+        # The oracle's scales are computed in fp64: agreement to fp32 rounding.
+        assert torch.allclose(got, expect, rtol=1e-5, atol=0), (got - expect).abs().max()
+    for r, out in enumerate(res):
+        assert out["chunk"] == chunks(n, world, 8)[r]
+        assert out["bytes"][0] * 28 <= out["plain"], (out["bytes"][0], out["plain"])
+        # exact volume: (w-1) slots out in the all-to-all and (w-1) copies of the own slot in the all-gather
+        slot = compress.get("sign").wire_bytes(chunks(n, world, 8)[0][1])
+        assert out["bytes"][0] == 2 * (world - 1) * slot
+        assert torch.allclose(out["state"]["worker_error"]["error"], oracle.worker_err[r], atol=1e-5)
+        lo, hi = out["chunk"]
+        assert torch.allclose(out["state"]["server_error"]["error"], oracle.server_err[r], atol=1e-5)
+
+
+def _small_sizes_worker(rank, world):
+    results = {}
+    for n in (0, 1, 5, 8, 9, 23, 24, 25, 100):
+        car = comm.CompressedAllReduce("sign")
+        results[n] = [car(_inputs(world, n, s)[rank]) for s in range(2)]
+    return results
+
+
+def test_odd_and_tiny_sizes_world_3():
+    world = 3
+    res = run_ranks(_small_sizes_worker, world)
+    for n in res[0]:
+        oracle = SimulatedCompressedAllReduce(world, n)
+        for s in range(2):
+            expect = oracle(_inputs(world, n, s))
+            for r in range(world):
+                assert torch.equal(res[r][n][s], res[0][n][s])
+            assert torch.allclose(res[0][n][s], expect, rtol=1e-5), (n, s)
+
+
+def _gather_worker(rank, world, name, kwargs, ef):
+    exch = comm.CompressedAllGather(name, error_feedback=ef, **kwargs)
+    outs = []
+    for step in range(3):
+        with comm.measure() as m:
+            outs.append(exch(_inputs(world, 1001, step)[rank]))
+    return outs, m.bytes_sent
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_compressed_allgather_is_exact_average_of_compressed(world):
+    for name, kwargs, ef in [("topk", {"ratio": 0.05}, True), ("block_sign", {"block_size": 100}, False)]:
+        res = run_ranks(_gather_worker, world, name, kwargs, ef)
+        c = compress.get(name, **kwargs)
+        errors = [torch.zeros(1001) for _ in range(world)]
+        for step in range(3):
+            xs = _inputs(world, 1001, step)
+            decoded = []
+            for r in range(world):
+                v = xs[r] + errors[r] if ef else xs[r]
+                d = c.decompress(c.compress(v))
+                if ef:
+                    errors[r] = v - d
+                decoded.append(d)
+            expect = sum(decoded) / world
+            for r in range(world):
+                assert torch.equal(res[r][0][step], res[0][0][step])
+            assert torch.allclose(res[0][0][step], expect, atol=1e-6)
+        assert res[0][1] == (world - 1) * c.wire_bytes(1001)
+
+
+def _stall_worker(rank, world):
+    car = comm.CompressedAllReduce("sign", timeout=2.0)
+    if rank == 1:
+        time.sleep(8)  # never joins: the others must time out, not hang
+        return "slept"
+    start = time.monotonic()
+    try:
+        car(torch.ones(64))
+    except comm.CollectiveError as exc:
+        return str(exc), time.monotonic() - start
+    return "no error", 0.0
+
+
+def test_stalled_peer_times_out_with_named_error():
+    res = run_ranks(_stall_worker, 3, timeout=60)
+    for r in (0, 2):
+        msg, elapsed = res[r]
+        assert "all_to_all_single on group" in msg and "timed out (timeout 2s)" in msg, msg
+        assert elapsed < 6
+
+
+def test_world_size_one_without_process_group_still_compresses():
+    x = torch.randn(50)
+    car = comm.CompressedAllReduce("sign")
+    oracle = SimulatedCompressedAllReduce(1, 50)
+    with comm.measure() as m:
+        for _ in range(3):
+            assert torch.allclose(car(x), oracle([x]), rtol=1e-5)
+    assert m.bytes_sent == 0
+    assert comm.get_world_size() == 1 and not comm.is_distributed()
+
+
+def test_state_dict_round_trip_resumes_exactly():
+    xs = [torch.randn(300, generator=torch.Generator().manual_seed(s)) for s in range(6)]
+    a = comm.CompressedAllReduce("sign")
+    for x in xs[:3]:
+        a(x)
+    b = comm.CompressedAllReduce("sign")
+    b.load_state_dict(a.state_dict())
+    for x in xs[3:]:
+        assert torch.equal(a(x), b(x))
+
+
+def test_state_from_other_world_size_warns_and_resets(caplog):
+    a = comm.CompressedAllReduce("sign")
+    a(torch.randn(40))
+    state = a.state_dict()
+    state["world_size"] = 4
+    b = comm.CompressedAllReduce("sign")
+    with caplog.at_level(logging.WARNING):
+        b.load_state_dict(state)
+    assert "saved on world size 4, loaded on 1" in caplog.text
+    assert b.worker_error.error is None and b.server_error.error is None
+
+
+def test_out_and_dtypes():
+    x = torch.randn(33, dtype=torch.float16)
+    car = comm.CompressedAllReduce("identity")
+    y = car(x)
+    assert y.dtype == torch.float16 and torch.equal(y, x)
+    out = torch.empty(33)
+    assert car(x, out=out) is out and torch.equal(out, x.float())
+
+
+def test_bad_input_messages():
+    car = comm.CompressedAllReduce("sign")
+    with pytest.raises(TypeError, match="tensor must be a floating-point tensor, got dtype=torch.int64"):
+        car(torch.arange(8))
+    with pytest.raises(TypeError, match="tensor must be a torch.Tensor, got list"):
+        car([1.0])
+    with pytest.raises(ValueError, match="tensor must be contiguous"):
+        car(torch.randn(4, 4).t())
+    car(torch.randn(16))
+    with pytest.raises(ValueError, match="tensor has 17 elements but this CompressedAllReduce was sized for 16"):
+        car(torch.randn(17))
+    with pytest.raises(ValueError, match="tensor is on meta but this CompressedAllReduce works on cpu"):
+        car(torch.empty(16, device="meta"))
+    with pytest.raises(ValueError, match="out must have 16 elements on cpu, got 3"):
+        car(torch.randn(16), out=torch.empty(3))
+    with pytest.raises(ValueError, match="unknown compressor 'bogus'"):
+        comm.CompressedAllReduce("bogus")
+    with pytest.raises(ValueError, match="timeout must be positive, got -1"):
+        comm.CompressedAllReduce("sign", timeout=-1)
+    with pytest.raises(TypeError, match="error_feedback must be a bool, got 'yes'"):
+        comm.CompressedAllGather("topk", error_feedback="yes")

@@ -1,0 +1,147 @@
+"""Contract tests shared by every compressor (one row each) plus per-compressor oracles."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from _oracle import sign_compress
+from onebit import compress
+
+# One row per registered compressor: (name, constructor kwargs).
+CONTRACT = [
+    ("identity", {}),
+    ("identity", {"dtype": "bf16"}),
+    ("sign", {}),
+    ("block_sign", {}),
+    ("block_sign", {"block_size": 5}),
+    ("topk", {"ratio": 0.1}),
+    ("stochastic_sign", {"seed": 3}),
+]
+ROW_IDS = [f"{n}-{kw}" for n, kw in CONTRACT]
+
+
+def test_contract_table_covers_registry():
+    assert {name for name, _ in CONTRACT} == set(compress.available())
+
+
+def _vector(n: int, seed: int, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("name,kwargs", CONTRACT, ids=ROW_IDS)
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(0, 200), seed=st.integers(0, 2**16))
+def test_wire_spec_and_round_trip(name, kwargs, n, seed):
+    c = compress.get(name, **kwargs)
+    x = _vector(n, seed).reshape(1, n)
+    p = c.compress(x)
+    spec = c.wire_spec(n)
+    assert [(t.dtype, t.numel()) for t in p.tensors] == list(spec)
+    assert sum(t.numel() * t.element_size() for t in p.tensors) == c.wire_bytes(n)
+    y = c.decompress(p)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    # A payload rebuilt from the wire (no ctx) decompresses to the same flat values.
+    assert torch.equal(c.decompress(c.from_wire(p.tensors, n)), y.reshape(-1))
+
+
+@pytest.mark.parametrize("name,kwargs", CONTRACT, ids=ROW_IDS)
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(0, 200), seed=st.integers(0, 2**16), dtype=st.sampled_from([torch.float32, torch.float16]))
+def test_error_feedback_identity(name, kwargs, n, seed, dtype):
+    c = compress.get(name, **kwargs)
+    x = _vector(n, seed, dtype)
+    old = _vector(n, seed + 1) * 0.3
+    err = old.clone()
+    p = c.compress_ef(x, err)
+    compensated = x.float() + old
+    decompressed = c.decompress(p)
+    assert torch.equal(err, compensated - decompressed)
+    assert torch.allclose(decompressed + err, compensated, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("name,kwargs", CONTRACT, ids=ROW_IDS)
+def test_rejects_non_float(name, kwargs):
+    c = compress.get(name, **kwargs)
+    with pytest.raises(TypeError, match="x must be a floating-point tensor, got dtype=torch.int64"):
+        c.compress(torch.arange(4))
+    with pytest.raises(TypeError, match="x must be a torch.Tensor, got list"):
+        c.compress([1.0, 2.0])
+
+
+def test_sign_matches_paper():
+    x = _vector(37, 1)
+    c = compress.get("sign")
+    y = c.decompress(c.compress(x))
+    assert torch.allclose(y, sign_compress(x), rtol=1e-6)
+    assert torch.allclose(y.norm(), x.norm(), rtol=1e-5)  # same magnitude as the input (section 4.3)
+
+
+def test_block_sign_definition_2():
+    x = torch.tensor([1.0, -3.0, 2.0, 4.0, -4.0, 0.5, -0.5])
+    y = compress.get("block_sign", block_size=3).decompress(compress.get("block_sign", block_size=3).compress(x))
+    # blocks [1,-3,2] -> 2, [4,-4,0.5] -> 8.5/3, [-0.5] -> 0.5
+    expect = torch.tensor([2.0, -2.0, 2.0, 8.5 / 3, -8.5 / 3, 8.5 / 3, -0.5])
+    assert torch.allclose(y, expect)
+    whole = compress.get("block_sign")
+    assert torch.allclose(whole.decompress(whole.compress(x)), torch.sign(x) * x.abs().mean())
+
+
+def test_topk_keeps_largest():
+    x = torch.tensor([0.1, -5.0, 0.2, 3.0, -0.3, 0.0, 1.0, -2.0, 0.05, 0.4])
+    c = compress.get("topk", ratio=0.3)
+    assert c.k(10) == 3
+    y = c.decompress(c.compress(x))
+    assert y.tolist() == [0, -5.0, 0, 3.0, 0, 0, 0, -2.0, 0, 0]
+    assert compress.get("topk", ratio=1e-6).k(10) == 1
+
+
+def test_stochastic_sign_unbiased_and_reproducible():
+    x = torch.linspace(-1, 1, 41)
+    c = compress.get("stochastic_sign", seed=7)
+    draws = torch.stack([c.decompress(c.compress(x)) for _ in range(4000)])
+    assert set(draws.unique().tolist()) <= {-1.0, 1.0}
+    mean = draws.mean(0)
+    # Each mean has std sqrt(1 - x^2)/sqrt(4000) <= 0.016; 5 sigma.
+    assert torch.all((mean - x).abs() < 0.08), (mean - x).abs().max()
+    assert mean[0] == -1 and mean[-1] == 1
+    again = compress.get("stochastic_sign", seed=7)
+    assert torch.equal(again.decompress(again.compress(x)), draws[0])
+    # state_dict resumes the random stream exactly.
+    state = c.state_dict()
+    nxt = c.decompress(c.compress(x))
+    fresh = compress.get("stochastic_sign", seed=0)
+    fresh.load_state_dict(state)
+    assert torch.equal(fresh.decompress(fresh.compress(x)), nxt)
+
+
+def test_identity_wire_dtypes():
+    x = _vector(10, 0)
+    assert torch.equal(compress.get("identity").decompress(compress.get("identity").compress(x)), x)
+    c = compress.get("identity", dtype="fp16")
+    assert c.wire_bytes(10) == 20
+    assert torch.equal(c.decompress(c.compress(x)), x.half().float())
+
+
+def test_registry_and_argument_errors():
+    with pytest.raises(ValueError, match="unknown compressor 'nope'; available: block_sign, identity, sign"):
+        compress.get("nope")
+    with pytest.raises(TypeError, match="compressor must be a name or a Compressor, got int"):
+        compress.get(3)
+    with pytest.raises(ValueError, match=r"ratio must be in \(0, 1\], got 1.5"):
+        compress.get("topk", ratio=1.5)
+    with pytest.raises(ValueError, match=r"ratio must be in \(0, 1\], got 0"):
+        compress.get("topk", ratio=0)
+    with pytest.raises(ValueError, match="block_size must be >= 1, got 0"):
+        compress.get("block_sign", block_size=0)
+    with pytest.raises(ValueError, match="dtype must be one of .*got 'fp8'"):
+        compress.get("identity", dtype="fp8")
+    with pytest.raises(TypeError, match="seed must be an int, got 1.5"):
+        compress.get("stochastic_sign", seed=1.5)
+    sign = compress.get("sign")
+    assert compress.get(sign) is sign
+    with pytest.raises(ValueError, match=r"compressor options \['ratio'\] given with a Compressor instance"):
+        compress.get(sign, ratio=0.1)
+    assert math.isclose(compress.get("block_sign", block_size=3).alignment, 24)

@@ -1,0 +1,76 @@
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from onebit import ops
+
+lengths = st.integers(min_value=0, max_value=300)
+
+
+def plain_pack(bits: list[bool]) -> list[int]:
+    out = []
+    for i in range(0, len(bits), 8):
+        out.append(sum(1 << k for k, b in enumerate(bits[i : i + 8]) if b))
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=lengths, seed=st.integers(0, 2**16))
+def test_pack_bits_layout_and_round_trip(n, seed):
+    bits = torch.rand(n, generator=torch.Generator().manual_seed(seed)) < 0.5
+    expect = plain_pack(bits.tolist())
+    fast = ops.pack_bits(bits)
+    with ops.reference_kernels():
+        ref = ops.pack_bits(bits)
+        ref_back = ops.unpack_bits(ref, n)
+    assert fast.tolist() == expect
+    assert ref.tolist() == expect
+    assert torch.equal(ops.unpack_bits(fast, n), bits)
+    assert torch.equal(ref_back, bits)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=lengths, seed=st.integers(0, 2**16), dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+def test_pack_signs_fast_equals_reference(n, seed, dtype):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    fast = ops.pack_signs(x)
+    with ops.reference_kernels():
+        ref = ops.pack_signs(x)
+    assert torch.equal(fast, ref)
+    assert fast.numel() == math.ceil(n / 8)
+    assert ops.unpack_signs(fast, n, 2.5).tolist() == [(-2.5 if v < 0 or (v == 0 and math.copysign(1, v) < 0) else 2.5) for v in x.float().tolist()]
+
+
+def test_signed_zero_and_tail_bits():
+    x = torch.tensor([0.0, -0.0, 1.0, -1.0, 3.0, -3.0, 0.5, -0.5, 7.0, -7.0])
+    packed = ops.pack_signs(x)
+    assert packed.tolist() == [0b01010101, 0b01]
+    with ops.reference_kernels():
+        assert ops.pack_signs(x).tolist() == [0b01010101, 0b01]
+
+
+def test_fused_ef_matches_formula():
+    g = torch.Generator().manual_seed(0)
+    x, e = torch.randn(1001, generator=g), torch.randn(1001, generator=g) * 0.1
+    c = x + e
+    scale = torch.linalg.vector_norm(c) / math.sqrt(c.numel())
+    err = e.clone()
+    packed, s = ops.ef_sign_compress_(err, x)
+    assert torch.allclose(s, scale.reshape(1), rtol=1e-6)
+    q = torch.where(torch.signbit(c), -s, s)
+    assert torch.equal(ops.unpack_signs(packed, 1001, s), q)
+    assert torch.equal(err, c - q)
+
+
+def test_bad_inputs():
+    with pytest.raises(TypeError, match="bits must be a bool tensor"):
+        ops.pack_bits(torch.ones(3))
+    with pytest.raises(TypeError, match="x must be a floating-point tensor"):
+        ops.pack_signs(torch.ones(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="numel=17 does not fit in 2 packed bytes"):
+        ops.unpack_bits(torch.zeros(2, dtype=torch.uint8), 17)
+    with pytest.raises(ValueError, match="out must be a contiguous torch.uint8 tensor of 1 elements"):
+        ops.pack_bits(torch.ones(3, dtype=torch.bool), out=torch.empty(5, dtype=torch.uint8))
