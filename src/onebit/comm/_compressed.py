@@ -184,9 +184,12 @@ class CompressedAllReduce(_Sized):
 
         lo, hi = self.chunk
         acc, scratch = self._acc, self._workspace[: hi - lo]
-        acc.zero_()
         for i in range(world):
-            acc.add_(comp.decompress(read_payload(comp, received[i * slot : (i + 1) * slot], hi - lo), out=scratch))
+            payload = read_payload(comp, received[i * slot : (i + 1) * slot], hi - lo)
+            if i == 0:
+                comp.decompress(payload, out=acc)
+            else:
+                acc.add_(comp.decompress(payload, out=scratch))
         acc.div_(world)
         write_payload(self.server_error.compress(comp, acc), self._gather_slot)
         gathered = all_gather_bytes(self._gather_slot, self.group, self.timeout)
@@ -249,9 +252,12 @@ class CompressedAllGather(_Sized):
         gathered = all_gather_bytes(self._slot_bytes, self.group, self.timeout)
         slot = self._slot_bytes.numel()
         acc = self._output(out, flat)
-        acc.zero_()
         for i in range(self._world_size):
-            acc.add_(comp.decompress(read_payload(comp, gathered[i * slot : (i + 1) * slot], n), out=self._scratch))
+            payload = read_payload(comp, gathered[i * slot : (i + 1) * slot], n)
+            if i == 0:
+                comp.decompress(payload, out=acc)
+            else:
+                acc.add_(comp.decompress(payload, out=self._scratch))
         acc.div_(self._world_size)
         return self._finish(acc, tensor, out)
 

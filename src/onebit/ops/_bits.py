@@ -30,6 +30,7 @@ __all__ = [
 ]
 
 _BIT_WEIGHTS: dict[torch.device, Tensor] = {}
+_SIGN_TABLES: dict[torch.device, Tensor] = {}
 _FORCE_REFERENCE = False
 
 
@@ -134,19 +135,42 @@ def pack_signs(x: Tensor, out: Tensor | None = None) -> Tensor:
     return pack_bits(_sign_bits_clear(x.float() if x.dtype not in (torch.float32, torch.float64) else x), out=out)
 
 
+def _sign_table(device: torch.device) -> Tensor:
+    """``(256, 8)`` fp32: row ``b`` holds the eight +-1 values that byte ``b`` encodes."""
+    table = _SIGN_TABLES.get(device)
+    if table is None:
+        byte = torch.arange(256, device=device).unsqueeze(1)
+        table = (byte.bitwise_and(_weights(device).long()).ne(0).float() * 2 - 1).contiguous()
+        _SIGN_TABLES[device] = table
+    return table
+
+
 def unpack_signs(packed: Tensor, numel: int, scale: float | Tensor = 1.0, out: Tensor | None = None) -> Tensor:
     """Decode :func:`pack_signs` output to ``+scale``/``-scale`` float32 values.
 
     ``scale`` may be a Python float or a 0-d/1-element tensor (kept on device: no sync).
+    The fast path looks each byte up in a 256x8 table pre-multiplied by ``scale`` (one
+    write pass); the reference expands bits and computes ``(2 b - 1) * scale``.
     """
-    bits = unpack_bits(packed, numel)
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"packed must be a uint8 tensor, got dtype={packed.dtype}")
+    if numel < 0 or packed_numel(numel) > packed.numel():
+        raise ValueError(f"numel={numel} does not fit in {packed.numel()} packed bytes")
+    packed = packed.reshape(-1)
     out = _check_out(out, numel, torch.float32, packed.device)
     if numel == 0:
         return out
     if not isinstance(scale, Tensor):
         scale = torch.tensor(float(scale), dtype=torch.float32, device=packed.device)
     scale = scale.reshape(()).to(torch.float32)
-    # out = (2*bit - 1) * scale, in two in-place passes over a reused buffer.
-    torch.mul(bits.view(torch.uint8), 2.0, out=out)
-    out.sub_(1.0).mul_(scale)
+    if _FORCE_REFERENCE:
+        bits = unpack_bits(packed, numel)
+        torch.mul(bits.to(torch.float32), 2.0, out=out)
+        return out.sub_(1.0).mul_(scale)
+    table = _sign_table(packed.device) * scale
+    full = numel // 8
+    if full:
+        torch.index_select(table, 0, packed[:full].to(torch.int32), out=out[: full * 8].view(full, 8))
+    if numel > full * 8:
+        out[full * 8 :] = table[packed[full].long(), : numel - full * 8]
     return out

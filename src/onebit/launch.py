@@ -1,0 +1,98 @@
+"""Start N local ranks over gloo (loopback) and collect what each returns.
+
+Used by the ``onebit`` command (demo, bench, train on one machine) and by the tests.
+Each rank is a spawned process with one intra-op thread, so N ranks on N cores do not
+oversubscribe; a rank that raises makes :func:`spawn` raise with its traceback, and
+ranks still running after ``timeout`` seconds are killed.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["RankFailure", "spawn"]
+
+_CTX = mp.get_context("spawn")
+
+
+class RankFailure(RuntimeError):
+    """One or more ranks raised or did not finish."""
+
+
+def _entry(fn, rank, world_size, init_file, results, args, pg_timeout, threads):
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=pg_timeout),
+        )
+        value = fn(rank, world_size, *args)
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        results.put((rank, True, buf.getvalue()))
+    except BaseException:  # noqa: BLE001 -- re-raised in the parent with its traceback
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 600.0,
+    pg_timeout: float = 120.0,
+    threads: int = 1,
+) -> list[Any]:
+    """``[fn(rank, world_size, *args) for rank in range(world_size)]``, one gloo process per rank.
+
+    ``fn`` must be importable (a module-level function); return values travel back
+    through ``torch.save``.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    with tempfile.TemporaryDirectory() as tmp:
+        results = _CTX.Queue()
+        init = os.path.join(tmp, "init")
+        procs = [
+            _CTX.Process(target=_entry, args=(fn, r, world_size, init, results, args, pg_timeout, threads))
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        out: dict[int, Any] = {}
+        failures: list[str] = []
+        try:
+            for _ in range(world_size):
+                rank, ok, value = results.get(timeout=timeout)
+                if ok:
+                    out[rank] = torch.load(io.BytesIO(value), weights_only=False)
+                else:
+                    failures.append(f"rank {rank} failed:\n{value}")
+        except queue.Empty:
+            failures.append(f"ranks {sorted(set(range(world_size)) - set(out))} did not finish in {timeout:g}s")
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        if failures:
+            raise RankFailure("\n".join(failures))
+        return [out[r] for r in range(world_size)]
