@@ -4,8 +4,9 @@
 (``onebit.comm``), their compressors (``onebit.compress``) and bit kernels (``onebit.ops``).
 """
 
-from . import comm, compress, ops
+from . import comm, compress, ops, optim
 from .feedback import ErrorFeedback
+from .optim import OnebitAdam, OnebitAdamNaive
 
-__all__ = ["ErrorFeedback", "comm", "compress", "ops"]
+__all__ = ["ErrorFeedback", "OnebitAdam", "OnebitAdamNaive", "comm", "compress", "ops", "optim"]
 __version__ = "0.1.0"

@@ -112,6 +112,10 @@ class _Sized:
             "worker_error": self.worker_error.state_dict(),
         }
 
+    def reset(self) -> None:
+        """Forget all error-feedback state (errors restart at zero)."""
+        self.worker_error.reset()
+
     def _load_base_state(self, state: Mapping[str, Any]) -> bool:
         """Restore the common part; False (errors left as zeros, warning logged) on another world size."""
         self.compressor.load_state_dict(state["compressor"])
@@ -122,7 +126,7 @@ class _Sized:
                 state["world_size"],
                 self._world_size,
             )
-            self.worker_error.reset()
+            self.reset()
             return False
         self.worker_error.load_state_dict(state["worker_error"])
         return True
@@ -207,8 +211,10 @@ class CompressedAllReduce(_Sized):
         """Restore :meth:`state_dict`; on another world size the errors restart at zero (warning)."""
         if self._load_base_state(state):
             self.server_error.load_state_dict(state["server_error"])
-        else:
-            self.server_error.reset()
+
+    def reset(self) -> None:
+        super().reset()
+        self.server_error.reset()
 
 
 class CompressedAllGather(_Sized):

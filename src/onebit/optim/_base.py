@@ -1,0 +1,249 @@
+"""What every onebit optimizer shares: argument checks, the fused flat state, the process group.
+
+The optimizers are used WITHOUT DDP: they average across the group themselves. Their
+per-parameter state lives in flat fp32 buffers (one slot per parameter, parameters in
+group order, so each param group is one contiguous segment) and ``self.state[p]`` holds
+views into them -- the whole model's momentum is one tensor for one collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import zlib
+from collections.abc import Iterable, Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.optim import Optimizer
+
+from .. import comm
+from ..comm import _dist
+
+__all__ = ["FlatState", "OnebitOptimizer", "check_betas", "check_nonneg", "check_positive"]
+
+_log = logging.getLogger("onebit.optim")
+
+
+def check_positive(name: str, value: object, *, allow_zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"Invalid {name} value: {value!r} (expected a number)")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"Invalid {name} value: {value}")
+    return float(value)
+
+
+def check_nonneg(name: str, value: object) -> float:
+    return check_positive(name, value, allow_zero=True)
+
+
+def check_betas(betas: object) -> tuple[float, float]:
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise TypeError(f"Invalid betas: {betas!r} (expected a pair of floats)")
+    for i, b in enumerate(betas):
+        if isinstance(b, bool) or not isinstance(b, (int, float)):
+            raise TypeError(f"Invalid beta parameter at index {i}: {b!r}")
+        if not 0.0 <= b < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i}: {b}")
+    return float(betas[0]), float(betas[1])
+
+
+class FlatState:
+    """Named flat fp32 buffers laid out like the parameters, with per-parameter views."""
+
+    def __init__(self, params: list[Tensor]) -> None:
+        self.params = params
+        self.offsets: list[tuple[int, int]] = []
+        start = 0
+        for p in params:
+            self.offsets.append((start, start + p.numel()))
+            start += p.numel()
+        self.numel = start
+        self.device = params[0].device
+        self.buffers: dict[str, Tensor] = {}
+
+    def new(self, name: str) -> Tensor:
+        """A zeroed flat buffer registered under ``name``."""
+        self.buffers[name] = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+        return self.buffers[name]
+
+    def views(self, name: str) -> list[Tensor]:
+        """Per-parameter views (shaped like the parameters) of buffer ``name``."""
+        flat = self.buffers[name]
+        return [flat[lo:hi].view(p.shape) for p, (lo, hi) in zip(self.params, self.offsets)]
+
+    def gather_grads(self, out: Tensor) -> list[bool]:
+        """Copy every gradient (cast to fp32) into ``out``; zeros and False where a grad is None."""
+        has_grad = []
+        for p, (lo, hi) in zip(self.params, self.offsets):
+            if p.grad is None:
+                out[lo:hi].zero_()
+                has_grad.append(False)
+            else:
+                if p.grad.is_sparse:
+                    raise ValueError("onebit optimizers do not support sparse gradients")
+                out[lo:hi].copy_(p.grad.reshape(-1))
+                has_grad.append(True)
+        return has_grad
+
+
+class OnebitOptimizer(Optimizer):
+    """Base of the onebit optimizers: process group, flat state, stats and checkpoint extras.
+
+    Subclasses implement :meth:`_step` and list their flat buffers in ``_flat_names``.
+    """
+
+    _flat_names: tuple[str, ...] = ()
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        defaults: dict[str, Any],
+        *,
+        group: dist.ProcessGroup | None,
+        timeout: float | timedelta | None,
+        broadcast_parameters: bool,
+    ) -> None:
+        super().__init__(params, defaults)
+        self.process_group = group
+        self.timeout = _dist.to_timedelta(timeout)
+        self.world_size = comm.get_world_size(group)
+        self.rank = comm.get_rank(group)
+        params = [p for g in self.param_groups for p in g["params"]]
+        if not params:
+            raise ValueError("optimizer got an empty parameter list")
+        devices = {p.device for p in params}
+        if len(devices) != 1:
+            raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
+        if any(not p.is_floating_point() for p in params):
+            raise TypeError("all parameters must be floating-point tensors")
+        self._check_same_parameters_everywhere(params)
+        if broadcast_parameters:
+            with torch.no_grad():
+                for p in params:
+                    comm.broadcast(p.data, 0, group, self.timeout)
+        self.flat = FlatState(params)
+        self._step_count = 0
+        self._bytes_total = 0
+        self._bytes_last = 0
+        self._last_stage: str | None = None
+        for name in self._flat_names:
+            self.flat.new(name)
+        self._link_state()
+
+    # ------------------------------------------------------------------ helpers
+    def _check_same_parameters_everywhere(self, params: list[Tensor]) -> None:
+        """Compare parameter count, total size and shapes across ranks with one small all-gather.
+
+        A mismatch would otherwise surface as a hang or a size error deep inside the first
+        collective; here every rank raises the same ``ValueError`` at construction.
+        """
+        if self.world_size == 1:
+            return
+        shapes = ";".join("x".join(map(str, p.shape)) for p in params)
+        mine = [len(params), sum(p.numel() for p in params), zlib.crc32(shapes.encode())]
+        table = _dist.all_gather_object_sizes(mine, self.process_group, self.timeout)
+        if not bool((table == table[0]).all()):
+            rows = ", ".join(f"rank {r}: {int(t[0])} tensors / {int(t[1])} values" for r, t in enumerate(table))
+            raise ValueError(f"parameters differ across ranks ({rows}; shape checksums {table[:, 2].tolist()})")
+
+    def _link_state(self) -> None:
+        """Point ``self.state[p][name]`` at the flat buffers' views (for inspection)."""
+        views = {name: self.flat.views(name) for name in self._flat_names}
+        for i, p in enumerate(self.flat.params):
+            self.state[p] = {name: views[name][i] for name in self._flat_names}
+
+    def _hyper(self, key: str) -> list[Any]:
+        """Per-parameter value of a param-group option, read afresh (LR schedulers change it)."""
+        return [g[key] for g in self.param_groups for _ in g["params"]]
+
+    # ------------------------------------------------------------------ API
+    @property
+    def stats(self) -> dict[str, Any]:
+        """``step``, ``stage`` (of the last step), ``bytes_sent`` (this rank, last step),
+        ``bytes_sent_total`` and ``freeze_step`` (last warm-up step, once known)."""
+        return {
+            "step": self._step_count,
+            "stage": self._last_stage or self._stage(),
+            "bytes_sent": self._bytes_last,
+            "bytes_sent_total": self._bytes_total,
+            "freeze_step": self._freeze_step_stat(),
+        }
+
+    def _stage(self) -> str:
+        return "compressed"
+
+    def _freeze_step_stat(self) -> int | None:
+        return None
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        """One optimizer step (the closure, if given, is evaluated with grad enabled first)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with comm.measure() as meter:
+            self._step_count += 1
+            self._last_stage = self._stage()
+            self._step()
+        self._bytes_last = meter.bytes_sent
+        self._bytes_total += meter.bytes_sent
+        return loss
+
+    def _step(self) -> None:
+        raise NotImplementedError
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {}
+
+    def _load_extra_state(self, state: Mapping[str, Any], same_world: bool) -> None:
+        """Restore :meth:`_extra_state`; ``same_world`` is False after a world-size change."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Param groups plus everything needed to resume bit-exactly (loads with ``weights_only=True``)."""
+        sd = super().state_dict()
+        sd["state"] = {}  # the per-parameter views are saved once, as the flat buffers below
+        sd["onebit"] = {
+            "world_size": self.world_size,
+            "step": self._step_count,
+            "bytes_sent_total": self._bytes_total,
+            "flat": {name: buf.clone() for name, buf in self.flat.buffers.items()},
+            **self._extra_state(),
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`; on another world size the error buffers restart at zero (warning)."""
+        if not isinstance(state_dict, Mapping) or "onebit" not in state_dict:
+            raise ValueError(
+                f"not a {type(self).__name__} state_dict: missing the 'onebit' entry "
+                f"(keys: {sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__})"
+            )
+        extra = state_dict["onebit"]
+        flat = extra["flat"]
+        if set(flat) != set(self.flat.buffers):
+            raise ValueError(f"state_dict holds buffers {sorted(flat)}, expected {sorted(self.flat.buffers)}")
+        for name, buf in flat.items():
+            if buf.numel() != self.flat.numel:
+                raise ValueError(
+                    f"state_dict buffer {name!r} has {buf.numel()} values, the parameters have {self.flat.numel}"
+                )
+        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        for name, buf in flat.items():
+            self.flat.buffers[name].copy_(buf)
+        self._link_state()
+        self._step_count = int(extra["step"])
+        self._bytes_total = int(extra["bytes_sent_total"])
+        same_world = int(extra["world_size"]) == self.world_size
+        if not same_world:
+            _log.warning(
+                "%s state saved on world size %d, loaded on %d: error-feedback buffers re-created as zeros",
+                type(self).__name__,
+                extra["world_size"],
+                self.world_size,
+            )
+        self._load_extra_state(extra, same_world)

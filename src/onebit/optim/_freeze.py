@@ -1,0 +1,80 @@
+"""When to end the warm-up (1-bit Adam section 3.3 / 7.1, DESIGN "freeze_step='auto'").
+
+The criterion is the paper's (section 7.1): the variance is stable once
+``||v_t||_1 / ||v_{t-D}||_1 >= threshold`` (default 0.96, ``D = 1 / (1 - beta2)``). The
+paper applies it after the learning-rate warm-up, when ``v`` shrinks towards a plateau.
+Early in training ``v`` instead *grows* from zero (by design without bias correction), so
+the ratio is far above 1 without ``v`` being stable; we therefore require the ratio inside
+``[threshold, 1 / threshold]`` -- less than a 4% change either way over ``D`` steps. The
+freeze is never before ``min_step`` (e.g. the learning-rate warm-up length) nor before
+``D + 1`` steps of history exist, and at the latest at ``max_step``. ``v`` is computed from
+the all-reduced gradient, so it is bit-identical on every rank and every rank takes the
+decision on the same step without another collective.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from typing import Any
+
+from ._base import check_positive
+
+__all__ = ["FreezeSchedule"]
+
+
+class FreezeSchedule:
+    """Decides the last warm-up step: fixed (an int) or ``"auto"`` (the variance-norm criterion)."""
+
+    def __init__(
+        self,
+        freeze_step: int | str,
+        *,
+        threshold: float,
+        window: int,
+        min_step: int,
+        max_step: int | None,
+    ) -> None:
+        if freeze_step != "auto" and (isinstance(freeze_step, bool) or not isinstance(freeze_step, int)):
+            raise TypeError(f"Invalid freeze_step value: {freeze_step!r} (expected an int >= 0 or 'auto')")
+        if isinstance(freeze_step, int) and freeze_step < 0:
+            raise ValueError(f"Invalid freeze_step value: {freeze_step}")
+        threshold = check_positive("freeze_threshold", threshold)
+        if threshold > 1.0:
+            raise ValueError(f"Invalid freeze_threshold value: {threshold} (must be in (0, 1])")
+        for name, value in (("freeze_window", window), ("min_freeze_step", min_step)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "freeze_window" else 0):
+                raise ValueError(f"Invalid {name} value: {value!r}")
+        if max_step is not None and (isinstance(max_step, bool) or not isinstance(max_step, int) or max_step < min_step):
+            raise ValueError(f"Invalid max_freeze_step value: {max_step!r} (must be an int >= min_freeze_step)")
+        self.freeze_step = freeze_step
+        self.threshold = threshold
+        self.window = window
+        self.min_step = min_step
+        self.max_step = max_step
+        self.history: deque[float] = deque(maxlen=window + 1)
+
+    @property
+    def auto(self) -> bool:
+        return self.freeze_step == "auto"
+
+    def should_freeze(self, step: int, variance_l1: float | None) -> bool:
+        """Called after warm-up step ``step``: True when the compression stage starts next step."""
+        if not self.auto:
+            return step >= self.freeze_step
+        self.history.append(float(variance_l1))
+        if self.max_step is not None and step >= self.max_step:
+            return True
+        if step < self.min_step or len(self.history) <= self.window:
+            return False
+        past = self.history[0]
+        if past <= 0:
+            return False
+        ratio = self.history[-1] / past
+        return self.threshold <= ratio <= 1.0 / self.threshold
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": list(self.history)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.history = deque((float(v) for v in state["history"]), maxlen=self.window + 1)

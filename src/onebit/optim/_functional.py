@@ -1,0 +1,106 @@
+"""The math of 1-bit Adam (Algorithm 1) on flat buffers, with the collective passed in.
+
+``exchange(buffer)`` must replace ``buffer`` in place by its average over the workers: an
+exact all-reduce for the warm-up, the compressed all-reduce for the compression stage --
+or, in a single-process test, any stand-in.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["adam_denominator", "onebit_adam"]
+
+Exchange = Callable[[Tensor], object]
+
+
+def adam_denominator(exp_avg_sq: Tensor, *, eps: float, bias_correction2: float, out: Tensor | None = None) -> Tensor:
+    """``sqrt(v / bias_correction2) + eps`` -- the preconditioner of eq. (1)."""
+    out = torch.sqrt(exp_avg_sq, out=out)
+    return out.div_(math.sqrt(bias_correction2)).add_(eps)
+
+
+def _apply(param: Tensor, exp_avg: Tensor, denom: Tensor, *, lr: float, weight_decay: float, step_size: float) -> None:
+    """``x <- x - lr * wd * x - step_size * m / denom`` (decoupled weight decay, as AdamW)."""
+    if param.dtype == torch.float32:
+        if weight_decay:
+            param.mul_(1.0 - lr * weight_decay)
+        param.addcdiv_(exp_avg, denom, value=-step_size)
+        return
+    # Low-precision parameters: fp32 arithmetic, one rounding into the parameter.
+    x = param.float()
+    if weight_decay:
+        x.mul_(1.0 - lr * weight_decay)
+    param.copy_(x.addcdiv_(exp_avg, denom, value=-step_size))
+
+
+def onebit_adam(
+    params: Sequence[Tensor],
+    offsets: Sequence[tuple[int, int]],
+    *,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    frozen_denom: Tensor | None,
+    exchange: Exchange,
+    compressed: bool,
+    step: int,
+    lrs: Sequence[float],
+    betas: Sequence[tuple[float, float]],
+    weight_decays: Sequence[float],
+    eps: float,
+    bias_correction: bool,
+) -> list[bool]:
+    """One step of 1-bit Adam over all parameters; returns which parameters were updated.
+
+    ``grad`` holds the local gradients at ``offsets`` followed by one participation flag
+    per parameter (1.0 where the parameter has a gradient on this rank).
+
+    Warm-up (``compressed=False``): ``exchange(grad)`` averages gradients and flags, then
+    exact Adam, eq. (1), on every parameter that has a gradient on some rank.
+    Compression (Algorithm 1 lines 6-13): ``m <- beta1 m + (1 - beta1) g_local`` for the
+    parameters with a local gradient, ``exchange(exp_avg)`` replaces the fused momentum by
+    its error-compensated 1-bit average, and ``x <- x - lr m / frozen_denom``.
+    With ``bias_correction`` the momentum is divided by ``1 - beta1^t`` and the variance by
+    ``1 - beta2^t`` (frozen at the freeze step in ``frozen_denom``), as ``torch.optim.AdamW``.
+    """
+    n = len(params)
+    flags = grad[grad.numel() - n :]
+    if not compressed:
+        exchange(grad)
+    active = (flags > 0).tolist()
+    for i, (lo, hi) in enumerate(offsets):
+        if not active[i]:
+            continue
+        beta1, beta2 = betas[i]
+        g = grad[lo:hi]
+        if compressed:
+            exp_avg[lo:hi].mul_(beta1).add_(g, alpha=1.0 - beta1)
+        else:
+            exp_avg[lo:hi].lerp_(g, 1.0 - beta1)
+            exp_avg_sq[lo:hi].mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+    if compressed:
+        exchange(exp_avg)
+    for i, (p, (lo, hi)) in enumerate(zip(params, offsets)):
+        if not active[i]:
+            continue
+        beta1, beta2 = betas[i]
+        bc1 = 1.0 - beta1**step if bias_correction else 1.0
+        if compressed:
+            denom = frozen_denom[lo:hi]
+        else:
+            bc2 = 1.0 - beta2**step if bias_correction else 1.0
+            denom = adam_denominator(exp_avg_sq[lo:hi], eps=eps, bias_correction2=bc2)
+        _apply(
+            p.view(-1),
+            exp_avg[lo:hi],
+            denom,
+            lr=lrs[i],
+            weight_decay=weight_decays[i],
+            step_size=lrs[i] / bc1,
+        )
+    return active

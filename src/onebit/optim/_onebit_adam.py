@@ -1,0 +1,274 @@
+"""1-bit Adam (Tang et al., 2021): Adam warm-up, then frozen variance and 1-bit momentum."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .. import comm
+from ._base import OnebitOptimizer, check_betas, check_nonneg, check_positive
+from ._freeze import FreezeSchedule
+from ._functional import adam_denominator, onebit_adam
+
+__all__ = ["OnebitAdam", "OnebitAdamNaive"]
+
+_log = logging.getLogger("onebit.optim")
+
+
+def _load_collective(collective: comm.CompressedAllReduce, state: Mapping[str, Any], same_world: bool) -> None:
+    """Restore a collective's errors, or restart them at zero after a world-size change."""
+    if same_world:
+        collective.load_state_dict(state)
+    else:
+        collective.reset()
+
+
+class _AdamFamily(OnebitOptimizer):
+    """Argument checks and the flat gradient buffer shared by the Adam variants."""
+
+    _flat_names = ("exp_avg", "exp_avg_sq")
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        *,
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        bias_correction: bool,
+        group: dist.ProcessGroup | None,
+        timeout: float | timedelta | None,
+        broadcast_parameters: bool,
+    ) -> None:
+        check_nonneg("learning rate", lr)
+        check_betas(betas)
+        check_nonneg("epsilon", eps)
+        check_nonneg("weight_decay", weight_decay)
+        if not isinstance(bias_correction, bool):
+            raise TypeError(f"Invalid bias_correction value: {bias_correction!r} (expected a bool)")
+        self.bias_correction = bias_correction
+        self.eps = float(eps)
+        defaults = {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay}
+        super().__init__(
+            params, defaults, group=group, timeout=timeout, broadcast_parameters=broadcast_parameters
+        )
+        for g in self.param_groups:
+            check_nonneg("learning rate", g["lr"])
+            check_betas(g["betas"])
+            check_nonneg("weight_decay", g["weight_decay"])
+        for p in self.flat.params:
+            if not p.is_contiguous():
+                raise ValueError(f"parameters must be contiguous, got one of shape {tuple(p.shape)} with strides {p.stride()}")
+        n = len(self.flat.params)
+        # Local gradients, then one participation flag per parameter (averaged with them).
+        self._grad = torch.zeros(self.flat.numel + n, dtype=torch.float32, device=self.flat.device)
+
+    def _collect(self) -> None:
+        has_grad = self.flat.gather_grads(self._grad)
+        self._grad[self.flat.numel :].copy_(torch.tensor(has_grad, dtype=torch.float32))
+
+    def _run(self, *, exchange, compressed: bool, frozen_denom: Tensor | None) -> None:
+        onebit_adam(
+            self.flat.params,
+            self.flat.offsets,
+            grad=self._grad,
+            exp_avg=self.flat.buffers["exp_avg"],
+            exp_avg_sq=self.flat.buffers["exp_avg_sq"],
+            frozen_denom=frozen_denom,
+            exchange=exchange,
+            compressed=compressed,
+            step=self._step_count,
+            lrs=self._hyper("lr"),
+            betas=self._hyper("betas"),
+            weight_decays=self._hyper("weight_decay"),
+            eps=self.eps,
+            bias_correction=self.bias_correction,
+        )
+
+    def _allreduce(self, buffer: Tensor) -> None:
+        comm.all_reduce_mean(buffer, self.process_group, self.timeout)
+
+
+class OnebitAdam(_AdamFamily):
+    """1-bit Adam (Algorithm 1 of Tang et al., 2021). Use it WITHOUT DDP.
+
+    * Warm-up (steps ``1 .. freeze_step``): gradients are averaged with a full-precision
+      all-reduce and exact Adam, eq. (1), runs. With ``bias_correction=True`` this is
+      ``torch.optim.AdamW`` (decoupled weight decay: ``x <- x - lr * wd * x``); the paper's
+      default, ``False``, drops the bias correction as BERT training does.
+    * Compression (after the freeze): the variance is frozen as a preconditioner; each
+      rank updates its momentum with its local gradient; the momentum of all parameters,
+      one fused flat buffer, is exchanged by :class:`onebit.comm.CompressedAllReduce` with
+      worker and server error feedback (1-bit signs + one scale per chunk), replacing the
+      momentum on every rank; then ``x <- x - lr * m / (sqrt(v_frozen) + eps)``.
+
+    Args:
+        params: parameters or param groups (options ``lr``, ``betas``, ``weight_decay``).
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (``lr`` is read every step,
+            so LR schedulers work).
+        freeze_step: last warm-up step (an int), or ``"auto"`` for the paper's variance
+            stability criterion (see :class:`onebit.optim.FreezeSchedule`).
+        bias_correction: Adam's bias correction (see above).
+        group: process group (``None``: default; no process group: world size 1).
+        freeze_threshold, freeze_window: the auto criterion's threshold (0.96) and window
+            ``D`` (``None``: ``round(1 / (1 - beta2))``).
+        min_freeze_step: "auto" never freezes before this step (set it to the LR warm-up).
+        max_freeze_step: "auto" freezes at this step at the latest (``None``: no limit).
+        compressor: compressor of the momentum exchange (``"sign"``; ``"identity"`` gives the
+            paper's "1-bit Adam (32-bits)" ablation).
+        timeout: per-collective timeout in seconds (default 300).
+        broadcast_parameters: copy rank 0's parameters to all ranks at construction, so
+            replicas start equal.
+
+    ``stats`` reports the stage, the bytes this rank sent in the last step and the step
+    the warm-up ended (also logged at INFO on ``onebit.optim``).
+    """
+
+    _flat_names = ("exp_avg", "exp_avg_sq")
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        freeze_step: int | str = "auto",
+        bias_correction: bool = False,
+        group: dist.ProcessGroup | None = None,
+        *,
+        freeze_threshold: float = 0.96,
+        freeze_window: int | None = None,
+        min_freeze_step: int = 0,
+        max_freeze_step: int | None = None,
+        compressor: str = "sign",
+        timeout: float | timedelta | None = None,
+        broadcast_parameters: bool = True,
+    ) -> None:
+        beta2 = check_betas(betas)[1]
+        self.freeze = FreezeSchedule(
+            freeze_step,
+            threshold=freeze_threshold,
+            window=round(1.0 / (1.0 - beta2)) if freeze_window is None else freeze_window,
+            min_step=min_freeze_step,
+            max_step=max_freeze_step,
+        )
+        super().__init__(
+            params,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            bias_correction=bias_correction,
+            group=group,
+            timeout=timeout,
+            broadcast_parameters=broadcast_parameters,
+        )
+        self.allreduce = comm.CompressedAllReduce(compressor, group, timeout=self.timeout)
+        self._frozen_at: int | None = None
+        self._denom: Tensor | None = None
+
+    def _stage(self) -> str:
+        return "warmup" if self._frozen_at is None else "compressed"
+
+    def _freeze_step_stat(self) -> int | None:
+        return self._frozen_at
+
+    def _freeze(self, step: int) -> None:
+        """Freeze the variance after warm-up step ``step`` (Algorithm 1 line 2)."""
+        self._frozen_at = step
+        self._denom = self._frozen_denominator()
+        _log.info("%s: warm-up ended at step %d; compression stage starts", type(self).__name__, step)
+
+    def _frozen_denominator(self) -> Tensor:
+        v = self.flat.buffers["exp_avg_sq"]
+        beta2s = self._hyper("betas")
+        denom = torch.empty_like(v)
+        for (lo, hi), (_, beta2) in zip(self.flat.offsets, beta2s):
+            bc2 = 1.0 - beta2**self._frozen_at if self.bias_correction else 1.0
+            adam_denominator(v[lo:hi], eps=self.eps, bias_correction2=bc2, out=denom[lo:hi])
+        return denom
+
+    def _step(self) -> None:
+        self._collect()
+        if self._frozen_at is None:
+            self._run(exchange=self._allreduce, compressed=False, frozen_denom=None)
+            l1 = float(self.flat.buffers["exp_avg_sq"].abs().sum()) if self.freeze.auto else None
+            if self.freeze.should_freeze(self._step_count, l1):
+                self._freeze(self._step_count)
+        else:
+            self._run(exchange=lambda m: self.allreduce(m, out=m), compressed=True, frozen_denom=self._denom)
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {
+            "frozen_at": self._frozen_at,
+            "freeze": self.freeze.state_dict(),
+            "allreduce": self.allreduce.state_dict(),
+        }
+
+    def _load_extra_state(self, state: Mapping[str, Any], same_world: bool) -> None:
+        self.freeze.load_state_dict(state["freeze"])
+        self._frozen_at = state["frozen_at"]
+        self._denom = None if self._frozen_at is None else self._frozen_denominator()
+        _load_collective(self.allreduce, state["allreduce"], same_world)
+
+
+class OnebitAdamNaive(_AdamFamily):
+    """The paper's control "Adam (1-bit naive)" (sections 3.2 and 7.2): error-compensated
+    1-bit compression of the *gradient*, with both Adam moments updated from the
+    compressed average. It shows why 1-bit Adam freezes the variance: the squared
+    compression error enters ``v`` and does not cancel (section 4.2).
+
+    Every step exchanges the gradient with :class:`onebit.comm.CompressedAllReduce` (worker
+    and server error feedback) and runs Adam, eq. (1), on the result. Arguments as
+    :class:`OnebitAdam`, without the freeze options.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        bias_correction: bool = False,
+        group: dist.ProcessGroup | None = None,
+        *,
+        compressor: str = "sign",
+        timeout: float | timedelta | None = None,
+        broadcast_parameters: bool = True,
+    ) -> None:
+        super().__init__(
+            params,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            bias_correction=bias_correction,
+            group=group,
+            timeout=timeout,
+            broadcast_parameters=broadcast_parameters,
+        )
+        self.allreduce = comm.CompressedAllReduce(compressor, group, timeout=self.timeout)
+
+    def _exchange_gradient(self, buffer: Tensor) -> None:
+        # Only the gradient is compressed; the participation flags stay local.
+        grads = buffer[: self.flat.numel]
+        self.allreduce(grads, out=grads)
+
+    def _step(self) -> None:
+        self._collect()
+        self._run(exchange=self._exchange_gradient, compressed=False, frozen_denom=None)
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {"allreduce": self.allreduce.state_dict()}
+
+    def _load_extra_state(self, state: Mapping[str, Any], same_world: bool) -> None:
+        _load_collective(self.allreduce, state["allreduce"], same_world)

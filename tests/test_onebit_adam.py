@@ -1,0 +1,311 @@
+"""1-bit Adam: warm-up == AdamW, compression == a plain n-worker Algorithm 1, replicas, resume."""
+
+import hashlib
+import io
+import logging
+import math
+
+import pytest
+import torch
+
+import onebit
+from _harness import run_ranks
+from _oracle import SimulatedCompressedAllReduce
+
+DIM, BATCH = 37, 16
+
+
+def _data(rank: int, step: int):
+    g = torch.Generator().manual_seed(10_000 * step + rank)
+    x = torch.randn(BATCH, DIM, generator=g)
+    y = x @ torch.linspace(-1, 1, DIM) + 0.1 * torch.randn(BATCH, generator=g) + 0.5
+    return x, y
+
+
+def _params():
+    g = torch.Generator().manual_seed(123)
+    return [torch.randn(DIM, generator=g) * 0.1, torch.zeros(1)]
+
+
+def _grads(params, rank, step):
+    """Analytic least-squares gradients of 0.5 * mean((x w + b - y)^2)."""
+    w, b = params
+    x, y = _data(rank, step)
+    r = x @ w + b - y
+    return [x.t() @ r / BATCH, r.mean().reshape(1)]
+
+
+def _digest(params) -> str:
+    h = hashlib.sha256()
+    for p in params:
+        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _train(rank, world, steps, opt_kwargs, resume_at=None):
+    params = [p.clone().requires_grad_() for p in _params()]
+    opt = onebit.OnebitAdam(params, **opt_kwargs)
+    digests, stats = [], []
+    for step in range(1, steps + 1):
+        for p, g in zip(params, _grads([p.detach() for p in params], rank, step)):
+            p.grad = g
+        opt.step()
+        digests.append(_digest(params))
+        stats.append(dict(opt.stats))
+        if step == resume_at:
+            buf = io.BytesIO()
+            torch.save({"opt": opt.state_dict(), "params": [p.detach().clone() for p in params]}, buf)
+            buf.seek(0)
+            ckpt = torch.load(buf, weights_only=True)
+            params = [p.clone().requires_grad_() for p in ckpt["params"]]
+            opt = onebit.OnebitAdam(params, **opt_kwargs)
+            opt.load_state_dict(ckpt["opt"])
+    return {"params": [p.detach() for p in params], "digests": digests, "stats": stats}
+
+
+# ---------------------------------------------------------------- plain oracles from the paper
+def _adam_reference(world, steps, lr, betas, eps, weight_decay):
+    """torch.optim.AdamW on the gradient averaged over the simulated ranks."""
+    params = [p.clone().requires_grad_() for p in _params()]
+    opt = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    for step in range(1, steps + 1):
+        per_rank = [_grads([p.detach() for p in params], r, step) for r in range(world)]
+        for i, p in enumerate(params):
+            p.grad = sum(g[i] for g in per_rank) / world
+        opt.step()
+    return [p.detach() for p in params]
+
+
+def _algorithm1(world, steps, freeze, lr, b1, b2, eps):
+    """Algorithm 1 with n simulated workers, one process, fused momentum, no bias correction."""
+    params = [p.clone() for p in _params()]
+    sizes = [p.numel() for p in params]
+    m = torch.zeros(sum(sizes))
+    v = torch.zeros(sum(sizes))
+    car = SimulatedCompressedAllReduce(world, sum(sizes))
+    for step in range(1, steps + 1):
+        gs = [torch.cat(_grads(params, r, step)) for r in range(world)]
+        x = torch.cat(params)
+        if step <= freeze:  # line 2: original Adam, eq. (1), on the averaged gradient
+            g = sum(gs) / world
+            m = b1 * m + (1 - b1) * g
+            v = b2 * v + (1 - b2) * g * g
+        else:  # lines 5-13
+            m = car([b1 * m + (1 - b1) * g for g in gs])
+        x = x - lr * m / (v.sqrt() + eps)
+        params = list(torch.split(x, sizes))
+    return params
+
+
+# ---------------------------------------------------------------- tests
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_warmup_equals_adamw_on_averaged_gradient(world):
+    kw = dict(lr=0.05, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.01)
+    opt_kwargs = dict(kw, freeze_step=100, bias_correction=True)
+    if world == 1:
+        res = [_train(0, 1, 8, opt_kwargs)]
+    else:
+        res = run_ranks(_train, world, 8, opt_kwargs)
+    expect = _adam_reference(world, 8, **kw)
+    for r in res:
+        for got, want in zip(r["params"], expect):
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+        assert r["stats"][-1]["stage"] == "warmup"
+        assert r["digests"] == res[0]["digests"]
+    if world > 1:  # warm-up sends the fp32 gradients (plus one flag per tensor) by ring all-reduce
+        assert res[0]["stats"][-1]["bytes_sent"] == 2 * (world - 1) * 4 * (DIM + 1 + 2) // world
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_compression_stage_matches_algorithm_1_and_replicas_agree(world):
+    kw = dict(lr=0.02, betas=(0.9, 0.99), eps=1e-8)
+    res = run_ranks(_train, world, 14, dict(kw, freeze_step=5))
+    expect = _algorithm1(world, 14, 5, 0.02, 0.9, 0.99, 1e-8)
+    for r in res:
+        assert r["digests"] == res[0]["digests"], "replicas diverged"
+        for got, want in zip(r["params"], expect):
+            assert torch.allclose(got, want, rtol=1e-4, atol=1e-6), (got - want).abs().max()
+    stats = res[0]["stats"]
+    assert [s["stage"] for s in stats] == ["warmup"] * 5 + ["compressed"] * 9
+    assert stats[-1]["freeze_step"] == 5
+    # compression stage: two 1-bit slots (all-to-all + all-gather) per peer instead of fp32
+    assert 0 < stats[-1]["bytes_sent"] < stats[0]["bytes_sent"]
+
+
+def test_compression_stage_world_1_matches_algorithm_1():
+    kw = dict(lr=0.02, betas=(0.9, 0.99), eps=1e-8, freeze_step=3)
+    got = _train(0, 1, 10, kw)["params"]
+    for g, w in zip(got, _algorithm1(1, 10, 3, 0.02, 0.9, 0.99, 1e-8)):
+        assert torch.allclose(g, w, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_resume_mid_compression_is_bit_exact(world):
+    kw = dict(lr=0.02, freeze_step=4)
+    if world == 1:
+        straight, resumed = _train(0, 1, 12, kw), _train(0, 1, 12, kw, resume_at=7)
+        pairs = [(straight, resumed)]
+    else:
+        straight = run_ranks(_train, world, 12, kw)
+        resumed = run_ranks(_train, world, 12, kw, 7)
+        pairs = list(zip(straight, resumed))
+    for a, b in pairs:
+        assert a["digests"] == b["digests"]
+        assert b["stats"][-1]["freeze_step"] == 4
+
+
+def _auto_freeze(rank, world):
+    res = _train(rank, world, 80, dict(lr=0.01, betas=(0.9, 0.9), freeze_step="auto", min_freeze_step=25))
+    return [s["freeze_step"] for s in res["stats"]], res["digests"][-1]
+
+
+def test_auto_freeze_same_step_on_all_ranks_not_before_minimum():
+    res = run_ranks(_auto_freeze, 3)
+    frozen = res[0][0][-1]
+    assert frozen is not None and 25 <= frozen < 80
+    assert all(r[0] == res[0][0] for r in res)
+    assert len({r[1] for r in res}) == 1
+
+
+def test_auto_freeze_criterion():
+    sched = onebit.optim.FreezeSchedule("auto", threshold=0.96, window=2, min_step=0, max_step=None)
+    # growing from zero: not stable even though ratio >= 0.96
+    assert [sched.should_freeze(t, v) for t, v in enumerate([1.0, 2.0, 4.0], 1)] == [False, False, False]
+    assert sched.should_freeze(4, 4.1) is False  # 4.1 / 2.0
+    assert sched.should_freeze(5, 4.1) is True  # 4.1 / 4.0 in [0.96, 1/0.96]
+    capped = onebit.optim.FreezeSchedule("auto", threshold=0.96, window=5, min_step=2, max_step=3)
+    assert [capped.should_freeze(t, float(t)) for t in (1, 2, 3)] == [False, False, True]
+
+
+def _mlp_loss(rank, world, name, steps):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    target = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    if name == "adam":
+        opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    else:
+        opt = onebit.OnebitAdam(model.parameters(), lr=3e-3, freeze_step=steps // 5)
+    gen = torch.Generator().manual_seed(rank)
+    for step in range(steps):
+        x = torch.randn(32 if name != "adam" else 32 * world, 16, generator=gen)
+        loss = torch.nn.functional.mse_loss(model(x), target(x).detach())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    xe = torch.randn(2048, 16, generator=torch.Generator().manual_seed(99))
+    with torch.no_grad():
+        return float(torch.nn.functional.mse_loss(model(xe), target(xe)))
+
+
+def test_converges_like_adam():
+    steps = 400
+    onebit_loss = run_ranks(_mlp_loss, 2, "onebit", steps)
+    adam_loss = _mlp_loss(0, 2, "adam", steps)
+    assert onebit_loss[0] == onebit_loss[1]
+    assert onebit_loss[0] <= adam_loss * 1.05 + 1e-4, (onebit_loss, adam_loss)
+
+
+def test_param_groups_scheduler_missing_grads_and_low_precision():
+    a = torch.nn.Parameter(torch.ones(4))
+    b = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+    c = torch.nn.Parameter(torch.ones(2))
+    opt = onebit.OnebitAdam(
+        [{"params": [a], "lr": 0.1}, {"params": [b, c], "lr": 0.0, "weight_decay": 0.5}], freeze_step=2
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    for step in range(4):
+        a.grad = torch.ones(4)
+        b.grad = torch.ones(3, dtype=torch.bfloat16)
+        c.grad = None
+        before_a = a.detach().clone()
+        opt.step()
+        sched.step()
+        assert torch.all(a < before_a)
+    assert torch.equal(c, torch.ones(2))  # never had a grad: untouched
+    assert torch.equal(b, torch.ones(3, dtype=torch.bfloat16))  # lr 0: untouched
+    assert b.dtype == torch.bfloat16 and opt.state[b]["exp_avg"].dtype == torch.float32
+    assert opt.stats["stage"] == "compressed" and opt.stats["freeze_step"] == 2
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 / 5)
+
+
+def test_load_on_other_world_size_warns(caplog):
+    p = torch.nn.Parameter(torch.ones(5))
+    opt = onebit.OnebitAdam([p], freeze_step=1)
+    for _ in range(3):
+        p.grad = torch.randn(5)
+        opt.step()
+    sd = opt.state_dict()
+    sd["onebit"]["world_size"] = 4
+    q = torch.nn.Parameter(torch.ones(5))
+    other = onebit.OnebitAdam([q], freeze_step=1)
+    with caplog.at_level(logging.WARNING):
+        other.load_state_dict(sd)
+    assert "saved on world size 4, loaded on 1" in caplog.text
+    assert other.allreduce.worker_error.error is None
+    assert torch.equal(other.state[q]["exp_avg_sq"], opt.state[p]["exp_avg_sq"])
+    q.grad = torch.randn(5)
+    other.step()
+
+
+def test_bad_arguments():
+    p = [torch.nn.Parameter(torch.ones(2))]
+    cases = [
+        (dict(lr=-1.0), ValueError, "Invalid learning rate value: -1.0"),
+        (dict(betas=(1.0, 0.9)), ValueError, "Invalid beta parameter at index 0: 1.0"),
+        (dict(betas=(0.9, -0.1)), ValueError, "Invalid beta parameter at index 1: -0.1"),
+        (dict(eps=-1e-8), ValueError, "Invalid epsilon value: -1e-08"),
+        (dict(weight_decay=-0.1), ValueError, "Invalid weight_decay value: -0.1"),
+        (dict(freeze_step=-3), ValueError, "Invalid freeze_step value: -3"),
+        (dict(freeze_step="later"), TypeError, "Invalid freeze_step value: 'later'"),
+        (dict(freeze_threshold=1.5), ValueError, "Invalid freeze_threshold value: 1.5"),
+        (dict(freeze_window=0), ValueError, "Invalid freeze_window value: 0"),
+        (dict(min_freeze_step=10, max_freeze_step=5), ValueError, "Invalid max_freeze_step value: 5"),
+        (dict(bias_correction="yes"), TypeError, "Invalid bias_correction value: 'yes'"),
+        (dict(compressor="bogus"), ValueError, "unknown compressor 'bogus'"),
+        (dict(timeout=0), ValueError, "timeout must be positive, got 0"),
+    ]
+    for kwargs, exc, msg in cases:
+        with pytest.raises(exc, match=msg.replace("(", r"\(").replace(")", r"\)")):
+            onebit.OnebitAdam(p, **kwargs)
+    with pytest.raises(ValueError, match="empty parameter list"):
+        onebit.OnebitAdam([])
+    sparse = torch.nn.Parameter(torch.ones(3))
+    opt = onebit.OnebitAdam([sparse])
+    sparse.grad = torch.ones(3).to_sparse()
+    with pytest.raises(ValueError, match="do not support sparse gradients"):
+        opt.step()
+    with pytest.raises(ValueError, match="not a OnebitAdam state_dict: missing the 'onebit' entry"):
+        opt.load_state_dict(torch.optim.Adam([sparse]).state_dict())
+
+
+def _mismatched(rank, world):
+    params = [torch.nn.Parameter(torch.ones(4)) for _ in range(2 + rank)]
+    try:
+        onebit.OnebitAdam(params)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_parameters_differing_across_ranks_raise_everywhere():
+    res = run_ranks(_mismatched, 2, timeout=60)
+    for msg in res:
+        assert "parameters differ across ranks (rank 0: 2 tensors / 8 values, rank 1: 3 tensors / 12 values" in msg
+
+
+def _naive(rank, world):
+    params = [p.clone().requires_grad_() for p in _params()]
+    opt = onebit.OnebitAdamNaive(params, lr=0.02)
+    for step in range(1, 6):
+        for p, g in zip(params, _grads([p.detach() for p in params], rank, step)):
+            p.grad = g
+        opt.step()
+    return _digest(params), opt.stats
+
+
+def test_naive_control_compresses_gradients_every_step():
+    res = run_ranks(_naive, 2)
+    assert res[0][0] == res[1][0]
+    assert res[0][1]["stage"] == "compressed" and res[0][1]["freeze_step"] is None
+    slot = onebit.compress.get("sign").wire_bytes(math.ceil((DIM + 1) / 16) * 8)
+    assert res[0][1]["bytes_sent"] == 2 * slot
