@@ -74,3 +74,23 @@ def test_bad_inputs():
         ops.unpack_bits(torch.zeros(2, dtype=torch.uint8), 17)
     with pytest.raises(ValueError, match="out must be a contiguous torch.uint8 tensor of 1 elements"):
         ops.pack_bits(torch.ones(3, dtype=torch.bool), out=torch.empty(5, dtype=torch.uint8))
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(0, 200), world=st.integers(1, 4), seed=st.integers(0, 2**16), accumulate=st.booleans())
+def test_fused_kernels_bit_identical_to_reference(n, world, seed, accumulate):
+    g = torch.Generator().manual_seed(seed)
+    x, e = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    fast_e, ref_e = e.clone(), e.clone()
+    packed, scale = ops.ef_sign_compress_(fast_e, x)
+    with ops.reference_kernels():
+        ref_packed, ref_scale = ops.ef_sign_compress_(ref_e, x)
+    assert torch.equal(packed, ref_packed) and torch.equal(scale, ref_scale) and torch.equal(fast_e, ref_e)
+    payloads = [ops.pack_signs(torch.randn(n, generator=g)) for _ in range(world)]
+    scales = [torch.rand(1, generator=g) for _ in range(world)]
+    base = torch.randn(n, generator=g)
+    fast, ref = base.clone(), base.clone()
+    ops.average_signs(payloads, scales, n, fast, accumulate=accumulate)
+    with ops.reference_kernels():
+        ops.average_signs(payloads, scales, n, ref, accumulate=accumulate)
+    assert torch.equal(fast, ref)

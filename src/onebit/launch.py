@@ -13,6 +13,7 @@ import multiprocessing as mp
 import os
 import queue
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -78,15 +79,27 @@ def spawn(
             p.start()
         out: dict[int, Any] = {}
         failures: list[str] = []
+        deadline = time.monotonic() + timeout
         try:
-            for _ in range(world_size):
-                rank, ok, value = results.get(timeout=timeout)
+            while len(out) + len(failures) < world_size:
+                try:
+                    rank, ok, value = results.get(timeout=0.5)
+                except queue.Empty:
+                    # A rank that died without reporting (killed, crashed at start-up) fails the run
+                    # now instead of after the whole timeout.
+                    dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
+                    if dead and results.empty():
+                        codes = {r: procs[r].exitcode for r in dead}
+                        failures.append(f"ranks {dead} exited without a result (exit codes {codes})")
+                        break
+                    if time.monotonic() > deadline:
+                        failures.append(f"ranks {sorted(set(range(world_size)) - set(out))} did not finish in {timeout:g}s")
+                        break
+                    continue
                 if ok:
                     out[rank] = torch.load(io.BytesIO(value), weights_only=False)
                 else:
                     failures.append(f"rank {rank} failed:\n{value}")
-        except queue.Empty:
-            failures.append(f"ranks {sorted(set(range(world_size)) - set(out))} did not finish in {timeout:g}s")
         finally:
             for p in procs:
                 p.join(timeout=10)

@@ -166,8 +166,6 @@ class CompressedAllReduce(_Sized):
         self._send = torch.zeros(self._world_size * self._slot, dtype=torch.uint8, device=device)
         self._gather_slot = torch.zeros(self._slot, dtype=torch.uint8, device=device)
         self._workspace = torch.empty(numel, dtype=torch.float32, device=device)
-        lo, hi = self._bounds[self._rank]
-        self._acc = torch.empty(hi - lo, dtype=torch.float32, device=device)
 
     @property
     def chunk(self) -> tuple[int, int]:
@@ -187,15 +185,12 @@ class CompressedAllReduce(_Sized):
         received = all_to_all_bytes(self._send, self.group, self.timeout)
 
         lo, hi = self.chunk
-        acc, scratch = self._acc, self._workspace[: hi - lo]
-        for i in range(world):
-            payload = read_payload(comp, received[i * slot : (i + 1) * slot], hi - lo)
-            if i == 0:
-                comp.decompress(payload, out=acc)
-            else:
-                acc.add_(comp.decompress(payload, out=scratch))
-        acc.div_(world)
-        write_payload(self.server_error.compress(comp, acc), self._gather_slot)
+        payloads = [read_payload(comp, received[i * slot : (i + 1) * slot], hi - lo) for i in range(world)]
+        # Average straight into the server error buffer: it then holds avg + error, the value to compress.
+        server_error = self.server_error.buffer(hi - lo, flat.device)
+        comp.average(payloads, server_error, accumulate=True)
+        packed = comp.compress_ef(None, server_error, workspace=self._workspace[: hi - lo])
+        write_payload(packed, self._gather_slot)
         gathered = all_gather_bytes(self._gather_slot, self.group, self.timeout)
 
         result = self._output(out, flat)
@@ -243,7 +238,6 @@ class CompressedAllGather(_Sized):
 
     def _size(self, numel: int, device: torch.device) -> None:
         self._slot_bytes = torch.zeros(self.compressor.wire_bytes(numel), dtype=torch.uint8, device=device)
-        self._scratch = torch.empty(numel, dtype=torch.float32, device=device)
 
     def __call__(self, tensor: Tensor, out: Tensor | None = None) -> Tensor:
         """Average over the group of every rank's ``C(tensor [+ error])``."""
@@ -257,14 +251,8 @@ class CompressedAllGather(_Sized):
         write_payload(payload, self._slot_bytes)
         gathered = all_gather_bytes(self._slot_bytes, self.group, self.timeout)
         slot = self._slot_bytes.numel()
-        acc = self._output(out, flat)
-        for i in range(self._world_size):
-            payload = read_payload(comp, gathered[i * slot : (i + 1) * slot], n)
-            if i == 0:
-                comp.decompress(payload, out=acc)
-            else:
-                acc.add_(comp.decompress(payload, out=self._scratch))
-        acc.div_(self._world_size)
+        payloads = [read_payload(comp, gathered[i * slot : (i + 1) * slot], n) for i in range(self._world_size)]
+        acc = comp.average(payloads, self._output(out, flat))
         return self._finish(acc, tensor, out)
 
     def state_dict(self) -> dict[str, Any]:

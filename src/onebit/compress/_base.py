@@ -103,6 +103,19 @@ class Compressor(abc.ABC):
         error.sub_(self._decompress(payload.tensors, payload.numel, workspace))
         return payload
 
+    def average(self, payloads: list[Payload], out: Tensor, *, accumulate: bool = False) -> Tensor:
+        """``(D(p_0) + D(p_1) + ...) / len(payloads)`` -- summed in list order, then divided --
+        written to ``out``, or added to it with ``accumulate`` (a server error, say)."""
+        target = torch.empty_like(out) if accumulate else out
+        scratch = torch.empty_like(out)
+        for i, payload in enumerate(payloads):
+            if i == 0:
+                self._decompress(payload.tensors, payload.numel, target)
+            else:
+                target.add_(self._decompress(payload.tensors, payload.numel, scratch))
+        target.div_(len(payloads))
+        return out.add_(target) if accumulate else out
+
     def from_wire(self, tensors: tuple[Tensor, ...], numel: int) -> Payload:
         """Rebuild a payload received from the wire (no ``ctx``)."""
         return Payload(tuple(tensors), numel)

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor
 
-from ..ops import ef_sign_compress_, l2_norm, pack_signs, packed_numel, unpack_signs
+from ..ops import average_signs, ef_sign_compress_, l2_norm, pack_signs, packed_numel, unpack_signs
 from ._base import Compressor, Payload
 
 __all__ = ["SignCompressor"]
@@ -38,3 +38,8 @@ class SignCompressor(Compressor):
     def compress_ef(self, x: Tensor | None, error: Tensor, workspace: Tensor | None = None) -> Payload:
         packed, scale = ef_sign_compress_(error, x, workspace=workspace)
         return Payload((packed, scale), error.numel())
+
+    def average(self, payloads: list[Payload], out: Tensor, *, accumulate: bool = False) -> Tensor:
+        packed = [p.tensors[0] for p in payloads]
+        scales = [p.tensors[1] for p in payloads]
+        return average_signs(packed, scales, payloads[0].numel, out, accumulate=accumulate)

@@ -1,10 +1,11 @@
 """Bit operations: sign packing (8 per byte) and fused error-feedback compression kernels."""
 
 from ._bits import pack_bits, pack_signs, packed_numel, reference_kernels, unpack_bits, unpack_signs
-from ._fused import ef_sign_compress_
+from ._fused import average_signs, ef_sign_compress_
 from ._norms import l1_norm, l2_norm
 
 __all__ = [
+    "average_signs",
     "ef_sign_compress_",
     "l1_norm",
     "l2_norm",

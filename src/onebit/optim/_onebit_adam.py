@@ -107,7 +107,10 @@ class OnebitAdam(_AdamFamily):
       rank updates its momentum with its local gradient; the momentum of all parameters,
       one fused flat buffer, is exchanged by :class:`onebit.comm.CompressedAllReduce` with
       worker and server error feedback (1-bit signs + one scale per chunk), replacing the
-      momentum on every rank; then ``x <- x - lr * m / (sqrt(v_frozen) + eps)``.
+      momentum on every rank; then ``x <- x - lr * m / (sqrt(v_frozen) + eps)``. Values
+      whose variance is exactly zero at the freeze (no gradient during the whole warm-up,
+      e.g. unused embedding rows) keep a zero momentum -- DeepSpeed's ``exp_avg_mask``,
+      derived instead of asked for.
 
     Args:
         params: parameters or param groups (options ``lr``, ``betas``, ``weight_decay``).
@@ -174,6 +177,7 @@ class OnebitAdam(_AdamFamily):
         self.allreduce = comm.CompressedAllReduce(compressor, group, timeout=self.timeout)
         self._frozen_at: int | None = None
         self._denom: Tensor | None = None
+        self._unused: Tensor | None = None
 
     def _stage(self) -> str:
         return "warmup" if self._frozen_at is None else "compressed"
@@ -186,9 +190,25 @@ class OnebitAdam(_AdamFamily):
         self._frozen_at = step
         self._denom = self._frozen_denominator()
         _log.info("%s: warm-up ended at step %d; compression stage starts", type(self).__name__, step)
+        if self._unused is not None:
+            _log.info(
+                "%s: %d values had a zero gradient through the warm-up; their momentum is held at zero",
+                type(self).__name__,
+                int(self._unused.sum()),
+            )
+
+    def _exchange_momentum(self, m: Tensor) -> None:
+        self.allreduce(m, out=m)
+        if self._unused is not None:
+            # 1-bit compression gives every value a magnitude; where v_frozen == 0 (the value
+            # never had a gradient, e.g. an embedding row never looked up) that step would be
+            # lr * scale / eps. DeepSpeed asks users for an ``exp_avg_mask``; v == 0 is that mask.
+            m.masked_fill_(self._unused, 0.0)
 
     def _frozen_denominator(self) -> Tensor:
         v = self.flat.buffers["exp_avg_sq"]
+        unused = v == 0
+        self._unused = unused if bool(unused.any()) else None
         beta2s = self._hyper("betas")
         denom = torch.empty_like(v)
         for (lo, hi), (_, beta2) in zip(self.flat.offsets, beta2s):
@@ -204,7 +224,7 @@ class OnebitAdam(_AdamFamily):
             if self.freeze.should_freeze(self._step_count, l1):
                 self._freeze(self._step_count)
         else:
-            self._run(exchange=lambda m: self.allreduce(m, out=m), compressed=True, frozen_denom=self._denom)
+            self._run(exchange=self._exchange_momentum, compressed=True, frozen_denom=self._denom)
 
     def _extra_state(self) -> dict[str, Any]:
         return {
