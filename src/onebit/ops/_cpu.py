@@ -22,15 +22,23 @@ if numba is not None:
     def _pack_signs_update(c, scale, packed):  # pragma: no cover - compiled
         bits = c.view(np.uint32)
         n = c.size
-        for i in range(packed.size):
+        full = n // 8
+        for i in range(full):  # a fixed trip count of 8 lets LLVM unroll and vectorise
             byte = 0
-            base = 8 * i
-            for k in range(min(8, n - base)):
-                j = base + k
+            for k in range(8):
+                j = 8 * i + k
                 negative = bits[j] >> 31
                 byte |= (1 - negative) << k
                 c[j] = c[j] - (-scale if negative else scale)
             packed[i] = byte
+        if n > 8 * full:
+            byte = 0
+            for k in range(n - 8 * full):
+                j = 8 * full + k
+                negative = bits[j] >> 31
+                byte |= (1 - negative) << k
+                c[j] = c[j] - (-scale if negative else scale)
+            packed[full] = byte
 
     @numba.njit(cache=True, nogil=True, boundscheck=False)
     def _average_signs(packed, scales, n, out, accumulate):  # pragma: no cover - compiled
