@@ -115,11 +115,17 @@ def all_gather_bytes(
 
 
 def all_gather_object_sizes(
-    values: list[int], group: dist.ProcessGroup | None = None, timeout: float | timedelta | None = None
+    values: list[int],
+    group: dist.ProcessGroup | None = None,
+    timeout: float | timedelta | None = None,
+    device: torch.device | str = "cpu",
 ) -> Tensor:
-    """All ranks' integer vectors as a ``(world, len(values))`` int64 tensor (cheap agreement checks)."""
-    mine = torch.tensor(values, dtype=torch.int64)
-    return all_gather_bytes(mine, group, timeout).view(-1, len(values))
+    """All ranks' integer vectors as a ``(world, len(values))`` int64 CPU tensor (cheap agreement checks).
+
+    ``device`` is where the exchange happens: the parameters' device, so NCCL gets CUDA tensors.
+    """
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    return all_gather_bytes(mine, group, timeout).view(-1, len(values)).cpu()
 
 
 def all_reduce_mean(

@@ -145,7 +145,7 @@ class OnebitOptimizer(Optimizer):
             return
         shapes = ";".join("x".join(map(str, p.shape)) for p in params)
         mine = [len(params), sum(p.numel() for p in params), zlib.crc32(shapes.encode())]
-        table = _dist.all_gather_object_sizes(mine, self.process_group, self.timeout)
+        table = _dist.all_gather_object_sizes(mine, self.process_group, self.timeout, params[0].device)
         if not bool((table == table[0]).all()):
             rows = ", ".join(f"rank {r}: {int(t[0])} tensors / {int(t[1])} values" for r, t in enumerate(table))
             raise ValueError(f"parameters differ across ranks ({rows}; shape checksums {table[:, 2].tolist()})")
