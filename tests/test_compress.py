@@ -19,6 +19,8 @@ CONTRACT = [
     ("block_sign", {"block_size": 5}),
     ("topk", {"ratio": 0.1}),
     ("stochastic_sign", {"seed": 3}),
+    ("uniform", {"bits": 1}),
+    ("uniform", {"bits": 3}),
 ]
 ROW_IDS = [f"{n}-{kw}" for n, kw in CONTRACT]
 
@@ -145,3 +147,27 @@ def test_registry_and_argument_errors():
     with pytest.raises(ValueError, match=r"compressor options \['ratio'\] given with a Compressor instance"):
         compress.get(sign, ratio=0.1)
     assert math.isclose(compress.get("block_sign", block_size=3).alignment, 24)
+
+
+def test_block_sign_explicit_blocks():
+    x = torch.tensor([1.0, -3.0, 2.0, 4.0, -4.0, 0.5, -0.5])
+    c = compress.get("block_sign", block_sizes=[2, 5])
+    expect = torch.tensor([2.0, -2.0, 2.2, 2.2, -2.2, 2.2, -2.2])
+    assert torch.allclose(c.decompress(c.compress(x)), expect)
+    with pytest.raises(ValueError, match="block_sizes add up to 7, the chunk has 6 values"):
+        c.compress(x[:6])
+    with pytest.raises(ValueError, match="give block_size or block_sizes, not both"):
+        compress.get("block_sign", block_size=2, block_sizes=[1])
+
+
+def test_uniform_levels_match_paper():
+    x = torch.tensor([1.2, -0.6, 0.4, 0.1, -2.0])
+    three = compress.get("uniform", bits=3)  # M_3 = {-1, -2/3, -1/3, 0, 1/3, 2/3, 1} * ||x||_inf
+    got = three.decompress(three.compress(x))
+    expect = torch.tensor([2 / 3, -1 / 3, 1 / 3, 0.0, -1.0]) * 2.0
+    assert torch.allclose(got, expect)
+    one = compress.get("uniform", bits=1)
+    assert torch.equal(one.decompress(one.compress(x)), torch.tensor([2.0, -2.0, 2.0, 2.0, -2.0]))
+    assert three.wire_bytes(8) == 3 + 4
+    with pytest.raises(ValueError, match=r"bits must be in \[1, 8\], got 9"):
+        compress.get("uniform", bits=9)

@@ -1,6 +1,5 @@
 """1-bit Adam: warm-up == AdamW, compression == a plain n-worker Algorithm 1, replicas, resume."""
 
-import hashlib
 import io
 import logging
 import math
@@ -11,36 +10,7 @@ import torch
 import onebit
 from _harness import run_ranks
 from _oracle import SimulatedCompressedAllReduce
-
-DIM, BATCH = 37, 16
-
-
-def _data(rank: int, step: int):
-    g = torch.Generator().manual_seed(10_000 * step + rank)
-    x = torch.randn(BATCH, DIM, generator=g)
-    y = x @ torch.linspace(-1, 1, DIM) + 0.1 * torch.randn(BATCH, generator=g) + 0.5
-    return x, y
-
-
-def _params():
-    g = torch.Generator().manual_seed(123)
-    return [torch.randn(DIM, generator=g) * 0.1, torch.zeros(1)]
-
-
-def _grads(params, rank, step):
-    """Analytic least-squares gradients of 0.5 * mean((x w + b - y)^2)."""
-    w, b = params
-    x, y = _data(rank, step)
-    r = x @ w + b - y
-    return [x.t() @ r / BATCH, r.mean().reshape(1)]
-
-
-def _digest(params) -> str:
-    h = hashlib.sha256()
-    for p in params:
-        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
+from _problem import BATCH, DIM, digest as _digest, grads as _grads, initial_params as _params
 
 def _train(rank, world, steps, opt_kwargs, resume_at=None):
     params = [p.clone().requires_grad_() for p in _params()]

@@ -6,7 +6,17 @@
 
 from . import comm, compress, ops, optim
 from .feedback import ErrorFeedback
-from .optim import OnebitAdam, OnebitAdamNaive
+from .optim import CompAMS, OnebitAdam, OnebitAdamNaive, QAdam
 
-__all__ = ["ErrorFeedback", "OnebitAdam", "OnebitAdamNaive", "comm", "compress", "ops", "optim"]
+__all__ = [
+    "CompAMS",
+    "ErrorFeedback",
+    "OnebitAdam",
+    "OnebitAdamNaive",
+    "QAdam",
+    "comm",
+    "compress",
+    "ops",
+    "optim",
+]
 __version__ = "0.1.0"

@@ -13,12 +13,12 @@ from torch import nn
 
 from .. import comm
 from ..launch import spawn
-from ..optim import OnebitAdam, OnebitAdamNaive
+from ..optim import CompAMS, OnebitAdam, OnebitAdamNaive, QAdam
 from ._tasks import ByteCorpus, ByteMLP
 
 __all__ = ["OPTIMIZERS", "TrainConfig", "train"]
 
-OPTIMIZERS = ("adam", "onebit_adam", "onebit_adam_naive")
+OPTIMIZERS = ("adam", "onebit_adam", "onebit_adam_naive", "amsgrad", "comp_ams", "comp_ams_block_sign", "qadam")
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,11 @@ def _optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
         )
     if cfg.optimizer == "onebit_adam_naive":
         return OnebitAdamNaive(model.parameters(), lr=cfg.lr, bias_correction=cfg.bias_correction)
+    if cfg.optimizer in ("amsgrad", "comp_ams", "comp_ams_block_sign"):
+        compressor = {"amsgrad": "none", "comp_ams": "topk", "comp_ams_block_sign": "block_sign"}[cfg.optimizer]
+        return CompAMS(model.parameters(), lr=cfg.lr, compressor=compressor, bias_correction=cfg.bias_correction)
+    if cfg.optimizer == "qadam":
+        return QAdam(model.parameters(), lr=cfg.lr, bits=1)
     raise ValueError(f"unknown optimizer {cfg.optimizer!r}; available: {', '.join(OPTIMIZERS)}")
 
 

@@ -14,6 +14,7 @@ from ._identity import IdentityCompressor
 from ._sign import SignCompressor
 from ._stochastic import StochasticSignCompressor
 from ._topk import TopKCompressor
+from ._uniform import UniformCompressor
 
 __all__ = [
     "BlockSignCompressor",
@@ -23,13 +24,21 @@ __all__ = [
     "SignCompressor",
     "StochasticSignCompressor",
     "TopKCompressor",
+    "UniformCompressor",
     "available",
     "get",
 ]
 
 _REGISTRY: dict[str, type[Compressor]] = {
     cls.name: cls
-    for cls in (IdentityCompressor, SignCompressor, BlockSignCompressor, TopKCompressor, StochasticSignCompressor)
+    for cls in (
+        IdentityCompressor,
+        SignCompressor,
+        BlockSignCompressor,
+        TopKCompressor,
+        StochasticSignCompressor,
+        UniformCompressor,
+    )
 }
 
 

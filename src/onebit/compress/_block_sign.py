@@ -14,67 +14,69 @@ __all__ = ["BlockSignCompressor"]
 
 
 class BlockSignCompressor(Compressor):
-    """Block-Sign with blocks of ``block_size`` consecutive values (the last may be shorter).
+    """Block-Sign with blocks of ``block_size`` consecutive values (the last may be shorter),
+    or with explicit ``block_sizes`` (e.g. one block per layer of a fused gradient, the
+    paper's choice), which must then add up to the chunk's length.
 
-    ``block_size=None`` makes the whole chunk one block. Wire: packed signs and one fp32
-    scale per block. Zero maps to ``+scale`` (sign bit decides, as for ``sign``).
+    Neither given: the whole chunk is one block. Wire: packed signs and one fp32 scale per
+    block. Zero maps to ``+scale`` (sign bit decides, as for ``sign``).
     """
 
     name = "block_sign"
 
-    def __init__(self, block_size: int | None = None) -> None:
+    def __init__(self, block_size: int | None = None, block_sizes: list[int] | tuple[int, ...] | None = None) -> None:
         if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)):
             raise TypeError(f"block_size must be an int or None, got {block_size!r}")
         if block_size is not None and block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if block_sizes is not None:
+            if block_size is not None:
+                raise ValueError("give block_size or block_sizes, not both")
+            if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in block_sizes):
+                raise ValueError(f"block_sizes must be ints >= 1, got {list(block_sizes)!r}")
+            block_sizes = tuple(block_sizes)
         self.block_size = block_size
+        self.block_sizes = block_sizes
         # Chunks whose length is a multiple of both 8 and the block size never split a byte or a block.
         self.alignment = 8 if block_size is None else 8 * block_size // math.gcd(8, block_size)
 
-    def _num_blocks(self, numel: int) -> int:
+    def _lengths(self, numel: int) -> list[int]:
         if numel == 0:
-            return 0
-        return 1 if self.block_size is None else -(-numel // self.block_size)
+            return []
+        if self.block_sizes is not None:
+            if sum(self.block_sizes) != numel:
+                raise ValueError(f"block_sizes add up to {sum(self.block_sizes)}, the chunk has {numel} values")
+            return list(self.block_sizes)
+        size = numel if self.block_size is None else self.block_size
+        full, rest = divmod(numel, size)
+        return [size] * full + ([rest] if rest else [])
 
     def wire_spec(self, numel: int) -> tuple[tuple[torch.dtype, int], ...]:
-        return ((torch.uint8, packed_numel(numel)), (torch.float32, self._num_blocks(numel)))
-
-    def _block_lengths(self, numel: int, device: torch.device) -> Tensor:
-        nb = self._num_blocks(numel)
-        size = numel if self.block_size is None else self.block_size
-        lengths = torch.full((nb,), float(size), device=device)
-        if nb:
-            lengths[-1] = numel - (nb - 1) * size
-        return lengths
+        return ((torch.uint8, packed_numel(numel)), (torch.float32, len(self._lengths(numel))))
 
     def _compress(self, x: Tensor) -> tuple[Tensor, ...]:
-        n = x.numel()
-        nb = self._num_blocks(n)
-        if nb == 0:
+        lengths = self._lengths(x.numel())
+        if not lengths:
             return pack_signs(x), x.new_zeros(0)
-        size = n if self.block_size is None else self.block_size
-        full = n // size
-        sums = x.new_empty(nb)
-        if full == 1:
-            sums[0] = l1_norm(x[:size])
-        elif full:
-            torch.linalg.vector_norm(x[: full * size].view(full, size), ord=1, dim=1, out=sums[:full])
-        if n % size:
-            sums[full] = l1_norm(x[full * size :])
-        return pack_signs(x), sums / self._block_lengths(n, x.device)
+        if len(lengths) == 1:
+            sums = l1_norm(x).reshape(1)
+        elif self.block_sizes is None and len(set(lengths[:-1])) == 1 and lengths[-1] == lengths[0]:
+            sums = torch.linalg.vector_norm(x.view(len(lengths), lengths[0]), ord=1, dim=1)
+        else:
+            sums = torch.stack([l1_norm(part) for part in torch.split(x, lengths)])
+        return pack_signs(x), sums / torch.tensor(lengths, dtype=torch.float32, device=x.device)
 
     def _decompress(self, tensors: tuple[Tensor, ...], numel: int, out: Tensor) -> Tensor:
         packed, scales = tensors
         unpack_signs(packed, numel, 1.0, out=out)
-        if numel == 0:
-            return out
-        size = numel if self.block_size is None else self.block_size
-        full = numel // size
-        if full:
-            out[: full * size].view(full, size).mul_(scales[:full].unsqueeze(1))
-        if numel % size:
-            out[full * size :].mul_(scales[full])
+        lengths = self._lengths(numel)
+        if len(lengths) == 1:
+            return out.mul_(scales[0])
+        if lengths:
+            out.mul_(torch.repeat_interleave(scales, torch.tensor(lengths, device=out.device)))
         return out
 
     def __repr__(self) -> str:
+        if self.block_sizes is not None:
+            return f"BlockSignCompressor(block_sizes=<{len(self.block_sizes)} blocks>)"
         return f"BlockSignCompressor(block_size={self.block_size})"

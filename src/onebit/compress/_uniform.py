@@ -1,0 +1,57 @@
+"""QAdam's uniform quantizer (Comp-AMS appendix, Algorithm 4): ``Q_b(x) = ||x||_inf Q~_b(x / ||x||_inf)``."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..ops import pack_bits, pack_signs, packed_numel, unpack_bits, unpack_signs
+from ._base import Compressor
+
+__all__ = ["UniformCompressor"]
+
+
+class UniformCompressor(Compressor):
+    """Round ``x / ||x||_inf`` to the nearest of ``2^b - 1`` evenly spaced levels in ``[-1, 1]``
+    (``M_b`` of the paper, spacing ``1 / (2^(b-1) - 1)``) and scale back by ``||x||_inf``.
+
+    ``bits=1`` has no zero level (``M_1`` would be empty): it is ``||x||_inf * sign(x)``,
+    the paper's 1-bit QAdam. Wire: ``b`` bits per value, packed, plus one fp32 scale.
+    """
+
+    name = "uniform"
+    alignment = 8
+
+    def __init__(self, bits: int = 1) -> None:
+        if isinstance(bits, bool) or not isinstance(bits, int):
+            raise TypeError(f"bits must be an int, got {bits!r}")
+        if not 1 <= bits <= 8:
+            raise ValueError(f"bits must be in [1, 8], got {bits}")
+        self.bits = bits
+        self._levels = (1 << (bits - 1)) - 1  # L: codes 0..2L stand for (code - L) / L
+
+    def wire_spec(self, numel: int) -> tuple[tuple[torch.dtype, int], ...]:
+        return ((torch.uint8, packed_numel(numel * self.bits)), (torch.float32, 1))
+
+    def _compress(self, x: Tensor) -> tuple[Tensor, ...]:
+        scale = x.abs().max().reshape(1) if x.numel() else x.new_zeros(1)
+        if self.bits == 1:
+            return pack_signs(x), scale
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        codes = torch.round(x / safe * self._levels).add_(self._levels).to(torch.uint8)
+        shifts = torch.arange(self.bits, dtype=torch.uint8, device=x.device)
+        bits = codes.unsqueeze(1).bitwise_right_shift(shifts).bitwise_and_(1).bool()
+        return pack_bits(bits.reshape(-1)), scale
+
+    def _decompress(self, tensors: tuple[Tensor, ...], numel: int, out: Tensor) -> Tensor:
+        packed, scale = tensors
+        if self.bits == 1:
+            return unpack_signs(packed, numel, scale, out=out)
+        bits = unpack_bits(packed, numel * self.bits).view(numel, self.bits).to(torch.int32)
+        weights = torch.tensor([1 << k for k in range(self.bits)], dtype=torch.int32, device=packed.device)
+        codes = (bits * weights).sum(1)
+        out.copy_(codes).sub_(self._levels).div_(self._levels).mul_(scale)
+        return out
+
+    def __repr__(self) -> str:
+        return f"UniformCompressor(bits={self.bits})"

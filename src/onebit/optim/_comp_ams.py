@@ -1,0 +1,244 @@
+"""Comp-AMS (Li et al., 2022, Algorithm 2) and its baseline QAdam (Algorithm 4)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .. import comm
+from ..compress import BlockSignCompressor, Compressor, TopKCompressor, UniformCompressor
+from ._base import OnebitOptimizer, check_betas, check_nonneg
+
+__all__ = ["CompAMS", "QAdam", "comp_ams"]
+
+_COMPRESSORS = ("topk", "block_sign", "none")
+
+
+def comp_ams(
+    params: Sequence[Tensor],
+    offsets: Sequence[tuple[int, int]],
+    *,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    max_exp_avg_sq: Tensor,
+    exchange,
+    step: int,
+    lrs: Sequence[float],
+    betas: Sequence[tuple[float, float]],
+    weight_decays: Sequence[float],
+    eps: float,
+    bias_correction: bool,
+) -> None:
+    """One Comp-AMS step: ``g = exchange(grad)`` (lines 7-12), then AMSGrad (lines 13-16).
+
+    ``exchange(grad)`` returns the average over workers of the (compressed) gradients.
+    ``m = b1 m + (1-b1) g``, ``v = b2 v + (1-b2) g^2``, ``v^ = max(v^, v)``,
+    ``x <- x - lr m / (sqrt(v^) + eps)`` (with ``bias_correction``: ``m / (1 - b1^t)`` and
+    ``v^ / (1 - b2^t)``, as ``torch.optim.AdamW(amsgrad=True)``); decoupled weight decay.
+    """
+    g_all = exchange(grad)
+    for p, (lo, hi), lr, (b1, b2), wd in zip(params, offsets, lrs, betas, weight_decays):
+        g = g_all[lo:hi]
+        m, v, vmax = exp_avg[lo:hi], exp_avg_sq[lo:hi], max_exp_avg_sq[lo:hi]
+        m.mul_(b1).add_(g, alpha=1.0 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
+        torch.maximum(vmax, v, out=vmax)
+        bc1 = 1.0 - b1**step if bias_correction else 1.0
+        bc2 = 1.0 - b2**step if bias_correction else 1.0
+        denom = vmax.sqrt().div_(math.sqrt(bc2)).add_(eps)
+        _update(p, m, denom, lr=lr, weight_decay=wd, step_size=lr / bc1)
+
+
+def _update(param: Tensor, numer: Tensor, denom: Tensor | None, *, lr: float, weight_decay: float, step_size: float) -> None:
+    """``x <- x (1 - lr wd) - step_size * numer [/ denom]`` in fp32, rounded once into ``param``."""
+    x = param.view(-1) if param.dtype == torch.float32 else param.detach().reshape(-1).float()
+    if weight_decay:
+        x.mul_(1.0 - lr * weight_decay)
+    if denom is None:
+        x.add_(numer, alpha=-step_size)
+    else:
+        x.addcdiv_(numer, denom, value=-step_size)
+    if param.dtype != torch.float32:
+        param.copy_(x.view_as(param))
+
+
+class _GradientExchange(OnebitOptimizer):
+    """Flat gradient buffer plus the exchange that averages it across the group."""
+
+    def _setup_exchange(self, compressor: Compressor | None, error_feedback: bool) -> None:
+        self._grad = torch.zeros(self.flat.numel, dtype=torch.float32, device=self.flat.device)
+        self.exchange = None if compressor is None else comm.CompressedAllGather(
+            compressor, self.process_group, error_feedback=error_feedback, timeout=self.timeout
+        )
+
+    def _average(self, buffer: Tensor) -> Tensor:
+        if self.exchange is None:
+            return comm.all_reduce_mean(buffer, self.process_group, self.timeout)
+        return self.exchange(buffer, out=buffer)
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {} if self.exchange is None else {"exchange": self.exchange.state_dict()}
+
+    def _load_extra_state(self, state: Mapping[str, Any], same_world: bool) -> None:
+        if self.exchange is None:
+            return
+        if same_world:
+            self.exchange.load_state_dict(state["exchange"])
+        else:
+            self.exchange.reset()
+
+
+def _check_common(lr: float, betas: object, eps: float, weight_decay: float, error_feedback: object) -> None:
+    check_nonneg("learning rate", lr)
+    check_betas(betas)
+    check_nonneg("epsilon", eps)
+    check_nonneg("weight_decay", weight_decay)
+    if not isinstance(error_feedback, bool):
+        raise TypeError(f"Invalid error_feedback value: {error_feedback!r} (expected a bool)")
+
+
+class CompAMS(_GradientExchange):
+    """Comp-AMS: AMSGrad on the average of error-feedback-compressed gradients (Algorithm 2).
+
+    Every rank compresses its gradient plus its error (``error_feedback=False``: the
+    paper's no-EF control), the compact payloads are all-gathered -- values + int32
+    indices for Top-k, packed signs + block scales for Block-Sign, never a dense tensor --
+    and every rank applies the same AMSGrad update to the exact average: the "central
+    server" replicated. ``compressor="none"`` is distributed AMSGrad (an fp32
+    all-reduce); world size 1 is Algorithm 3 (one machine, compressed gradients).
+
+    Args:
+        compressor: ``"topk"`` (Definition 1, ``k = ceil(ratio * d)`` over the whole fused
+            gradient), ``"block_sign"`` (Definition 2) or ``"none"``.
+        ratio: Top-k's kept fraction, in ``(0, 1]``.
+        block: Block-Sign blocks: ``"tensor"`` (one block per parameter tensor -- "blocks
+            are the network layers") or an int block size.
+        bias_correction: divide ``m`` and ``v^`` by ``1 - beta^t`` (off in the paper).
+
+    The all-gather volume grows with the world size: each rank receives ``w - 1``
+    payloads. A parameter without ``.grad`` contributes a zero gradient on that rank.
+    """
+
+    _flat_names = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        compressor: str = "topk",
+        ratio: float = 0.01,
+        block: str | int = "tensor",
+        error_feedback: bool = True,
+        group: dist.ProcessGroup | None = None,
+        *,
+        bias_correction: bool = False,
+        timeout: float | timedelta | None = None,
+        broadcast_parameters: bool = True,
+    ) -> None:
+        _check_common(lr, betas, eps, weight_decay, error_feedback)
+        if compressor not in _COMPRESSORS:
+            raise ValueError(f"Invalid compressor value: {compressor!r} (expected one of {', '.join(_COMPRESSORS)})")
+        if block != "tensor" and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
+            raise ValueError(f"Invalid block value: {block!r} (expected 'tensor' or an int >= 1)")
+        topk = TopKCompressor(ratio) if compressor == "topk" else None  # validates ratio
+        if not isinstance(bias_correction, bool):
+            raise TypeError(f"Invalid bias_correction value: {bias_correction!r} (expected a bool)")
+        self.eps = float(eps)
+        self.bias_correction = bias_correction
+        super().__init__(
+            params,
+            {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay},
+            group=group,
+            timeout=timeout,
+            broadcast_parameters=broadcast_parameters,
+        )
+        if compressor == "block_sign":
+            sizes = [p.numel() for p in self.flat.params]
+            chosen: Compressor | None = (
+                BlockSignCompressor(block_sizes=sizes) if block == "tensor" else BlockSignCompressor(block_size=block)
+            )
+        else:
+            chosen = topk
+        self._setup_exchange(chosen, error_feedback)
+
+    def _step(self) -> None:
+        self.flat.gather_grads(self._grad)
+        b = self.flat.buffers
+        comp_ams(
+            self.flat.params,
+            self.flat.offsets,
+            grad=self._grad,
+            exp_avg=b["exp_avg"],
+            exp_avg_sq=b["exp_avg_sq"],
+            max_exp_avg_sq=b["max_exp_avg_sq"],
+            exchange=self._average,
+            step=self._step_count,
+            lrs=self._hyper("lr"),
+            betas=self._hyper("betas"),
+            weight_decays=self._hyper("weight_decay"),
+            eps=self.eps,
+            bias_correction=self.bias_correction,
+        )
+
+
+class QAdam(_GradientExchange):
+    """QAdam (Chen et al., 2020) as the Comp-AMS paper runs it (Algorithm 4, one-way).
+
+    Each rank keeps its own moments from its local gradient, forms
+    ``a = m / sqrt(v + eps)``, sends ``Q_b(a + e)`` (the uniform ``bits``-bit quantizer,
+    :class:`onebit.compress.UniformCompressor`; ``bits=1`` is the paper's 1-bit QAdam)
+    with error feedback, and every rank steps ``x <- x - lr * mean(Q_b(a + e))``.
+    The moments differ between ranks, so each rank checkpoints its own ``state_dict``.
+    """
+
+    _flat_names = ("exp_avg", "exp_avg_sq")
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        bits: int = 1,
+        group: dist.ProcessGroup | None = None,
+        *,
+        error_feedback: bool = True,
+        timeout: float | timedelta | None = None,
+        broadcast_parameters: bool = True,
+    ) -> None:
+        _check_common(lr, betas, eps, weight_decay, error_feedback)
+        quantizer = UniformCompressor(bits)  # validates bits
+        self.eps = float(eps)
+        super().__init__(
+            params,
+            {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay},
+            group=group,
+            timeout=timeout,
+            broadcast_parameters=broadcast_parameters,
+        )
+        self._setup_exchange(quantizer, error_feedback)
+
+    def _step(self) -> None:
+        g_all = self._grad
+        self.flat.gather_grads(g_all)
+        m_all, v_all = self.flat.buffers["exp_avg"], self.flat.buffers["exp_avg_sq"]
+        for (lo, hi), (b1, b2) in zip(self.flat.offsets, self._hyper("betas")):
+            g = g_all[lo:hi]
+            m_all[lo:hi].mul_(b1).add_(g, alpha=1.0 - b1)
+            v_all[lo:hi].mul_(b2).addcmul_(g, g, value=1.0 - b2)
+        # a = m / sqrt(v + eps) overwrites the gradient buffer, then is averaged in place.
+        torch.div(m_all, v_all.add(self.eps).sqrt_(), out=g_all)
+        a_bar = self._average(g_all)
+        for p, (lo, hi), lr, wd in zip(self.flat.params, self.flat.offsets, self._hyper("lr"), self._hyper("weight_decay")):
+            _update(p, a_bar[lo:hi], None, lr=lr, weight_decay=wd, step_size=lr)

@@ -1,0 +1,36 @@
+"""A least-squares problem with analytic per-rank gradients, shared by the optimizer tests."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+DIM, BATCH = 37, 16
+
+
+def data(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10_000 * step + rank)
+    x = torch.randn(BATCH, DIM, generator=g)
+    y = x @ torch.linspace(-1, 1, DIM) + 0.1 * torch.randn(BATCH, generator=g) + 0.5
+    return x, y
+
+
+def initial_params() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(123)
+    return [torch.randn(DIM, generator=g) * 0.1, torch.zeros(1)]
+
+
+def grads(params: list[torch.Tensor], rank: int, step: int) -> list[torch.Tensor]:
+    """Gradients of ``0.5 * mean((x w + b - y)^2)`` on rank ``rank``'s batch of ``step``."""
+    w, b = params
+    x, y = data(rank, step)
+    r = x @ w + b - y
+    return [x.t() @ r / BATCH, r.mean().reshape(1)]
+
+
+def digest(params: list[torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for p in params:
+        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
