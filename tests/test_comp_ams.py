@@ -8,7 +8,7 @@ import torch
 
 import onebit
 from _harness import run_ranks
-from _problem import DIM, digest, grads, initial_params
+from _problem import DIM, digest, grads, initial_params, teacher_student_loss
 
 SIZES = [DIM, 1]
 
@@ -158,20 +158,7 @@ def test_wire_volume_relative_to_fp32_allreduce():
 
 
 def _mlp(steps, **kw):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
-    target = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
-    opt = onebit.CompAMS(model.parameters(), lr=3e-3, **kw)
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(steps):
-        x = torch.randn(32, 16, generator=gen)
-        loss = torch.nn.functional.mse_loss(model(x), target(x).detach())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    xe = torch.randn(2048, 16, generator=torch.Generator().manual_seed(99))
-    with torch.no_grad():
-        return float(torch.nn.functional.mse_loss(model(xe), target(xe)))
+    return teacher_student_loss(lambda params: onebit.CompAMS(params, lr=3e-3, **kw), steps)
 
 
 def test_error_feedback_fixes_top_k_bias():

@@ -10,7 +10,10 @@ import torch
 import onebit
 from _harness import run_ranks
 from _oracle import SimulatedCompressedAllReduce
-from _problem import BATCH, DIM, digest as _digest, grads as _grads, initial_params as _params
+from _problem import BATCH, DIM, teacher_student_loss
+from _problem import digest as _digest
+from _problem import grads as _grads
+from _problem import initial_params as _params
 
 def _train(rank, world, steps, opt_kwargs, resume_at=None):
     params = [p.clone().requires_grad_() for p in _params()]
@@ -148,23 +151,11 @@ def test_auto_freeze_criterion():
 
 
 def _mlp_loss(rank, world, name, steps):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
-    target = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
-    if name == "adam":
-        opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    else:
-        opt = onebit.OnebitAdam(model.parameters(), lr=3e-3, freeze_step=steps // 5)
-    gen = torch.Generator().manual_seed(rank)
-    for step in range(steps):
-        x = torch.randn(32 if name != "adam" else 32 * world, 16, generator=gen)
-        loss = torch.nn.functional.mse_loss(model(x), target(x).detach())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    xe = torch.randn(2048, 16, generator=torch.Generator().manual_seed(99))
-    with torch.no_grad():
-        return float(torch.nn.functional.mse_loss(model(xe), target(xe)))
+    if name == "adam":  # one process on the batch of all ranks together
+        return teacher_student_loss(lambda params: torch.optim.Adam(params, lr=3e-3), steps, 32 * world, rank)
+    return teacher_student_loss(
+        lambda params: onebit.OnebitAdam(params, lr=3e-3, freeze_step=steps // 5), steps, 32, rank
+    )
 
 
 def test_converges_like_adam():

@@ -14,6 +14,7 @@ from torch import Tensor
 from .. import comm
 from ..compress import BlockSignCompressor, Compressor, TopKCompressor, UniformCompressor
 from ._base import OnebitOptimizer, check_betas, check_nonneg
+from ._functional import apply_update_
 
 __all__ = ["CompAMS", "QAdam", "comp_ams"]
 
@@ -53,20 +54,7 @@ def comp_ams(
         bc1 = 1.0 - b1**step if bias_correction else 1.0
         bc2 = 1.0 - b2**step if bias_correction else 1.0
         denom = vmax.sqrt().div_(math.sqrt(bc2)).add_(eps)
-        _update(p, m, denom, lr=lr, weight_decay=wd, step_size=lr / bc1)
-
-
-def _update(param: Tensor, numer: Tensor, denom: Tensor | None, *, lr: float, weight_decay: float, step_size: float) -> None:
-    """``x <- x (1 - lr wd) - step_size * numer [/ denom]`` in fp32, rounded once into ``param``."""
-    x = param.view(-1) if param.dtype == torch.float32 else param.detach().reshape(-1).float()
-    if weight_decay:
-        x.mul_(1.0 - lr * weight_decay)
-    if denom is None:
-        x.add_(numer, alpha=-step_size)
-    else:
-        x.addcdiv_(numer, denom, value=-step_size)
-    if param.dtype != torch.float32:
-        param.copy_(x.view_as(param))
+        apply_update_(p, m, denom, lr=lr, weight_decay=wd, step_size=lr / bc1)
 
 
 class _GradientExchange(OnebitOptimizer):
@@ -241,4 +229,4 @@ class QAdam(_GradientExchange):
         torch.div(m_all, v_all.add(self.eps).sqrt_(), out=g_all)
         a_bar = self._average(g_all)
         for p, (lo, hi), lr, wd in zip(self.flat.params, self.flat.offsets, self._hyper("lr"), self._hyper("weight_decay")):
-            _update(p, a_bar[lo:hi], None, lr=lr, weight_decay=wd, step_size=lr)
+            apply_update_(p, a_bar[lo:hi], None, lr=lr, weight_decay=wd, step_size=lr)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["adam_denominator", "onebit_adam"]
+__all__ = ["adam_denominator", "apply_update_", "onebit_adam"]
 
 Exchange = Callable[[Tensor], object]
 
@@ -24,18 +24,23 @@ def adam_denominator(exp_avg_sq: Tensor, *, eps: float, bias_correction2: float,
     return out.div_(math.sqrt(bias_correction2)).add_(eps)
 
 
-def _apply(param: Tensor, exp_avg: Tensor, denom: Tensor, *, lr: float, weight_decay: float, step_size: float) -> None:
-    """``x <- x - lr * wd * x - step_size * m / denom`` (decoupled weight decay, as AdamW)."""
-    if param.dtype == torch.float32:
-        if weight_decay:
-            param.mul_(1.0 - lr * weight_decay)
-        param.addcdiv_(exp_avg, denom, value=-step_size)
-        return
-    # Low-precision parameters: fp32 arithmetic, one rounding into the parameter.
-    x = param.float()
+def apply_update_(
+    param: Tensor, numer: Tensor, denom: Tensor | None, *, lr: float, weight_decay: float, step_size: float
+) -> None:
+    """``x <- x (1 - lr wd) - step_size * numer [/ denom]`` (decoupled weight decay, as AdamW).
+
+    ``numer``/``denom`` are flat fp32; low-precision parameters are updated in fp32 and
+    rounded once.
+    """
+    x = param.view(-1) if param.dtype == torch.float32 else param.detach().reshape(-1).float()
     if weight_decay:
         x.mul_(1.0 - lr * weight_decay)
-    param.copy_(x.addcdiv_(exp_avg, denom, value=-step_size))
+    if denom is None:
+        x.add_(numer, alpha=-step_size)
+    else:
+        x.addcdiv_(numer, denom, value=-step_size)
+    if param.dtype != torch.float32:
+        param.copy_(x.view_as(param))
 
 
 def onebit_adam(
@@ -95,12 +100,5 @@ def onebit_adam(
         else:
             bc2 = 1.0 - beta2**step if bias_correction else 1.0
             denom = adam_denominator(exp_avg_sq[lo:hi], eps=eps, bias_correction2=bc2)
-        _apply(
-            p.view(-1),
-            exp_avg[lo:hi],
-            denom,
-            lr=lrs[i],
-            weight_decay=weight_decays[i],
-            step_size=lrs[i] / bc1,
-        )
+        apply_update_(p, exp_avg[lo:hi], denom, lr=lrs[i], weight_decay=weight_decays[i], step_size=lrs[i] / bc1)
     return active
