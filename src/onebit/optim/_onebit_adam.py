@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import comm
-from ._base import OnebitOptimizer, check_betas, check_nonneg, check_positive
+from ._base import OnebitOptimizer, check_betas, check_nonneg
 from ._freeze import FreezeSchedule
 from ._functional import adam_denominator, onebit_adam
 
