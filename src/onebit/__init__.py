@@ -6,13 +6,14 @@
 
 from . import comm, compress, ops, optim
 from .feedback import ErrorFeedback
-from .optim import CompAMS, OnebitAdam, OnebitAdamNaive, QAdam
+from .optim import CompAMS, OnebitAdam, OnebitAdamNaive, OnebitLamb, QAdam
 
 __all__ = [
     "CompAMS",
     "ErrorFeedback",
     "OnebitAdam",
     "OnebitAdamNaive",
+    "OnebitLamb",
     "QAdam",
     "comm",
     "compress",

@@ -13,12 +13,22 @@ from torch import nn
 
 from .. import comm
 from ..launch import spawn
-from ..optim import CompAMS, OnebitAdam, OnebitAdamNaive, QAdam
+from ..optim import CompAMS, OnebitAdam, OnebitAdamNaive, OnebitLamb, QAdam
 from ._tasks import ByteCorpus, ByteMLP
 
 __all__ = ["OPTIMIZERS", "TrainConfig", "train"]
 
-OPTIMIZERS = ("adam", "onebit_adam", "onebit_adam_naive", "amsgrad", "comp_ams", "comp_ams_block_sign", "qadam")
+OPTIMIZERS = (
+    "adam",
+    "onebit_adam",
+    "onebit_adam_naive",
+    "lamb",
+    "onebit_lamb",
+    "amsgrad",
+    "comp_ams",
+    "comp_ams_block_sign",
+    "qadam",
+)
 
 
 @dataclass(frozen=True)
@@ -62,6 +72,10 @@ def _optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
         )
     if cfg.optimizer == "onebit_adam_naive":
         return OnebitAdamNaive(model.parameters(), lr=cfg.lr, bias_correction=cfg.bias_correction)
+    if cfg.optimizer in ("lamb", "onebit_lamb"):
+        # "lamb" is 1-bit LAMB that never leaves its warm-up: exact LAMB on all-reduced gradients.
+        freeze = cfg.freeze_step if cfg.optimizer == "onebit_lamb" else cfg.steps + 1
+        return OnebitLamb(model.parameters(), lr=cfg.lr, freeze_step=freeze)
     if cfg.optimizer in ("amsgrad", "comp_ams", "comp_ams_block_sign"):
         compressor = {"amsgrad": "none", "comp_ams": "topk", "comp_ams_block_sign": "block_sign"}[cfg.optimizer]
         return CompAMS(model.parameters(), lr=cfg.lr, compressor=compressor, bias_correction=cfg.bias_correction)

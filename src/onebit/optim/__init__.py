@@ -5,14 +5,17 @@ from ._comp_ams import CompAMS, QAdam, comp_ams
 from ._freeze import FreezeSchedule
 from ._functional import onebit_adam
 from ._onebit_adam import OnebitAdam, OnebitAdamNaive
+from ._onebit_lamb import OnebitLamb, onebit_lamb
 
 __all__ = [
     "CompAMS",
     "FreezeSchedule",
     "OnebitAdam",
     "OnebitAdamNaive",
+    "OnebitLamb",
     "OnebitOptimizer",
     "QAdam",
     "comp_ams",
     "onebit_adam",
+    "onebit_lamb",
 ]

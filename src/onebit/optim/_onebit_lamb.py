@@ -1,0 +1,279 @@
+"""1-bit LAMB (Li et al., 2022): LAMB warm-up, then 1-bit momentum with adaptive layer-wise
+coefficients (Algorithm 1, appendix A.5)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .. import comm
+from ._base import OnebitOptimizer, check_betas, check_nonneg
+from ._freeze import FreezeSchedule
+from ._functional import apply_update_
+
+__all__ = ["OnebitLamb", "lamb_coefficient", "onebit_lamb"]
+
+_log = logging.getLogger("onebit.optim")
+
+
+def lamb_coefficient(param: Tensor, update: Tensor, *, min_coeff: float, max_coeff: float) -> float:
+    """``clip(||x|| / ||u||, c_min, c_max)`` of eq. (1), the clip on the whole trust ratio
+    (footnote 3); ``1.0`` when either norm is zero (a zero-initialised bias, say)."""
+    x_norm = float(param.detach().float().norm())
+    u_norm = float(update.norm())
+    if x_norm == 0.0 or u_norm == 0.0:
+        return 1.0
+    return min(max(x_norm / u_norm, min_coeff), max_coeff)
+
+
+def onebit_lamb(
+    params: Sequence[Tensor],
+    offsets: Sequence[tuple[int, int]],
+    *,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    frozen_exp_avg_sq: Tensor,
+    last_exp_avg: Tensor,
+    coeff_avg: Tensor,
+    ratio: Tensor,
+    momentum_scale: Tensor,
+    exchange: Callable[[Tensor], object],
+    compressed: bool,
+    lrs: Sequence[float],
+    betas: Sequence[tuple[float, float]],
+    weight_decays: Sequence[float],
+    eps: float,
+    coeff_beta: float,
+    max_coeff: float,
+    min_coeff: float,
+    factor_max: float,
+    factor_min: float,
+    factor_threshold: float,
+) -> list[float]:
+    """One step of 1-bit LAMB over all parameters; returns each tensor's coefficient ``c_t``.
+
+    Warm-up: ``exchange(grad)`` averages the gradients, then LAMB, eq. (1), per tensor with
+    ``u = m / (sqrt(v) + eps) + wd x`` and ``c_avg <- b3 c_avg + (1 - b3) c_t`` (line 2).
+    Compression (lines 6-21): local momentum; momenta scaled by ``momentum_scale`` (A.5.2);
+    ``exchange(exp_avg)`` replaces the fused momentum (A.5.1) by its 1-bit average; unscale;
+    ``g = (m_t - b1 m_{t-1}) / (1 - b1)``; fresh ``v``; ``r = max(v_frozen / v)`` clipped to
+    ``(1 +- r_threshold) r_prev`` then ``[r_min, r_max]``; ``c = r c_avg``;
+    ``x <- x - lr c (m / (sqrt(v_frozen) + eps) + wd x)``.
+    """
+    coeffs = []
+    if not compressed:
+        exchange(grad)
+        for i, (p, (lo, hi)) in enumerate(zip(params, offsets)):
+            b1, b2 = betas[i]
+            g, m, v = grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi]
+            m.mul_(b1).add_(g, alpha=1.0 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
+            update = m / (v.sqrt() + eps)
+            if weight_decays[i]:
+                update.add_(p.detach().reshape(-1).float(), alpha=weight_decays[i])
+            c = lamb_coefficient(p, update, min_coeff=min_coeff, max_coeff=max_coeff)
+            coeff_avg[i] = coeff_beta * coeff_avg[i] + (1.0 - coeff_beta) * c
+            apply_update_(p, update, None, lr=lrs[i], weight_decay=0.0, step_size=lrs[i] * c)
+            coeffs.append(c)
+        return coeffs
+
+    last_exp_avg.copy_(exp_avg)
+    for i, (lo, hi) in enumerate(offsets):
+        b1 = betas[i][0]
+        exp_avg[lo:hi].mul_(b1).add_(grad[lo:hi], alpha=1.0 - b1).mul_(momentum_scale[i])
+    exchange(exp_avg)
+    for i, (p, (lo, hi)) in enumerate(zip(params, offsets)):
+        b1, b2 = betas[i]
+        m, v, v_frozen = exp_avg[lo:hi], exp_avg_sq[lo:hi], frozen_exp_avg_sq[lo:hi]
+        m.div_(momentum_scale[i])
+        g = (m - b1 * last_exp_avg[lo:hi]) / (1.0 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
+        seen = v > 0
+        r = float((v_frozen[seen] / v[seen]).max()) if bool(seen.any()) else float(ratio[i])
+        prev = float(ratio[i])
+        r = min(max(r, (1.0 - factor_threshold) * prev), (1.0 + factor_threshold) * prev)
+        r = min(max(r, factor_min), factor_max)
+        ratio[i] = r
+        c = r * float(coeff_avg[i])
+        update = m / (v_frozen.sqrt() + eps)
+        if weight_decays[i]:
+            update.add_(p.detach().reshape(-1).float(), alpha=weight_decays[i])
+        apply_update_(p, update, None, lr=lrs[i], weight_decay=0.0, step_size=lrs[i] * c)
+        coeffs.append(c)
+    return coeffs
+
+
+class OnebitLamb(OnebitOptimizer):
+    """1-bit LAMB (Algorithm 1 of Li et al., 2022). Use it WITHOUT DDP.
+
+    * Warm-up (steps ``1 .. freeze_step``): gradients averaged by an fp32 all-reduce, exact
+      LAMB, eq. (1), per tensor (each weight and bias its own trust ratio, clipped as a
+      whole to ``[min_coeff, max_coeff]``), and each tensor's moving average ``c_avg``.
+    * At the freeze: the variance is stored per tensor (``v_Tw``), ``c_avg`` stops moving,
+      and each tensor gets a momentum scale coefficient ``mean_l(s_l) / s_l`` with
+      ``s_l = ||m_l|| / sqrt(n_l)`` (A.5.2), so all layers reach the 1-bit exchange at a
+      similar scale.
+    * Compression: see :func:`onebit_lamb` -- one :class:`onebit.comm.CompressedAllReduce`
+      of the fused momentum (a view over all layers, A.5.1), fresh variance from the
+      reconstructed gradient, clipped scaling ratios.
+
+    Names follow DeepSpeed's ``OnebitLamb``: ``max_coeff``/``min_coeff`` are ``c_max``/``c_min``,
+    ``coeff_beta`` is ``beta_3``, ``factor_max``/``factor_min``/``factor_threshold`` are
+    ``r_max``/``r_min``/``r_threshold``. ``freeze_step="auto"`` uses 1-bit Adam's variance
+    criterion (the paper shows LAMB's variance stabilising the same way, section 3); the
+    other options are those of :class:`onebit.OnebitAdam`. Weight decay enters the update
+    inside the trust ratio, as in LAMB.
+    """
+
+    _flat_names = ("exp_avg", "exp_avg_sq", "frozen_exp_avg_sq", "last_exp_avg")
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        freeze_step: int | str = "auto",
+        max_coeff: float = 10.0,
+        min_coeff: float = 0.01,
+        coeff_beta: float = 0.9,
+        factor_max: float = 4.0,
+        factor_min: float = 0.5,
+        factor_threshold: float = 0.1,
+        group: dist.ProcessGroup | None = None,
+        *,
+        freeze_threshold: float = 0.96,
+        freeze_window: int | None = None,
+        min_freeze_step: int = 0,
+        max_freeze_step: int | None = None,
+        compressor: str = "sign",
+        timeout: float | timedelta | None = None,
+        broadcast_parameters: bool = True,
+    ) -> None:
+        check_nonneg("learning rate", lr)
+        beta2 = check_betas(betas)[1]
+        check_nonneg("epsilon", eps)
+        check_nonneg("weight_decay", weight_decay)
+        for name, value in (("max_coeff", max_coeff), ("min_coeff", min_coeff), ("factor_max", factor_max),
+                            ("factor_min", factor_min)):
+            if check_nonneg(name, value) == 0:
+                raise ValueError(f"Invalid {name} value: {value}")
+        if min_coeff > max_coeff:
+            raise ValueError(f"Invalid min_coeff value: {min_coeff} (greater than max_coeff={max_coeff})")
+        if factor_min > factor_max:
+            raise ValueError(f"Invalid factor_min value: {factor_min} (greater than factor_max={factor_max})")
+        if isinstance(coeff_beta, bool) or not isinstance(coeff_beta, (int, float)) or not 0.0 <= coeff_beta < 1.0:
+            raise ValueError(f"Invalid coeff_beta value: {coeff_beta!r} (must be in [0, 1))")
+        if isinstance(factor_threshold, bool) or not isinstance(factor_threshold, (int, float)) or not (
+            0.0 <= factor_threshold < 1.0
+        ):
+            raise ValueError(f"Invalid factor_threshold value: {factor_threshold!r} (must be in [0, 1))")
+        self.freeze = FreezeSchedule(
+            freeze_step,
+            threshold=freeze_threshold,
+            window=round(1.0 / (1.0 - beta2)) if freeze_window is None else freeze_window,
+            min_step=min_freeze_step,
+            max_step=max_freeze_step,
+        )
+        self.eps = float(eps)
+        self.options = {
+            "coeff_beta": float(coeff_beta),
+            "max_coeff": float(max_coeff),
+            "min_coeff": float(min_coeff),
+            "factor_max": float(factor_max),
+            "factor_min": float(factor_min),
+            "factor_threshold": float(factor_threshold),
+        }
+        super().__init__(
+            params,
+            {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay},
+            group=group,
+            timeout=timeout,
+            broadcast_parameters=broadcast_parameters,
+        )
+        n = len(self.flat.params)
+        self.coeff_avg = torch.zeros(n, dtype=torch.float64)
+        self.ratio = torch.ones(n, dtype=torch.float64)
+        self.momentum_scale = torch.ones(n, dtype=torch.float64)
+        self.last_coefficients: list[float] = []
+        self._grad = torch.zeros(self.flat.numel, dtype=torch.float32, device=self.flat.device)
+        self.allreduce = comm.CompressedAllReduce(compressor, group, timeout=self.timeout)
+        self._frozen_at: int | None = None
+
+    def _stage(self) -> str:
+        return "warmup" if self._frozen_at is None else "compressed"
+
+    def _freeze_step_stat(self) -> int | None:
+        return self._frozen_at
+
+    def _freeze(self, step: int) -> None:
+        """Line 3 and A.5.2: store v_Tw, fix c_avg, derive the momentum scale coefficients."""
+        self._frozen_at = step
+        b = self.flat.buffers
+        b["frozen_exp_avg_sq"].copy_(b["exp_avg_sq"])
+        scales = [float(b["exp_avg"][lo:hi].norm()) / math.sqrt(hi - lo) for lo, hi in self.flat.offsets]
+        positive = [s for s in scales if s > 0]
+        united = sum(positive) / len(positive) if positive else 1.0
+        self.momentum_scale = torch.tensor([united / s if s > 0 else 1.0 for s in scales], dtype=torch.float64)
+        _log.info("%s: warm-up ended at step %d; compression stage starts", type(self).__name__, step)
+
+    def _step(self) -> None:
+        self.flat.gather_grads(self._grad)
+        b = self.flat.buffers
+        compressed = self._frozen_at is not None
+        self.last_coefficients = onebit_lamb(
+            self.flat.params,
+            self.flat.offsets,
+            grad=self._grad,
+            exp_avg=b["exp_avg"],
+            exp_avg_sq=b["exp_avg_sq"],
+            frozen_exp_avg_sq=b["frozen_exp_avg_sq"],
+            last_exp_avg=b["last_exp_avg"],
+            coeff_avg=self.coeff_avg,
+            ratio=self.ratio,
+            momentum_scale=self.momentum_scale,
+            exchange=(lambda m: self.allreduce(m, out=m)) if compressed else self._allreduce,
+            compressed=compressed,
+            lrs=self._hyper("lr"),
+            betas=self._hyper("betas"),
+            weight_decays=self._hyper("weight_decay"),
+            eps=self.eps,
+            **self.options,
+        )
+        if not compressed:
+            l1 = float(b["exp_avg_sq"].abs().sum()) if self.freeze.auto else None
+            if self.freeze.should_freeze(self._step_count, l1):
+                self._freeze(self._step_count)
+
+    def _allreduce(self, buffer: Tensor) -> None:
+        comm.all_reduce_mean(buffer, self.process_group, self.timeout)
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {
+            "frozen_at": self._frozen_at,
+            "freeze": self.freeze.state_dict(),
+            "coeff_avg": self.coeff_avg.clone(),
+            "ratio": self.ratio.clone(),
+            "momentum_scale": self.momentum_scale.clone(),
+            "allreduce": self.allreduce.state_dict(),
+        }
+
+    def _load_extra_state(self, state: Mapping[str, Any], same_world: bool) -> None:
+        self.freeze.load_state_dict(state["freeze"])
+        self._frozen_at = state["frozen_at"]
+        self.coeff_avg = state["coeff_avg"].clone().to(torch.float64)
+        self.ratio = state["ratio"].clone().to(torch.float64)
+        self.momentum_scale = state["momentum_scale"].clone().to(torch.float64)
+        if same_world:
+            self.allreduce.load_state_dict(state["allreduce"])
+        else:
+            self.allreduce.reset()

@@ -1,0 +1,156 @@
+"""1-bit LAMB: warm-up == plain LAMB eq. (1), compression == plain Algorithm 1 + A.5, replicas, resume."""
+
+import io
+
+import pytest
+import torch
+
+import onebit
+from _harness import run_ranks
+from _oracle import SimulatedCompressedAllReduce
+from _problem import DIM, digest, grads, initial_params, teacher_student_loss
+
+SIZES = [DIM, 1]
+OPTS = dict(max_coeff=10.0, min_coeff=0.01, coeff_beta=0.9, factor_max=4.0, factor_min=0.5, factor_threshold=0.1)
+
+
+def _train(rank, world, steps, kwargs, resume_at=None):
+    params = [p.clone().requires_grad_() for p in initial_params()]
+    opt = onebit.OnebitLamb(params, **kwargs)
+    digests, ratios = [], []
+    for step in range(1, steps + 1):
+        for p, g in zip(params, grads([p.detach() for p in params], rank, step)):
+            p.grad = g
+        opt.step()
+        digests.append(digest(params))
+        ratios.append(opt.ratio.tolist())
+        if step == resume_at:
+            buf = io.BytesIO()
+            torch.save({"opt": opt.state_dict(), "params": [p.detach().clone() for p in params]}, buf)
+            buf.seek(0)
+            ckpt = torch.load(buf, weights_only=True)
+            params = [p.clone().requires_grad_() for p in ckpt["params"]]
+            opt = onebit.OnebitLamb(params, **kwargs)
+            opt.load_state_dict(ckpt["opt"])
+    return {"params": [p.detach() for p in params], "digests": digests, "ratios": ratios, "stats": opt.stats}
+
+
+def _trust(x, u, cmin, cmax):
+    xn, un = x.norm(), u.norm()
+    return 1.0 if xn == 0 or un == 0 else float(torch.clamp(xn / un, cmin, cmax))
+
+
+def _plain(world, steps, freeze, lr, b1, b2, eps, wd, o=OPTS):
+    """LAMB eq. (1) for `freeze` steps, then Algorithm 1 with momentum fusion and scaling (A.5)."""
+    xs = [p.clone() for p in initial_params()]
+    m = [torch.zeros_like(x) for x in xs]
+    v = [torch.zeros_like(x) for x in xs]
+    c_avg = [0.0 for _ in xs]
+    r = [1.0 for _ in xs]
+    car = SimulatedCompressedAllReduce(world, sum(SIZES))
+    ratios = []
+    for t in range(1, steps + 1):
+        per_rank = [grads(xs, i, t) for i in range(world)]
+        if t <= freeze:
+            for l in range(len(xs)):
+                g = sum(pr[l] for pr in per_rank) / world
+                m[l] = b1 * m[l] + (1 - b1) * g
+                v[l] = b2 * v[l] + (1 - b2) * g * g
+                u = m[l] / (v[l].sqrt() + eps) + wd * xs[l]
+                c = _trust(xs[l], u, o["min_coeff"], o["max_coeff"])
+                c_avg[l] = o["coeff_beta"] * c_avg[l] + (1 - o["coeff_beta"]) * c
+                xs[l] = xs[l] - lr * c * u
+            if t == freeze:
+                v_frozen = [vv.clone() for vv in v]
+                s = [float(mm.norm()) / mm.numel() ** 0.5 for mm in m]
+                scale = [(sum(s) / len(s)) / sl for sl in s]
+        else:
+            local = [torch.cat([(b1 * m[l] + (1 - b1) * per_rank[i][l]) * scale[l] for l in range(len(xs))])
+                     for i in range(world)]
+            fused = car(local)
+            new_m = [part / scale[l] for l, part in enumerate(torch.split(fused, SIZES))]
+            for l in range(len(xs)):
+                g = (new_m[l] - b1 * m[l]) / (1 - b1)
+                v[l] = b2 * v[l] + (1 - b2) * g * g
+                rr = float((v_frozen[l] / v[l]).max())
+                rr = min(max(rr, (1 - o["factor_threshold"]) * r[l]), (1 + o["factor_threshold"]) * r[l])
+                r[l] = min(max(rr, o["factor_min"]), o["factor_max"])
+                u = new_m[l] / (v_frozen[l].sqrt() + eps) + wd * xs[l]
+                xs[l] = xs[l] - lr * r[l] * c_avg[l] * u
+            m = new_m
+        ratios.append(list(r))
+    return xs, ratios
+
+
+def _close(got, want, tol):
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w, rtol=tol, atol=tol), (g - w).abs().max()
+
+
+def test_warmup_equals_plain_lamb():
+    kw = dict(lr=0.01, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.01)
+    res = run_ranks(_train, 2, 8, dict(kw, freeze_step=100))
+    expect, _ = _plain(2, 8, 100, 0.01, 0.9, 0.99, 1e-6, 0.01)
+    _close(res[0]["params"], expect, 1e-5)
+    assert res[0]["digests"] == res[1]["digests"]
+
+
+def test_compression_matches_algorithm_1_ratios_bounded_replicas_identical():
+    world = 3
+    kw = dict(lr=0.01, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0, freeze_step=5)
+    res = run_ranks(_train, world, 16, kw)
+    expect, ratios = _plain(world, 16, 5, 0.01, 0.9, 0.99, 1e-8, 0.0)
+    for r in res:
+        assert r["digests"] == res[0]["digests"]
+        _close(r["params"], expect, 1e-4)
+    got_ratios = res[0]["ratios"]
+    assert torch.allclose(torch.tensor(got_ratios, dtype=torch.float64), torch.tensor(ratios, dtype=torch.float64), rtol=1e-4)
+    prev = [1.0, 1.0]
+    for row in got_ratios:
+        for r, p in zip(row, prev):
+            assert 0.5 <= r <= 4.0
+            assert abs(r - p) <= 0.1 * p + 1e-12
+        prev = row
+    assert res[0]["stats"]["freeze_step"] == 5 and res[0]["stats"]["stage"] == "compressed"
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_resume_mid_compression_is_bit_exact(world):
+    kw = dict(lr=0.01, freeze_step=4)
+    if world == 1:
+        pairs = [(_train(0, 1, 12, kw), _train(0, 1, 12, kw, resume_at=7))]
+    else:
+        pairs = list(zip(run_ranks(_train, 2, 12, kw), run_ranks(_train, 2, 12, kw, 7)))
+    for a, b in pairs:
+        assert a["digests"] == b["digests"]
+
+
+def _loss(rank, world, freeze, steps):
+    return teacher_student_loss(lambda p: onebit.OnebitLamb(p, lr=3e-3, freeze_step=freeze), steps, 128, rank)
+
+
+def test_large_batch_converges_near_lamb():
+    steps = 400
+    onebit_loss = run_ranks(_loss, 2, 160, steps)
+    lamb_loss = teacher_student_loss(lambda p: onebit.OnebitLamb(p, lr=3e-3, freeze_step=10**9), steps, 256, 0)
+    assert onebit_loss[0] == onebit_loss[1]
+    assert onebit_loss[0] <= 1.05 * lamb_loss, (onebit_loss, lamb_loss)
+
+
+def test_bad_arguments():
+    p = [torch.nn.Parameter(torch.ones(2))]
+    cases = [
+        (dict(factor_min=5.0, factor_max=4.0), "Invalid factor_min value: 5.0 (greater than factor_max=4.0)"),
+        (dict(min_coeff=11.0), "Invalid min_coeff value: 11.0 (greater than max_coeff=10.0)"),
+        (dict(coeff_beta=1.0), "Invalid coeff_beta value: 1.0 (must be in [0, 1))"),
+        (dict(coeff_beta=-0.1), "Invalid coeff_beta value: -0.1 (must be in [0, 1))"),
+        (dict(factor_threshold=1.5), "Invalid factor_threshold value: 1.5 (must be in [0, 1))"),
+        (dict(max_coeff=0.0), "Invalid max_coeff value: 0.0"),
+        (dict(lr=-1.0), "Invalid learning rate value: -1.0"),
+        (dict(betas=(1.0, 0.9)), "Invalid beta parameter at index 0: 1.0"),
+        (dict(freeze_step=-1), "Invalid freeze_step value: -1"),
+    ]
+    for kwargs, msg in cases:
+        with pytest.raises(ValueError) as exc:
+            onebit.OnebitLamb(p, **kwargs)
+        assert msg in str(exc.value)
