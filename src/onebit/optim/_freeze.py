@@ -14,13 +14,18 @@ decision on the same step without another collective.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
+from torch import Tensor
+
 from ._base import check_positive
 
-__all__ = ["FreezeSchedule"]
+__all__ = ["FreezeSchedule", "TwoStage"]
+
+_log = logging.getLogger("onebit.optim")
 
 
 class FreezeSchedule:
@@ -78,3 +83,55 @@ class FreezeSchedule:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.history = deque((float(v) for v in state["history"]), maxlen=self.window + 1)
+
+
+class TwoStage:
+    """Warm-up → compression bookkeeping shared by 1-bit Adam and 1-bit LAMB (a mixin for
+    :class:`onebit.optim.OnebitOptimizer` subclasses, which provide ``_step_count``)."""
+
+    freeze: FreezeSchedule
+    _frozen_at: int | None
+    _step_count: int
+
+    def _init_two_stage(
+        self,
+        freeze_step: int | str,
+        beta2: float,
+        *,
+        threshold: float,
+        window: int | None,
+        min_step: int,
+        max_step: int | None,
+    ) -> None:
+        self.freeze = FreezeSchedule(
+            freeze_step,
+            threshold=threshold,
+            window=round(1.0 / (1.0 - beta2)) if window is None else window,
+            min_step=min_step,
+            max_step=max_step,
+        )
+        self._frozen_at = None
+
+    def _stage(self) -> str:
+        return "warmup" if self._frozen_at is None else "compressed"
+
+    def _freeze_step_stat(self) -> int | None:
+        return self._frozen_at
+
+    def _after_warmup_step(self, variance: Tensor) -> None:
+        """Feed the criterion ``||v||_1``; on the decision, record the step and call ``_on_freeze``."""
+        l1 = float(variance.abs().sum()) if self.freeze.auto else None
+        if self.freeze.should_freeze(self._step_count, l1):
+            self._frozen_at = self._step_count
+            _log.info("%s: warm-up ended at step %d; compression stage starts", type(self).__name__, self._frozen_at)
+            self._on_freeze()
+
+    def _on_freeze(self) -> None:
+        raise NotImplementedError
+
+    def _two_stage_state(self) -> dict[str, Any]:
+        return {"frozen_at": self._frozen_at, "freeze": self.freeze.state_dict()}
+
+    def _load_two_stage_state(self, state: Mapping[str, Any]) -> None:
+        self.freeze.load_state_dict(state["freeze"])
+        self._frozen_at = state["frozen_at"]

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from .. import comm
 from ._base import OnebitOptimizer, check_betas, check_nonneg
-from ._freeze import FreezeSchedule
+from ._freeze import TwoStage
 from ._functional import adam_denominator, onebit_adam
 
 __all__ = ["OnebitAdam", "OnebitAdamNaive"]
@@ -96,7 +96,7 @@ class _AdamFamily(OnebitOptimizer):
         comm.all_reduce_mean(buffer, self.process_group, self.timeout)
 
 
-class OnebitAdam(_AdamFamily):
+class OnebitAdam(TwoStage, _AdamFamily):
     """1-bit Adam (Algorithm 1 of Tang et al., 2021). Use it WITHOUT DDP.
 
     * Warm-up (steps ``1 .. freeze_step``): gradients are averaged with a full-precision
@@ -155,11 +155,11 @@ class OnebitAdam(_AdamFamily):
         timeout: float | timedelta | None = None,
         broadcast_parameters: bool = True,
     ) -> None:
-        beta2 = check_betas(betas)[1]
-        self.freeze = FreezeSchedule(
+        self._init_two_stage(
             freeze_step,
+            check_betas(betas)[1],
             threshold=freeze_threshold,
-            window=round(1.0 / (1.0 - beta2)) if freeze_window is None else freeze_window,
+            window=freeze_window,
             min_step=min_freeze_step,
             max_step=max_freeze_step,
         )
@@ -175,21 +175,12 @@ class OnebitAdam(_AdamFamily):
             broadcast_parameters=broadcast_parameters,
         )
         self.allreduce = comm.CompressedAllReduce(compressor, group, timeout=self.timeout)
-        self._frozen_at: int | None = None
         self._denom: Tensor | None = None
         self._unused: Tensor | None = None
 
-    def _stage(self) -> str:
-        return "warmup" if self._frozen_at is None else "compressed"
-
-    def _freeze_step_stat(self) -> int | None:
-        return self._frozen_at
-
-    def _freeze(self, step: int) -> None:
-        """Freeze the variance after warm-up step ``step`` (Algorithm 1 line 2)."""
-        self._frozen_at = step
+    def _on_freeze(self) -> None:
+        """Freeze the variance (Algorithm 1 line 2)."""
         self._denom = self._frozen_denominator()
-        _log.info("%s: warm-up ended at step %d; compression stage starts", type(self).__name__, step)
         if self._unused is not None:
             _log.info(
                 "%s: %d values had a zero gradient through the warm-up; their momentum is held at zero",
@@ -220,22 +211,15 @@ class OnebitAdam(_AdamFamily):
         self._collect()
         if self._frozen_at is None:
             self._run(exchange=self._allreduce, compressed=False, frozen_denom=None)
-            l1 = float(self.flat.buffers["exp_avg_sq"].abs().sum()) if self.freeze.auto else None
-            if self.freeze.should_freeze(self._step_count, l1):
-                self._freeze(self._step_count)
+            self._after_warmup_step(self.flat.buffers["exp_avg_sq"])
         else:
             self._run(exchange=self._exchange_momentum, compressed=True, frozen_denom=self._denom)
 
     def _extra_state(self) -> dict[str, Any]:
-        return {
-            "frozen_at": self._frozen_at,
-            "freeze": self.freeze.state_dict(),
-            "allreduce": self.allreduce.state_dict(),
-        }
+        return {**self._two_stage_state(), "allreduce": self.allreduce.state_dict()}
 
     def _load_extra_state(self, state: Mapping[str, Any], same_world: bool) -> None:
-        self.freeze.load_state_dict(state["freeze"])
-        self._frozen_at = state["frozen_at"]
+        self._load_two_stage_state(state)
         self._denom = None if self._frozen_at is None else self._frozen_denominator()
         _load_collective(self.allreduce, state["allreduce"], same_world)
 

@@ -3,7 +3,6 @@ coefficients (Algorithm 1, appendix A.5)."""
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
@@ -15,12 +14,10 @@ from torch import Tensor
 
 from .. import comm
 from ._base import OnebitOptimizer, check_betas, check_nonneg
-from ._freeze import FreezeSchedule
+from ._freeze import TwoStage
 from ._functional import apply_update_
 
 __all__ = ["OnebitLamb", "lamb_coefficient", "onebit_lamb"]
-
-_log = logging.getLogger("onebit.optim")
 
 
 def lamb_coefficient(param: Tensor, update: Tensor, *, min_coeff: float, max_coeff: float) -> float:
@@ -111,7 +108,7 @@ def onebit_lamb(
     return coeffs
 
 
-class OnebitLamb(OnebitOptimizer):
+class OnebitLamb(TwoStage, OnebitOptimizer):
     """1-bit LAMB (Algorithm 1 of Li et al., 2022). Use it WITHOUT DDP.
 
     * Warm-up (steps ``1 .. freeze_step``): gradients averaged by an fp32 all-reduce, exact
@@ -177,10 +174,11 @@ class OnebitLamb(OnebitOptimizer):
             0.0 <= factor_threshold < 1.0
         ):
             raise ValueError(f"Invalid factor_threshold value: {factor_threshold!r} (must be in [0, 1))")
-        self.freeze = FreezeSchedule(
+        self._init_two_stage(
             freeze_step,
+            beta2,
             threshold=freeze_threshold,
-            window=round(1.0 / (1.0 - beta2)) if freeze_window is None else freeze_window,
+            window=freeze_window,
             min_step=min_freeze_step,
             max_step=max_freeze_step,
         )
@@ -207,24 +205,15 @@ class OnebitLamb(OnebitOptimizer):
         self.last_coefficients: list[float] = []
         self._grad = torch.zeros(self.flat.numel, dtype=torch.float32, device=self.flat.device)
         self.allreduce = comm.CompressedAllReduce(compressor, group, timeout=self.timeout)
-        self._frozen_at: int | None = None
 
-    def _stage(self) -> str:
-        return "warmup" if self._frozen_at is None else "compressed"
-
-    def _freeze_step_stat(self) -> int | None:
-        return self._frozen_at
-
-    def _freeze(self, step: int) -> None:
-        """Line 3 and A.5.2: store v_Tw, fix c_avg, derive the momentum scale coefficients."""
-        self._frozen_at = step
+    def _on_freeze(self) -> None:
+        """Line 3 and A.5.2: store v_Tw (c_avg stops moving), derive the momentum scale coefficients."""
         b = self.flat.buffers
         b["frozen_exp_avg_sq"].copy_(b["exp_avg_sq"])
         scales = [float(b["exp_avg"][lo:hi].norm()) / math.sqrt(hi - lo) for lo, hi in self.flat.offsets]
         positive = [s for s in scales if s > 0]
         united = sum(positive) / len(positive) if positive else 1.0
         self.momentum_scale = torch.tensor([united / s if s > 0 else 1.0 for s in scales], dtype=torch.float64)
-        _log.info("%s: warm-up ended at step %d; compression stage starts", type(self).__name__, step)
 
     def _step(self) -> None:
         self.flat.gather_grads(self._grad)
@@ -250,17 +239,14 @@ class OnebitLamb(OnebitOptimizer):
             **self.options,
         )
         if not compressed:
-            l1 = float(b["exp_avg_sq"].abs().sum()) if self.freeze.auto else None
-            if self.freeze.should_freeze(self._step_count, l1):
-                self._freeze(self._step_count)
+            self._after_warmup_step(b["exp_avg_sq"])
 
     def _allreduce(self, buffer: Tensor) -> None:
         comm.all_reduce_mean(buffer, self.process_group, self.timeout)
 
     def _extra_state(self) -> dict[str, Any]:
         return {
-            "frozen_at": self._frozen_at,
-            "freeze": self.freeze.state_dict(),
+            **self._two_stage_state(),
             "coeff_avg": self.coeff_avg.clone(),
             "ratio": self.ratio.clone(),
             "momentum_scale": self.momentum_scale.clone(),
@@ -268,8 +254,7 @@ class OnebitLamb(OnebitOptimizer):
         }
 
     def _load_extra_state(self, state: Mapping[str, Any], same_world: bool) -> None:
-        self.freeze.load_state_dict(state["freeze"])
-        self._frozen_at = state["frozen_at"]
+        self._load_two_stage_state(state)
         self.coeff_avg = state["coeff_avg"].clone().to(torch.float64)
         self.ratio = state["ratio"].clone().to(torch.float64)
         self.momentum_scale = state["momentum_scale"].clone().to(torch.float64)
