@@ -55,3 +55,35 @@ def teacher_student_loss(make_optimizer, steps: int, batch: int = 32, data_seed:
     xe = torch.randn(2048, 16, generator=torch.Generator().manual_seed(99))
     with torch.no_grad():
         return float(torch.nn.functional.mse_loss(model(xe), target(xe)))
+
+
+def run_problem(make_optimizer, rank: int, steps: int, resume_at: int | None = None, record=None) -> dict:
+    """Step ``make_optimizer(params)`` on rank ``rank``'s least-squares gradients for ``steps`` steps.
+
+    With ``resume_at``, the optimizer and parameters go through ``torch.save`` /
+    ``torch.load(weights_only=True)`` into fresh objects after that step. Returns the final
+    parameters, a digest and ``opt.stats`` per step, and ``record(opt)`` per step if given.
+    """
+    import io
+
+    params = [p.clone().requires_grad_() for p in initial_params()]
+    opt = make_optimizer(params)
+    out = {"digests": [], "stats": [], "records": []}
+    for step in range(1, steps + 1):
+        for p, g in zip(params, grads([p.detach() for p in params], rank, step)):
+            p.grad = g
+        opt.step()
+        out["digests"].append(digest(params))
+        out["stats"].append(dict(opt.stats))
+        if record is not None:
+            out["records"].append(record(opt))
+        if step == resume_at:
+            buf = io.BytesIO()
+            torch.save({"opt": opt.state_dict(), "params": [p.detach().clone() for p in params]}, buf)
+            buf.seek(0)
+            ckpt = torch.load(buf, weights_only=True)
+            params = [p.clone().requires_grad_() for p in ckpt["params"]]
+            opt = make_optimizer(params)
+            opt.load_state_dict(ckpt["opt"])
+    out["params"] = [p.detach() for p in params]
+    return out

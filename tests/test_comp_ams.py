@@ -1,6 +1,5 @@
 """Comp-AMS and QAdam: against AMSGrad / plain Algorithms 2 and 4, replicas, bytes, resume."""
 
-import io
 import math
 
 import pytest
@@ -8,31 +7,16 @@ import torch
 
 import onebit
 from _harness import run_ranks
-from _problem import DIM, digest, grads, initial_params, teacher_student_loss
+from _problem import DIM, grads, initial_params, run_problem, teacher_student_loss
 
 SIZES = [DIM, 1]
 
 
 def _train(rank, world, cls_name, steps, kwargs, resume_at=None):
     cls = getattr(onebit, cls_name)
-    params = [p.clone().requires_grad_() for p in initial_params()]
-    opt = cls(params, **kwargs)
-    digests, sent = [], []
-    for step in range(1, steps + 1):
-        for p, g in zip(params, grads([p.detach() for p in params], rank, step)):
-            p.grad = g
-        opt.step()
-        digests.append(digest(params))
-        sent.append(opt.stats["bytes_sent"])
-        if step == resume_at:
-            buf = io.BytesIO()
-            torch.save({"opt": opt.state_dict(), "params": [p.detach().clone() for p in params]}, buf)
-            buf.seek(0)
-            ckpt = torch.load(buf, weights_only=True)
-            params = [p.clone().requires_grad_() for p in ckpt["params"]]
-            opt = cls(params, **kwargs)
-            opt.load_state_dict(ckpt["opt"])
-    return {"params": [p.detach() for p in params], "digests": digests, "sent": sent}
+    out = run_problem(lambda params: cls(params, **kwargs), rank, steps, resume_at)
+    out["sent"] = [s["bytes_sent"] for s in out["stats"]]
+    return out
 
 
 # ---------------------------------------------------------------- plain oracles from the paper

@@ -1,6 +1,5 @@
 """1-bit Adam: warm-up == AdamW, compression == a plain n-worker Algorithm 1, replicas, resume."""
 
-import io
 import logging
 import math
 
@@ -10,30 +9,13 @@ import torch
 import onebit
 from _harness import run_ranks
 from _oracle import SimulatedCompressedAllReduce
-from _problem import DIM, teacher_student_loss
+from _problem import DIM, run_problem, teacher_student_loss
 from _problem import digest as _digest
 from _problem import grads as _grads
 from _problem import initial_params as _params
 
 def _train(rank, world, steps, opt_kwargs, resume_at=None):
-    params = [p.clone().requires_grad_() for p in _params()]
-    opt = onebit.OnebitAdam(params, **opt_kwargs)
-    digests, stats = [], []
-    for step in range(1, steps + 1):
-        for p, g in zip(params, _grads([p.detach() for p in params], rank, step)):
-            p.grad = g
-        opt.step()
-        digests.append(_digest(params))
-        stats.append(dict(opt.stats))
-        if step == resume_at:
-            buf = io.BytesIO()
-            torch.save({"opt": opt.state_dict(), "params": [p.detach().clone() for p in params]}, buf)
-            buf.seek(0)
-            ckpt = torch.load(buf, weights_only=True)
-            params = [p.clone().requires_grad_() for p in ckpt["params"]]
-            opt = onebit.OnebitAdam(params, **opt_kwargs)
-            opt.load_state_dict(ckpt["opt"])
-    return {"params": [p.detach() for p in params], "digests": digests, "stats": stats}
+    return run_problem(lambda params: onebit.OnebitAdam(params, **opt_kwargs), rank, steps, resume_at)
 
 
 # ---------------------------------------------------------------- plain oracles from the paper

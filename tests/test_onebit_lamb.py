@@ -1,38 +1,24 @@
 """1-bit LAMB: warm-up == plain LAMB eq. (1), compression == plain Algorithm 1 + A.5, replicas, resume."""
 
-import io
-
 import pytest
 import torch
 
 import onebit
 from _harness import run_ranks
 from _oracle import SimulatedCompressedAllReduce
-from _problem import DIM, digest, grads, initial_params, teacher_student_loss
+from _problem import DIM, grads, initial_params, run_problem, teacher_student_loss
 
 SIZES = [DIM, 1]
 OPTS = dict(max_coeff=10.0, min_coeff=0.01, coeff_beta=0.9, factor_max=4.0, factor_min=0.5, factor_threshold=0.1)
 
 
 def _train(rank, world, steps, kwargs, resume_at=None):
-    params = [p.clone().requires_grad_() for p in initial_params()]
-    opt = onebit.OnebitLamb(params, **kwargs)
-    digests, ratios = [], []
-    for step in range(1, steps + 1):
-        for p, g in zip(params, grads([p.detach() for p in params], rank, step)):
-            p.grad = g
-        opt.step()
-        digests.append(digest(params))
-        ratios.append(opt.ratio.tolist())
-        if step == resume_at:
-            buf = io.BytesIO()
-            torch.save({"opt": opt.state_dict(), "params": [p.detach().clone() for p in params]}, buf)
-            buf.seek(0)
-            ckpt = torch.load(buf, weights_only=True)
-            params = [p.clone().requires_grad_() for p in ckpt["params"]]
-            opt = onebit.OnebitLamb(params, **kwargs)
-            opt.load_state_dict(ckpt["opt"])
-    return {"params": [p.detach() for p in params], "digests": digests, "ratios": ratios, "stats": opt.stats}
+    out = run_problem(
+        lambda params: onebit.OnebitLamb(params, **kwargs), rank, steps, resume_at, record=lambda opt: opt.ratio.tolist()
+    )
+    out["ratios"] = out["records"]
+    out["stats"] = out["stats"][-1]
+    return out
 
 
 def _trust(x, u, cmin, cmax):
