@@ -178,3 +178,8 @@ def test_bad_arguments():
     for cls, kwargs, exc, msg in cases:
         with pytest.raises(exc, match=msg):
             cls(p, **kwargs)
+    for cls in (onebit.CompAMS, onebit.QAdam, onebit.OnebitLamb, onebit.OnebitAdam):
+        with pytest.raises(ValueError, match="Invalid learning rate value: -1.0"):
+            cls([{"params": p, "lr": -1.0}])
+        with pytest.raises(ValueError, match="Invalid beta parameter at index 1: 1.5"):
+            cls([{"params": p, "betas": (0.9, 1.5)}])

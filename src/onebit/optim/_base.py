@@ -23,7 +23,7 @@ from torch.optim import Optimizer
 from .. import comm
 from ..comm import _dist
 
-__all__ = ["FlatState", "OnebitOptimizer", "check_betas", "check_nonneg", "check_positive"]
+__all__ = ["FlatState", "OnebitOptimizer", "check_adam_args", "check_betas", "check_nonneg", "check_positive"]
 
 _log = logging.getLogger("onebit.optim")
 
@@ -49,6 +49,15 @@ def check_betas(betas: object) -> tuple[float, float]:
         if not 0.0 <= b < 1.0:
             raise ValueError(f"Invalid beta parameter at index {i}: {b}")
     return float(betas[0]), float(betas[1])
+
+
+def check_adam_args(lr: object, betas: object, eps: object, weight_decay: object) -> tuple[float, float]:
+    """Validate the options every Adam-like optimizer takes; returns the betas."""
+    check_nonneg("learning rate", lr)
+    parsed = check_betas(betas)
+    check_nonneg("epsilon", eps)
+    check_nonneg("weight_decay", weight_decay)
+    return parsed
 
 
 class FlatState:
@@ -108,6 +117,14 @@ class OnebitOptimizer(Optimizer):
         broadcast_parameters: bool,
     ) -> None:
         super().__init__(params, defaults)
+        # Param groups may override the defaults: validate what each group will use.
+        for g in self.param_groups:
+            if "lr" in g:
+                check_nonneg("learning rate", g["lr"])
+            if "betas" in g:
+                check_betas(g["betas"])
+            if "weight_decay" in g:
+                check_nonneg("weight_decay", g["weight_decay"])
         self.process_group = group
         self.timeout = _dist.to_timedelta(timeout)
         self.world_size = comm.get_world_size(group)
@@ -196,6 +213,18 @@ class OnebitOptimizer(Optimizer):
 
     def _step(self) -> None:
         raise NotImplementedError
+
+    def _allreduce(self, buffer: Tensor) -> Tensor:
+        """Exact fp32 average over the group, in place (the warm-up exchange)."""
+        return comm.all_reduce_mean(buffer, self.process_group, self.timeout)
+
+    @staticmethod
+    def _restore_collective(collective: Any, state: Mapping[str, Any], same_world: bool) -> None:
+        """Restore a compressed collective's errors, or restart them at zero after a world-size change."""
+        if same_world:
+            collective.load_state_dict(state)
+        else:
+            collective.reset()
 
     def _extra_state(self) -> dict[str, Any]:
         return {}

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from .. import comm
 from ..compress import BlockSignCompressor, Compressor, TopKCompressor, UniformCompressor
-from ._base import OnebitOptimizer, check_betas, check_nonneg
+from ._base import OnebitOptimizer, check_adam_args
 from ._functional import apply_update_
 
 __all__ = ["CompAMS", "QAdam", "comp_ams"]
@@ -68,26 +68,19 @@ class _GradientExchange(OnebitOptimizer):
 
     def _average(self, buffer: Tensor) -> Tensor:
         if self.exchange is None:
-            return comm.all_reduce_mean(buffer, self.process_group, self.timeout)
+            return self._allreduce(buffer)
         return self.exchange(buffer, out=buffer)
 
     def _extra_state(self) -> dict[str, Any]:
         return {} if self.exchange is None else {"exchange": self.exchange.state_dict()}
 
     def _load_extra_state(self, state: Mapping[str, Any], same_world: bool) -> None:
-        if self.exchange is None:
-            return
-        if same_world:
-            self.exchange.load_state_dict(state["exchange"])
-        else:
-            self.exchange.reset()
+        if self.exchange is not None:
+            self._restore_collective(self.exchange, state["exchange"], same_world)
 
 
 def _check_common(lr: float, betas: object, eps: float, weight_decay: float, error_feedback: object) -> None:
-    check_nonneg("learning rate", lr)
-    check_betas(betas)
-    check_nonneg("epsilon", eps)
-    check_nonneg("weight_decay", weight_decay)
+    check_adam_args(lr, betas, eps, weight_decay)
     if not isinstance(error_feedback, bool):
         raise TypeError(f"Invalid error_feedback value: {error_feedback!r} (expected a bool)")
 

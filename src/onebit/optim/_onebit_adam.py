@@ -12,21 +12,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import comm
-from ._base import OnebitOptimizer, check_betas, check_nonneg
+from ._base import OnebitOptimizer, check_adam_args, check_betas
 from ._freeze import TwoStage
 from ._functional import adam_denominator, onebit_adam
 
 __all__ = ["OnebitAdam", "OnebitAdamNaive"]
 
 _log = logging.getLogger("onebit.optim")
-
-
-def _load_collective(collective: comm.CompressedAllReduce, state: Mapping[str, Any], same_world: bool) -> None:
-    """Restore a collective's errors, or restart them at zero after a world-size change."""
-    if same_world:
-        collective.load_state_dict(state)
-    else:
-        collective.reset()
 
 
 class _AdamFamily(OnebitOptimizer):
@@ -47,10 +39,7 @@ class _AdamFamily(OnebitOptimizer):
         timeout: float | timedelta | None,
         broadcast_parameters: bool,
     ) -> None:
-        check_nonneg("learning rate", lr)
-        check_betas(betas)
-        check_nonneg("epsilon", eps)
-        check_nonneg("weight_decay", weight_decay)
+        check_adam_args(lr, betas, eps, weight_decay)
         if not isinstance(bias_correction, bool):
             raise TypeError(f"Invalid bias_correction value: {bias_correction!r} (expected a bool)")
         self.bias_correction = bias_correction
@@ -59,10 +48,6 @@ class _AdamFamily(OnebitOptimizer):
         super().__init__(
             params, defaults, group=group, timeout=timeout, broadcast_parameters=broadcast_parameters
         )
-        for g in self.param_groups:
-            check_nonneg("learning rate", g["lr"])
-            check_betas(g["betas"])
-            check_nonneg("weight_decay", g["weight_decay"])
         for p in self.flat.params:
             if not p.is_contiguous():
                 raise ValueError(f"parameters must be contiguous, got one of shape {tuple(p.shape)} with strides {p.stride()}")
@@ -91,9 +76,6 @@ class _AdamFamily(OnebitOptimizer):
             eps=self.eps,
             bias_correction=self.bias_correction,
         )
-
-    def _allreduce(self, buffer: Tensor) -> None:
-        comm.all_reduce_mean(buffer, self.process_group, self.timeout)
 
 
 class OnebitAdam(TwoStage, _AdamFamily):
@@ -221,7 +203,7 @@ class OnebitAdam(TwoStage, _AdamFamily):
     def _load_extra_state(self, state: Mapping[str, Any], same_world: bool) -> None:
         self._load_two_stage_state(state)
         self._denom = None if self._frozen_at is None else self._frozen_denominator()
-        _load_collective(self.allreduce, state["allreduce"], same_world)
+        self._restore_collective(self.allreduce, state["allreduce"], same_world)
 
 
 class OnebitAdamNaive(_AdamFamily):
@@ -275,4 +257,4 @@ class OnebitAdamNaive(_AdamFamily):
         return {"allreduce": self.allreduce.state_dict()}
 
     def _load_extra_state(self, state: Mapping[str, Any], same_world: bool) -> None:
-        _load_collective(self.allreduce, state["allreduce"], same_world)
+        self._restore_collective(self.allreduce, state["allreduce"], same_world)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import comm
-from ._base import OnebitOptimizer, check_betas, check_nonneg
+from ._base import OnebitOptimizer, check_adam_args, check_nonneg
 from ._freeze import TwoStage
 from ._functional import apply_update_
 
@@ -156,10 +156,7 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
         timeout: float | timedelta | None = None,
         broadcast_parameters: bool = True,
     ) -> None:
-        check_nonneg("learning rate", lr)
-        beta2 = check_betas(betas)[1]
-        check_nonneg("epsilon", eps)
-        check_nonneg("weight_decay", weight_decay)
+        beta2 = check_adam_args(lr, betas, eps, weight_decay)[1]
         for name, value in (("max_coeff", max_coeff), ("min_coeff", min_coeff), ("factor_max", factor_max),
                             ("factor_min", factor_min)):
             if check_nonneg(name, value) == 0:
@@ -241,9 +238,6 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
         if not compressed:
             self._after_warmup_step(b["exp_avg_sq"])
 
-    def _allreduce(self, buffer: Tensor) -> None:
-        comm.all_reduce_mean(buffer, self.process_group, self.timeout)
-
     def _extra_state(self) -> dict[str, Any]:
         return {
             **self._two_stage_state(),
@@ -258,7 +252,4 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
         self.coeff_avg = state["coeff_avg"].clone().to(torch.float64)
         self.ratio = state["ratio"].clone().to(torch.float64)
         self.momentum_scale = state["momentum_scale"].clone().to(torch.float64)
-        if same_world:
-            self.allreduce.load_state_dict(state["allreduce"])
-        else:
-            self.allreduce.reset()
+        self._restore_collective(self.allreduce, state["allreduce"], same_world)
