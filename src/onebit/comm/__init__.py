@@ -1,6 +1,7 @@
 """Collectives: the only package that calls ``torch.distributed``."""
 
 from ._compressed import CompressedAllGather, CompressedAllReduce, chunk_bounds
+from ._hierarchical import HierarchicalAllReduce, compressed_allreduce
 from ._dist import (
     DEFAULT_TIMEOUT,
     CollectiveError,
@@ -17,10 +18,12 @@ __all__ = [
     "CollectiveError",
     "CompressedAllGather",
     "CompressedAllReduce",
+    "HierarchicalAllReduce",
     "Meter",
     "all_reduce_mean",
     "broadcast",
     "chunk_bounds",
+    "compressed_allreduce",
     "get_rank",
     "get_world_size",
     "is_distributed",

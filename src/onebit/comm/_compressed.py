@@ -148,6 +148,12 @@ class CompressedAllReduce(_Sized):
     initialised process group it behaves as world size 1 (it still compresses).
     """
 
+    # Byte-meter label, and the chunk length the wire slots are sized for (at least): the
+    # hierarchical collective runs one instance per shard between nodes, and all shards'
+    # slots must be the same size for the node's all-gather.
+    _link = "flat"
+    _min_chunk = 0
+
     def __init__(
         self,
         compressor: str | Compressor = "sign",
@@ -161,8 +167,7 @@ class CompressedAllReduce(_Sized):
 
     def _size(self, numel: int, device: torch.device) -> None:
         self._bounds = chunk_bounds(numel, self._world_size, self.compressor.alignment)
-        chunk = self._bounds[0][1] - self._bounds[0][0]
-        self._slot = self.compressor.wire_bytes(chunk)
+        self._slot = self.compressor.wire_bytes(max(self._bounds[0][1] - self._bounds[0][0], self._min_chunk))
         self._send = torch.zeros(self._world_size * self._slot, dtype=torch.uint8, device=device)
         self._gather_slot = torch.zeros(self._slot, dtype=torch.uint8, device=device)
         self._workspace = torch.empty(numel, dtype=torch.float32, device=device)
@@ -176,13 +181,19 @@ class CompressedAllReduce(_Sized):
         """Compressed average of ``tensor`` over the group; written to ``out`` when given."""
         tensor = self._prepare(tensor, out)
         flat = tensor.detach().reshape(-1)
+        result = self._output(out, flat)
+        self._decode(self._exchange(flat), result)
+        return self._finish(result, tensor, out)
+
+    def _exchange(self, flat: Tensor) -> Tensor:
+        """Phases 1-2 and the all-gather of phase 3: every chunk's re-compressed bytes, in rank order."""
         error = self.worker_error.buffer(flat.numel(), flat.device)
         comp, slot, world = self.compressor, self._slot, self._world_size
 
         for j, (lo, hi) in enumerate(self._bounds):
             payload = comp.compress_ef(flat[lo:hi], error[lo:hi], workspace=self._workspace[lo:hi])
             write_payload(payload, self._send[j * slot : (j + 1) * slot])
-        received = all_to_all_bytes(self._send, self.group, self.timeout)
+        received = all_to_all_bytes(self._send, self.group, self.timeout, self._link)
 
         lo, hi = self.chunk
         payloads = [read_payload(comp, received[i * slot : (i + 1) * slot], hi - lo) for i in range(world)]
@@ -191,12 +202,13 @@ class CompressedAllReduce(_Sized):
         comp.average(payloads, server_error, accumulate=True)
         packed = comp.compress_ef(None, server_error, workspace=self._workspace[: hi - lo])
         write_payload(packed, self._gather_slot)
-        gathered = all_gather_bytes(self._gather_slot, self.group, self.timeout)
+        return all_gather_bytes(self._gather_slot, self.group, self.timeout, self._link)
 
-        result = self._output(out, flat)
+    def _decode(self, gathered: Tensor, result: Tensor) -> None:
+        """Decompress the gathered chunks into the flat fp32 ``result``."""
+        comp, slot = self.compressor, self._slot
         for j, (lo, hi) in enumerate(self._bounds):
             comp.decompress(read_payload(comp, gathered[j * slot : (j + 1) * slot], hi - lo), out=result[lo:hi])
-        return self._finish(result, tensor, out)
 
     def state_dict(self) -> dict[str, Any]:
         """Worker and server errors, compressor state, and the sizes they belong to."""

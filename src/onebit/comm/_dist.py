@@ -29,6 +29,8 @@ __all__ = [
     "get_rank",
     "get_world_size",
     "is_distributed",
+    "new_subgroups",
+    "reduce_scatter_mean",
     "to_timedelta",
 ]
 
@@ -36,6 +38,7 @@ DEFAULT_TIMEOUT = timedelta(minutes=5)
 
 # all_gather_into_tensor is deprecated in favour of all_gather_single from torch 2.13.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class CollectiveError(RuntimeError):
@@ -126,6 +129,25 @@ def all_gather_object_sizes(
     """
     mine = torch.tensor(values, dtype=torch.int64, device=device)
     return all_gather_bytes(mine, group, timeout).view(-1, len(values)).cpu()
+
+
+def reduce_scatter_mean(
+    tensor: Tensor, group: dist.ProcessGroup | None = None, timeout: float | timedelta | None = None, link: str = "flat"
+) -> Tensor:
+    """Average of slot ``rank`` of ``tensor`` (``world`` equal slots) over the group; returns that slot."""
+    world = get_world_size(group)
+    if world == 1:
+        return tensor
+    out = tensor.new_empty(tensor.numel() // world)
+    _run("reduce_scatter", group, timeout, lambda: _reduce_scatter_flat(out, tensor, group=group, async_op=True))
+    record("reduce_scatter", (world - 1) * out.numel() * out.element_size(), link)
+    return out.div_(world)
+
+
+def new_subgroups(partition: list[list[int]], group: dist.ProcessGroup | None, timeout: timedelta) -> list:
+    """One process group per list of group ranks in ``partition`` (every rank must call, in the same order)."""
+    to_global = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
+    return [dist.new_group([to_global(r) for r in ranks], timeout=timeout) for ranks in partition]
 
 
 def all_reduce_mean(

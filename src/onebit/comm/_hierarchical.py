@@ -1,0 +1,196 @@
+"""Birder's Hierarchical-1-bit-All-Reduce (section 4, Figure 1), and the flat/hierarchical choice."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..compress import Compressor
+from ._compressed import CompressedAllReduce, _Sized, chunk_bounds
+from ._wire import read_payload
+from ._dist import all_gather_bytes, get_rank, get_world_size, new_subgroups, reduce_scatter_mean, to_timedelta
+
+__all__ = ["HierarchicalAllReduce", "compressed_allreduce", "resolve_ranks_per_node"]
+
+_log = logging.getLogger(__name__)
+
+# Sub-groups are created once per (parent group, ranks per node): new_group is a collective
+# call of the whole default group, and every creation costs a store round trip.
+_SUBGROUPS: dict[tuple[Any, int], tuple[Any, Any]] = {}
+
+
+def resolve_ranks_per_node(ranks_per_node: int | None, world_size: int) -> int | None:
+    """``ranks_per_node`` validated, else torchrun's ``LOCAL_WORLD_SIZE``, else ``None`` (unknown)."""
+    if ranks_per_node is None:
+        env = os.environ.get("LOCAL_WORLD_SIZE")
+        if env is None:
+            return None
+        try:
+            ranks_per_node = int(env)
+        except ValueError:
+            raise ValueError(f"LOCAL_WORLD_SIZE must be an int, got {env!r}") from None
+        source = "LOCAL_WORLD_SIZE"
+    else:
+        source = "ranks_per_node"
+        if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int):
+            raise TypeError(f"ranks_per_node must be an int, got {ranks_per_node!r}")
+    if ranks_per_node < 1 or world_size % ranks_per_node:
+        raise ValueError(f"{source}={ranks_per_node} must be >= 1 and divide the world size {world_size}")
+    return ranks_per_node
+
+
+def _subgroups(group: dist.ProcessGroup | None, per_node: int, timeout: timedelta) -> tuple[Any, Any]:
+    """(this rank's node group, this rank's inter-node group of equal local index)."""
+    key = (group, per_node)
+    if key not in _SUBGROUPS:
+        world, rank = get_world_size(group), get_rank(group)
+        nodes = world // per_node
+        intra = [list(range(k * per_node, (k + 1) * per_node)) for k in range(nodes)]
+        inter = [list(range(local, world, per_node)) for local in range(per_node)]
+        node_groups = new_subgroups(intra, group, timeout)
+        cross_groups = new_subgroups(inter, group, timeout)
+        _SUBGROUPS[key] = (node_groups[rank // per_node], cross_groups[rank % per_node])
+    return _SUBGROUPS[key]
+
+
+class _InterNode(CompressedAllReduce):
+    """The 1-bit all-reduce of one shard between nodes; its bytes count as inter-node."""
+
+    _link = "inter"
+
+
+class HierarchicalAllReduce(_Sized):
+    """Hierarchical-1-bit-All-Reduce (Birder section 4) over ``nodes x ranks_per_node`` ranks.
+
+    Group ranks ``k * ranks_per_node ... (k + 1) * ranks_per_node - 1`` form node ``k``.
+
+    1. Intra-node reduce-scatter in fp32: local rank ``l`` gets the node's average of shard ``l``.
+    2-3. The shard goes through a :class:`CompressedAllReduce` among the ranks with the same
+       local index on every node (worker error, all-to-all, average + server error,
+       re-compress, all-gather) -- the only traffic between nodes.
+    4. Intra-node all-gather of the compressed shards; every rank decodes the same bytes,
+       so the result is bit-identical on all ranks.
+
+    Between nodes each rank sends ``2 (n - 1) / n`` of its shard's 1-bit size, instead of
+    the flat scheme's ``2 (w - 1) / w`` of the whole tensor's. With one rank per node it
+    computes exactly what :class:`CompressedAllReduce` computes; on one node it is an
+    fp32 reduce-scatter, one error-compensated quantisation per shard and a 1-bit all-gather.
+    The byte meter labels the phases' links ``"intra"`` and ``"inter"``. Sub-groups are
+    created at construction, collectively: every rank of the default group must construct it.
+    """
+
+    def __init__(
+        self,
+        compressor: str | Compressor = "sign",
+        group: dist.ProcessGroup | None = None,
+        *,
+        ranks_per_node: int | None = None,
+        timeout: float | timedelta | None = None,
+        **compressor_kwargs: Any,
+    ) -> None:
+        super().__init__(compressor, group, timeout, compressor_kwargs)
+        per_node = resolve_ranks_per_node(ranks_per_node, self._world_size)
+        if per_node is None:
+            raise ValueError("ranks_per_node is required when LOCAL_WORLD_SIZE is not set")
+        self.ranks_per_node = per_node
+        self.nodes = self._world_size // per_node
+        if self._world_size > 1:
+            self.node_group, cross_group = _subgroups(group, per_node, self.timeout)
+        else:
+            self.node_group = cross_group = None
+        # The inner collective owns the worker and server errors of this rank's shard.
+        self.inter = _InterNode(self.compressor, cross_group, timeout=self.timeout)
+
+    def _size(self, numel: int, device: torch.device) -> None:
+        align = self.compressor.alignment * self.nodes
+        self._shards = chunk_bounds(numel, self.ranks_per_node, align)
+        span = -(-numel // (self.ranks_per_node * align)) * align  # shard l starts at l * span
+        self._padded = torch.zeros(self.ranks_per_node * span, dtype=torch.float32, device=device)
+        self.inter._min_chunk = span // self.nodes
+        self._inner_bounds = [chunk_bounds(hi - lo, self.nodes, self.compressor.alignment) for lo, hi in self._shards]
+
+    def __call__(self, tensor: Tensor, out: Tensor | None = None) -> Tensor:
+        """Compressed average of ``tensor`` over the group; written to ``out`` when given."""
+        tensor = self._prepare(tensor, out)
+        flat = tensor.detach().reshape(-1)
+        self._padded[: flat.numel()].copy_(flat)
+        shard = reduce_scatter_mean(self._padded, self.node_group, self.timeout, "intra")
+        lo, hi = self._shards[get_rank(self.node_group)]
+        gathered = self.inter._exchange(self.inter._prepare(shard[: hi - lo], None))
+        everything = all_gather_bytes(gathered, self.node_group, self.timeout, "intra")
+        result = self._output(out, flat)
+        comp, slot, per_shard = self.compressor, self.inter._slot, gathered.numel()
+        for s, (lo, _) in enumerate(self._shards):
+            for j, (a, b) in enumerate(self._inner_bounds[s]):
+                start = s * per_shard + j * slot
+                payload = read_payload(comp, everything[start : start + slot], b - a)
+                comp.decompress(payload, out=result[lo + a : lo + b])
+        return self._finish(result, tensor, out)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The shard's worker and server errors and the compressor state, with the layout they belong to."""
+        return {
+            "world_size": self._world_size,
+            "ranks_per_node": self.ranks_per_node,
+            "numel": self._numel,
+            "inter": self.inter.state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`; on another world or node size the errors restart at zero (warning)."""
+        layout = (state["world_size"], state["ranks_per_node"])
+        if layout == (self._world_size, self.ranks_per_node):
+            self.inter.load_state_dict(state["inter"])
+            return
+        self.compressor.load_state_dict(state["inter"]["compressor"])
+        _log.warning(
+            "HierarchicalAllReduce state saved on %d ranks (%d per node), loaded on %d (%d per node): "
+            "error-feedback buffers re-created as zeros",
+            *layout,
+            self._world_size,
+            self.ranks_per_node,
+        )
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget all error-feedback state (errors restart at zero)."""
+        self.inter.reset()
+
+
+def compressed_allreduce(
+    compressor: str | Compressor = "sign",
+    group: dist.ProcessGroup | None = None,
+    *,
+    hierarchical: bool | str = False,
+    ranks_per_node: int | None = None,
+    timeout: float | timedelta | None = None,
+    **compressor_kwargs: Any,
+) -> CompressedAllReduce | HierarchicalAllReduce:
+    """The compressed all-reduce an optimizer or hook should use.
+
+    ``hierarchical``: ``False`` -- :class:`CompressedAllReduce`; ``True`` --
+    :class:`HierarchicalAllReduce` (``ranks_per_node`` or ``LOCAL_WORLD_SIZE`` required);
+    ``"auto"`` -- hierarchical when the node size is known and the group spans more than
+    one node with more than one rank on each, flat otherwise.
+    """
+    if hierarchical not in (True, False, "auto"):
+        raise ValueError(f"hierarchical must be True, False or 'auto', got {hierarchical!r}")
+    timeout = to_timedelta(timeout)
+    if hierarchical == "auto":
+        world = get_world_size(group)
+        per_node = resolve_ranks_per_node(ranks_per_node, world)
+        hierarchical = per_node is not None and 1 < per_node < world
+    if hierarchical:
+        return HierarchicalAllReduce(
+            compressor, group, ranks_per_node=ranks_per_node, timeout=timeout, **compressor_kwargs
+        )
+    if ranks_per_node is not None:
+        resolve_ranks_per_node(ranks_per_node, get_world_size(group))
+    return CompressedAllReduce(compressor, group, timeout=timeout, **compressor_kwargs)
