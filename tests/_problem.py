@@ -36,15 +36,19 @@ def digest(params: list[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def teacher_student_loss(make_optimizer, steps: int, batch: int = 32, data_seed: int = 1) -> float:
+def teacher_student_loss(
+    make_optimizer, steps: int, batch: int = 32, data_seed: int = 1, linear_decay: bool = False
+) -> float:
     """Train a 16-64-1 tanh MLP to imitate a fixed 16-32-1 one; held-out MSE after ``steps``.
 
     ``make_optimizer(params)`` builds the optimizer; models are seeded identically on every call.
+    ``linear_decay`` scales the learning rate from 1 down to 0 over the run.
     """
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
     target = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
     opt = make_optimizer(model.parameters())
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / steps) if linear_decay else None
     gen = torch.Generator().manual_seed(data_seed)
     for _ in range(steps):
         x = torch.randn(batch, 16, generator=gen)
@@ -52,6 +56,8 @@ def teacher_student_loss(make_optimizer, steps: int, batch: int = 32, data_seed:
         opt.zero_grad()
         loss.backward()
         opt.step()
+        if schedule is not None:
+            schedule.step()
     xe = torch.randn(2048, 16, generator=torch.Generator().manual_seed(99))
     with torch.no_grad():
         return float(torch.nn.functional.mse_loss(model(xe), target(xe)))

@@ -114,3 +114,33 @@ def test_bad_arguments():
         comm.HierarchicalAllReduce("sign", ranks_per_node="2")
     with pytest.raises(ValueError, match="hierarchical must be"):
         comm.compressed_allreduce("sign", hierarchical="yes")
+
+
+def _optimizers_worker(rank, world, per_node):
+    import onebit
+    from _problem import run_problem
+
+    out = {}
+    for name in ("OnebitAdam", "OnebitLamb"):
+        for mode in (True, False):
+            cls = getattr(onebit, name)
+            res = run_problem(
+                lambda p: cls(p, lr=0.01, freeze_step=3, hierarchical=mode, ranks_per_node=per_node), rank, 8
+            )
+            out[name, mode] = (res["digests"], [s["stage"] for s in res["stats"]])
+    return out
+
+
+def test_onebit_adam_and_lamb_accept_the_hierarchical_exchange():
+    res = run_ranks(_optimizers_worker, 4, 2)
+    for key in res[0]:
+        assert len({tuple(r[key][0]) for r in res}) == 1, f"replicas differ for {key}"
+        assert res[0][key][1][-1] == "compressed"
+    # Same warm-up, different compressed exchange.
+    assert res[0]["OnebitAdam", True][0][:3] == res[0]["OnebitAdam", False][0][:3]
+    assert res[0]["OnebitAdam", True][0][-1] != res[0]["OnebitAdam", False][0][-1]
+    # One rank per node: exactly the flat exchange.
+    flat = run_ranks(_optimizers_worker, 2, 1)
+    for r in flat:
+        assert r["OnebitAdam", True] == r["OnebitAdam", False]
+        assert r["OnebitLamb", True] == r["OnebitLamb", False]

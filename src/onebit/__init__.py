@@ -6,15 +6,17 @@
 
 from . import comm, compress, ops, optim
 from .feedback import ErrorFeedback
-from .optim import CompAMS, OnebitAdam, OnebitAdamNaive, OnebitLamb, QAdam
+from .optim import Birder, CompAMS, OnebitAdam, OnebitAdamNaive, OnebitLamb, QAdam, SoftSignSGD
 
 __all__ = [
+    "Birder",
     "CompAMS",
     "ErrorFeedback",
     "OnebitAdam",
     "OnebitAdamNaive",
     "OnebitLamb",
     "QAdam",
+    "SoftSignSGD",
     "comm",
     "compress",
     "ops",

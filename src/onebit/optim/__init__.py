@@ -1,6 +1,7 @@
 """Optimizers: ``torch.optim.Optimizer`` subclasses that average across the group themselves."""
 
 from ._base import OnebitOptimizer
+from ._birder import Birder, SoftSignSGD, birder, soft_sign_sgd
 from ._comp_ams import CompAMS, QAdam, comp_ams
 from ._freeze import FreezeSchedule
 from ._functional import onebit_adam
@@ -8,6 +9,7 @@ from ._onebit_adam import OnebitAdam, OnebitAdamNaive
 from ._onebit_lamb import OnebitLamb, onebit_lamb
 
 __all__ = [
+    "Birder",
     "CompAMS",
     "FreezeSchedule",
     "OnebitAdam",
@@ -15,7 +17,10 @@ __all__ = [
     "OnebitLamb",
     "OnebitOptimizer",
     "QAdam",
+    "SoftSignSGD",
+    "birder",
     "comp_ams",
     "onebit_adam",
     "onebit_lamb",
+    "soft_sign_sgd",
 ]

@@ -108,6 +108,8 @@ class OnebitAdam(TwoStage, _AdamFamily):
         max_freeze_step: "auto" freezes at this step at the latest (``None``: no limit).
         compressor: compressor of the momentum exchange (``"sign"``; ``"identity"`` gives the
             paper's "1-bit Adam (32-bits)" ablation).
+        hierarchical, ranks_per_node: exchange with Birder's Hierarchical-1-bit-All-Reduce
+            (:func:`onebit.comm.compressed_allreduce`: ``True``, ``False`` or ``"auto"``).
         timeout: per-collective timeout in seconds (default 300).
         broadcast_parameters: copy rank 0's parameters to all ranks at construction, so
             replicas start equal.
@@ -134,6 +136,8 @@ class OnebitAdam(TwoStage, _AdamFamily):
         min_freeze_step: int = 0,
         max_freeze_step: int | None = None,
         compressor: str = "sign",
+        hierarchical: bool | str = False,
+        ranks_per_node: int | None = None,
         timeout: float | timedelta | None = None,
         broadcast_parameters: bool = True,
     ) -> None:
@@ -156,7 +160,9 @@ class OnebitAdam(TwoStage, _AdamFamily):
             timeout=timeout,
             broadcast_parameters=broadcast_parameters,
         )
-        self.allreduce = comm.CompressedAllReduce(compressor, group, timeout=self.timeout)
+        self.allreduce = comm.compressed_allreduce(
+            compressor, group, hierarchical=hierarchical, ranks_per_node=ranks_per_node, timeout=self.timeout
+        )
         self._denom: Tensor | None = None
         self._unused: Tensor | None = None
 
@@ -228,6 +234,8 @@ class OnebitAdamNaive(_AdamFamily):
         group: dist.ProcessGroup | None = None,
         *,
         compressor: str = "sign",
+        hierarchical: bool | str = False,
+        ranks_per_node: int | None = None,
         timeout: float | timedelta | None = None,
         broadcast_parameters: bool = True,
     ) -> None:
@@ -242,7 +250,9 @@ class OnebitAdamNaive(_AdamFamily):
             timeout=timeout,
             broadcast_parameters=broadcast_parameters,
         )
-        self.allreduce = comm.CompressedAllReduce(compressor, group, timeout=self.timeout)
+        self.allreduce = comm.compressed_allreduce(
+            compressor, group, hierarchical=hierarchical, ranks_per_node=ranks_per_node, timeout=self.timeout
+        )
 
     def _exchange_gradient(self, buffer: Tensor) -> None:
         # Only the gradient is compressed; the participation flags stay local.

@@ -126,7 +126,7 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
     ``coeff_beta`` is ``beta_3``, ``factor_max``/``factor_min``/``factor_threshold`` are
     ``r_max``/``r_min``/``r_threshold``. ``freeze_step="auto"`` uses 1-bit Adam's variance
     criterion (the paper shows LAMB's variance stabilising the same way, section 3); the
-    other options are those of :class:`onebit.OnebitAdam`. Weight decay enters the update
+    other options (``compressor``, ``hierarchical``, ...) are those of :class:`onebit.OnebitAdam`. Weight decay enters the update
     inside the trust ratio, as in LAMB.
     """
 
@@ -153,6 +153,8 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
         min_freeze_step: int = 0,
         max_freeze_step: int | None = None,
         compressor: str = "sign",
+        hierarchical: bool | str = False,
+        ranks_per_node: int | None = None,
         timeout: float | timedelta | None = None,
         broadcast_parameters: bool = True,
     ) -> None:
@@ -201,7 +203,9 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
         self.momentum_scale = torch.ones(n, dtype=torch.float64)
         self.last_coefficients: list[float] = []
         self._grad = torch.zeros(self.flat.numel, dtype=torch.float32, device=self.flat.device)
-        self.allreduce = comm.CompressedAllReduce(compressor, group, timeout=self.timeout)
+        self.allreduce = comm.compressed_allreduce(
+            compressor, group, hierarchical=hierarchical, ranks_per_node=ranks_per_node, timeout=self.timeout
+        )
 
     def _on_freeze(self) -> None:
         """Line 3 and A.5.2: store v_Tw (c_avg stops moving), derive the momentum scale coefficients."""

@@ -1,0 +1,288 @@
+"""Birder (Peng et al., Algorithm 1, eqs. (4)-(5)) and its uncompressed form SoftSignSGD (appendix B)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .. import comm
+from ..compress import StochasticSignCompressor
+from ._base import OnebitOptimizer, check_nonneg
+from ._functional import apply_update_
+
+__all__ = ["Birder", "SoftSignSGD", "birder", "soft_sign_sgd"]
+
+Exchange = Callable[[Tensor], Tensor]
+
+
+def _check_beta(beta: object) -> float:
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)):
+        raise TypeError(f"Invalid beta value: {beta!r} (expected a float)")
+    if not 0.0 <= beta < 1.0:
+        raise ValueError(f"Invalid beta value: {beta}")
+    return float(beta)
+
+
+def _soft_sign_direction(
+    offsets: Sequence[tuple[int, int]],
+    *,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_abs: Tensor,
+    max_exp_avg_abs: Tensor | None,
+    use_max: bool,
+    betas: Sequence[float],
+    eps: float,
+    out: Tensor,
+) -> Tensor:
+    """``m = b m + (1-b) g``, ``b^ = b b^ + (1-b)|g|`` (lines 5-6), ``b = max(b_prev, b^)`` when
+    ``use_max`` else ``b^`` (line 7), and ``out = m / (b + eps)``, each element in ``[-1, 1]``."""
+    for (lo, hi), beta in zip(offsets, betas):
+        g = grad[lo:hi]
+        exp_avg[lo:hi].mul_(beta).add_(g, alpha=1.0 - beta)
+        exp_avg_abs[lo:hi].mul_(beta).add_(g.abs(), alpha=1.0 - beta)
+    denom = exp_avg_abs
+    if max_exp_avg_abs is not None:
+        if use_max:
+            torch.maximum(max_exp_avg_abs, exp_avg_abs, out=max_exp_avg_abs)
+        else:
+            max_exp_avg_abs.copy_(exp_avg_abs)
+        denom = max_exp_avg_abs
+    torch.add(denom, eps, out=out)
+    return torch.div(exp_avg, out, out=out)
+
+
+def _apply(params, offsets, update: Tensor, lrs, weight_decays) -> None:
+    for p, (lo, hi), lr, wd in zip(params, offsets, lrs, weight_decays):
+        apply_update_(p, update[lo:hi], None, lr=lr, weight_decay=wd, step_size=lr)
+
+
+def birder(
+    params: Sequence[Tensor],
+    offsets: Sequence[tuple[int, int]],
+    *,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_abs: Tensor,
+    max_exp_avg_abs: Tensor | None,
+    update: Tensor,
+    exchange: Exchange,
+    step: int,
+    lrs: Sequence[float],
+    betas: Sequence[float],
+    weight_decays: Sequence[float],
+    eps: float,
+    threshold_step: int | None,
+) -> None:
+    """One Birder step (Algorithm 1): local ``m``, ``b`` from the local ``grad``, ``update = m / (b + eps)``,
+    ``u_bar = exchange(update)`` (lines 8-14: the error-compensated 1-bit average), then
+    ``x <- x (1 - lr wd) - lr u_bar`` (line 16 with decoupled weight decay)."""
+    _soft_sign_direction(
+        offsets,
+        grad=grad,
+        exp_avg=exp_avg,
+        exp_avg_abs=exp_avg_abs,
+        max_exp_avg_abs=max_exp_avg_abs,
+        use_max=threshold_step is not None and step > threshold_step,
+        betas=betas,
+        eps=eps,
+        out=update,
+    )
+    _apply(params, offsets, exchange(update), lrs, weight_decays)
+
+
+def soft_sign_sgd(
+    params: Sequence[Tensor],
+    offsets: Sequence[tuple[int, int]],
+    *,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_abs: Tensor,
+    update: Tensor,
+    exchange: Exchange,
+    lrs: Sequence[float],
+    betas: Sequence[float],
+    weight_decays: Sequence[float],
+    eps: float,
+) -> None:
+    """One SoftSignSGD step (appendix B, Algorithm 1) on ``exchange(grad)``, the averaged gradient:
+    ``m = b m + (1-b) g``, ``b = b b + (1-b)|g|``, ``x <- x (1 - lr wd) - lr m / (b + eps)``."""
+    _soft_sign_direction(
+        offsets,
+        grad=exchange(grad),
+        exp_avg=exp_avg,
+        exp_avg_abs=exp_avg_abs,
+        max_exp_avg_abs=None,
+        use_max=False,
+        betas=betas,
+        eps=eps,
+        out=update,
+    )
+    _apply(params, offsets, update, lrs, weight_decays)
+
+
+class _SoftSign(OnebitOptimizer):
+    """Argument checks and buffers shared by Birder and SoftSignSGD."""
+
+    def __init__(self, params, lr, beta, eps, weight_decay, group, timeout, broadcast_parameters) -> None:
+        check_nonneg("learning rate", lr)
+        _check_beta(beta)
+        check_nonneg("epsilon", eps)
+        check_nonneg("weight_decay", weight_decay)
+        self.eps = float(eps)
+        super().__init__(
+            params,
+            {"lr": lr, "beta": float(beta), "weight_decay": weight_decay},
+            group=group,
+            timeout=timeout,
+            broadcast_parameters=broadcast_parameters,
+        )
+        for g in self.param_groups:
+            _check_beta(g["beta"])
+        self._grad = torch.zeros(self.flat.numel, dtype=torch.float32, device=self.flat.device)
+        self._update = torch.zeros_like(self._grad)
+
+
+class Birder(_SoftSign):
+    """Birder: element-wise 1-bit stochastic adaptive updates, no warm-up (Algorithm 1).
+
+    Each rank keeps ``m`` and ``b`` (EMAs of ``g`` and ``|g|`` with the same ``beta``, so
+    ``|m / b| <= 1`` and no bias correction is needed), sends ``u = Q(m / (b + eps) + e)``
+    with its worker error ``e`` (``Q``: eq. (5), +1 with probability ``(x + 1) / 2``), the
+    owner of each chunk averages the ``+-1`` updates, adds its server error and re-quantises
+    with ``Q``, and every rank applies the same all-gathered ``u_bar``:
+    ``x <- x (1 - lr * weight_decay) - lr * u_bar``. Weight decay is decoupled (AdamW-style),
+    as in the paper's experiments (e.g. 0.05 with lr 0.005 for ResNet-20, appendix B.1).
+
+    Randomness: rank ``r`` of ``group`` draws from its own ``torch.Generator`` seeded with
+    ``seed + r * 2**32`` (independent workers, reproducible for a fixed ``seed`` and world
+    size); each step it draws ``torch.rand`` for its chunks of ``u`` in chunk order, then for
+    the chunk it owns as server. The generator state is in :meth:`state_dict`.
+
+    Args:
+        hierarchical: ``True`` uses :class:`onebit.comm.HierarchicalAllReduce` (section 4;
+            ``ranks_per_node`` or torchrun's ``LOCAL_WORLD_SIZE``), ``"auto"`` whenever the
+            group spans several nodes of several ranks.
+        threshold_step: ``T_0`` of line 7: after it, ``b`` is the running maximum of the
+            EMA (AMSGrad-style, the analysis' variant). ``None`` (default) never, as in the
+            paper's experiments.
+        compressor: the quantiser of the exchange; ``"identity"`` sends fp32 and gives the
+            average of the workers' ``m / (b + eps)`` (SoftSignSGD at world size 1).
+
+    Every parameter is updated every step (a ``+-1`` code cannot say "no update"); a
+    parameter without ``.grad`` on a rank counts as a zero gradient there.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        beta: float = 0.95,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        seed: int = 0,
+        group: dist.ProcessGroup | None = None,
+        *,
+        hierarchical: bool | str = False,
+        ranks_per_node: int | None = None,
+        threshold_step: int | None = None,
+        compressor: str = "stochastic_sign",
+        timeout: float | timedelta | None = None,
+        broadcast_parameters: bool = True,
+    ) -> None:
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"Invalid seed value: {seed!r} (expected an int)")
+        if not 0 <= seed < 2**32:
+            raise ValueError(f"Invalid seed value: {seed} (must be in [0, 2**32))")
+        if threshold_step is not None and (
+            isinstance(threshold_step, bool) or not isinstance(threshold_step, int) or threshold_step < 0
+        ):
+            raise ValueError(f"Invalid threshold_step value: {threshold_step!r} (expected None or an int >= 0)")
+        if compressor not in ("stochastic_sign", "identity"):
+            raise ValueError(f"Invalid compressor value: {compressor!r} (expected 'stochastic_sign' or 'identity')")
+        self.seed = seed
+        self.threshold_step = threshold_step
+        self._flat_names = ("exp_avg", "exp_avg_abs") + (("max_exp_avg_abs",) if threshold_step is not None else ())
+        super().__init__(params, lr, beta, eps, weight_decay, group, timeout, broadcast_parameters)
+        quantiser = (
+            StochasticSignCompressor(seed + self.rank * 2**32) if compressor == "stochastic_sign" else "identity"
+        )
+        self.allreduce = comm.compressed_allreduce(
+            quantiser, group, hierarchical=hierarchical, ranks_per_node=ranks_per_node, timeout=self.timeout
+        )
+
+    def _step(self) -> None:
+        self.flat.gather_grads(self._grad)
+        b = self.flat.buffers
+        birder(
+            self.flat.params,
+            self.flat.offsets,
+            grad=self._grad,
+            exp_avg=b["exp_avg"],
+            exp_avg_abs=b["exp_avg_abs"],
+            max_exp_avg_abs=b.get("max_exp_avg_abs"),
+            update=self._update,
+            exchange=lambda u: self.allreduce(u, out=u),
+            step=self._step_count,
+            lrs=self._hyper("lr"),
+            betas=self._hyper("beta"),
+            weight_decays=self._hyper("weight_decay"),
+            eps=self.eps,
+            threshold_step=self.threshold_step,
+        )
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {"allreduce": self.allreduce.state_dict()}
+
+    def _load_extra_state(self, state: Mapping[str, Any], same_world: bool) -> None:
+        self._restore_collective(self.allreduce, state["allreduce"], same_world)
+
+
+class SoftSignSGD(_SoftSign):
+    """SoftSignSGD (Birder appendix B): Birder without compression, the control.
+
+    Gradients are averaged exactly (fp32 all-reduce), then ``m``, ``b`` as Birder and
+    ``x <- x (1 - lr * weight_decay) - lr * m / (b + eps)``. Its stats report stage
+    ``"warmup"`` on every step: every exchange is uncompressed.
+    """
+
+    _flat_names = ("exp_avg", "exp_avg_abs")
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        beta: float = 0.95,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        group: dist.ProcessGroup | None = None,
+        *,
+        timeout: float | timedelta | None = None,
+        broadcast_parameters: bool = True,
+    ) -> None:
+        super().__init__(params, lr, beta, eps, weight_decay, group, timeout, broadcast_parameters)
+
+    def _stage(self) -> str:
+        return "warmup"
+
+    def _step(self) -> None:
+        self.flat.gather_grads(self._grad)
+        b = self.flat.buffers
+        soft_sign_sgd(
+            self.flat.params,
+            self.flat.offsets,
+            grad=self._grad,
+            exp_avg=b["exp_avg"],
+            exp_avg_abs=b["exp_avg_abs"],
+            update=self._update,
+            exchange=self._allreduce,
+            lrs=self._hyper("lr"),
+            betas=self._hyper("beta"),
+            weight_decays=self._hyper("weight_decay"),
+            eps=self.eps,
+        )
