@@ -4,7 +4,7 @@
 (``onebit.comm``), their compressors (``onebit.compress``) and bit kernels (``onebit.ops``).
 """
 
-from . import comm, compress, ops, optim
+from . import comm, compress, hooks, ops, optim
 from .feedback import ErrorFeedback
 from .optim import Birder, CompAMS, OnebitAdam, OnebitAdamNaive, OnebitLamb, QAdam, SoftSignSGD
 
@@ -19,6 +19,7 @@ __all__ = [
     "SoftSignSGD",
     "comm",
     "compress",
+    "hooks",
     "ops",
     "optim",
 ]

@@ -12,15 +12,23 @@ from torch import Tensor
 
 from .. import comm
 from ..compress import StochasticSignCompressor
-from ._base import OnebitOptimizer, check_nonneg
+from ._base import OnebitOptimizer, check_nonneg, check_positive
 from ._functional import apply_update_
 
-__all__ = ["Birder", "SoftSignSGD", "birder", "soft_sign_sgd"]
+__all__ = ["Birder", "SoftSignSGD", "birder", "check_beta", "check_seed", "soft_sign_sgd"]
 
 Exchange = Callable[[Tensor], Tensor]
 
 
-def _check_beta(beta: object) -> float:
+def check_seed(seed: object) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"Invalid seed value: {seed!r} (expected an int)")
+    if not 0 <= seed < 2**32:
+        raise ValueError(f"Invalid seed value: {seed} (must be in [0, 2**32))")
+    return seed
+
+
+def check_beta(beta: object) -> float:
     if isinstance(beta, bool) or not isinstance(beta, (int, float)):
         raise TypeError(f"Invalid beta value: {beta!r} (expected a float)")
     if not 0.0 <= beta < 1.0:
@@ -131,8 +139,8 @@ class _SoftSign(OnebitOptimizer):
 
     def __init__(self, params, lr, beta, eps, weight_decay, group, timeout, broadcast_parameters) -> None:
         check_nonneg("learning rate", lr)
-        _check_beta(beta)
-        check_nonneg("epsilon", eps)
+        check_beta(beta)
+        check_positive("epsilon", eps)  # b is exactly 0 wherever no gradient was seen yet
         check_nonneg("weight_decay", weight_decay)
         self.eps = float(eps)
         super().__init__(
@@ -143,7 +151,7 @@ class _SoftSign(OnebitOptimizer):
             broadcast_parameters=broadcast_parameters,
         )
         for g in self.param_groups:
-            _check_beta(g["beta"])
+            check_beta(g["beta"])
         self._grad = torch.zeros(self.flat.numel, dtype=torch.float32, device=self.flat.device)
         self._update = torch.zeros_like(self._grad)
 
@@ -195,10 +203,7 @@ class Birder(_SoftSign):
         timeout: float | timedelta | None = None,
         broadcast_parameters: bool = True,
     ) -> None:
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"Invalid seed value: {seed!r} (expected an int)")
-        if not 0 <= seed < 2**32:
-            raise ValueError(f"Invalid seed value: {seed} (must be in [0, 2**32))")
+        check_seed(seed)
         if threshold_step is not None and (
             isinstance(threshold_step, bool) or not isinstance(threshold_step, int) or threshold_step < 0
         ):
