@@ -46,3 +46,99 @@ def test_bench_kernels_prints_table(capsys):
     out = capsys.readouterr().out
     for kernel in ("copy", "pack_signs", "unpack_signs", "ef_sign_compress"):
         assert kernel in out
+
+
+@pytest.mark.parametrize(
+    "argv,msg",
+    [
+        (["train", "--bandwidth", "fast"], "--bandwidth: bandwidth must look like '1gbit'"),
+        (["train", "--latency", "soon"], "--latency: latency must look like '0.5ms'"),
+        (["train", "--nodes", "0"], "--nodes: must be a positive integer, got 0"),
+        (["train", "--task", "imagenet"], "invalid choice: 'imagenet'"),
+        (["train", "--lr", "-1"], "--lr: must be a positive number, got -1"),
+        (["cluster"], "--nodes is required"),
+        (["model"], "the following arguments are required: --params"),
+        (["model", "--params", "10", "--world-size", "3", "--nodes", "2"], "world_size=3 must be a multiple of nodes=2"),
+    ],
+)
+def test_more_argument_errors(argv, msg, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert msg in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv,msg",
+    [
+        (["train", "--world-size", "3", "--nodes", "2"], "--world-size 3 is not a multiple of --nodes 2"),
+        (["train", "--hierarchical"], "--hierarchical needs --nodes"),
+        (["compare", "--optimizers", "adam,sgd"], "unknown ['sgd']"),
+    ],
+)
+def test_inconsistent_options(argv, msg):
+    with pytest.raises(SystemExit, match=msg.replace("[", r"\[").replace("]", r"\]")):
+        main(argv)
+
+
+def _records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("task", ["gpt", "bert", "digits"])
+def test_tasks_train_and_write_outputs(task, tmp_path):
+    out = tmp_path / task
+    argv = ["train", "--task", task, "--optimizer", "onebit_adam", "--steps", "4", "--freeze-step", "2",
+            "--batch-size", "4", "--d-model", "32", "--layers", "1", "--heads", "2", "--out", str(out), "--quiet"]
+    assert main(argv) == 0
+    recs = _records(out / "onebit_adam" / "metrics.jsonl")
+    assert [r["stage"] for r in recs] == ["warmup", "warmup", "compressed", "compressed"]
+    summary = json.loads((out / "onebit_adam" / "summary.json").read_text())
+    assert summary["config"]["task"] == task and summary["parameters"] > 0 and summary["finite"]
+
+
+def test_resume_continues_the_same_run(tmp_path):
+    common = ["--optimizer", "onebit_adam", "--freeze-step", "2", "--batch-size", "4", "--hidden", "32", "--quiet"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert main(["train", "--steps", "6", "--out", str(straight), *common]) == 0
+    assert main(["train", "--steps", "3", "--out", str(split), "--checkpoint-every", "3", *common]) == 0
+    assert main(["train", "--steps", "6", "--out", str(split), "--resume", *common]) == 0
+    a = _records(straight / "onebit_adam" / "metrics.jsonl")
+    b = _records(split / "onebit_adam" / "metrics.jsonl")
+    assert [r["step"] for r in b] == list(range(1, 7))
+    # Model, optimizer (phase, frozen variance, errors), schedule and data stream all resume exactly.
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert [r["stage"] for r in b] == ["warmup"] * 2 + ["compressed"] * 4
+
+
+@pytest.mark.parametrize("name,per_value", [("ddp_allreduce", 4), ("ddp_fp16", 2)])
+def test_ddp_peers_count_their_bytes(name, per_value, tmp_path):
+    out = tmp_path / name
+    assert main(["train", "--optimizer", name, "--steps", "3", "--batch-size", "4", "--hidden", "32",
+                 "--out", str(out), "--quiet"]) == 0
+    summary = json.loads((out / name / "summary.json").read_text())
+    recs = _records(out / name / "metrics.jsonl")
+    # Ring all-reduce on 2 ranks: each rank sends the whole buffer once.
+    assert recs[0]["bytes_sent"] == per_value * summary["parameters"]
+
+
+def test_compare_writes_table_plot_and_summaries(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    names = "onebit_adam,birder,softsign_sgd,ddp_powersgd,ddp_birder"
+    assert main(["compare", "--optimizers", names, "--steps", "4", "--freeze-step", "2", "--batch-size", "4",
+                 "--hidden", "32", "--out", str(out), "--quiet"]) == 0
+    text = capsys.readouterr().out
+    table = (out / "table.txt").read_text()
+    for name in ["adam", *names.split(",")]:
+        assert name in table and (out / name / "metrics.jsonl").exists()
+    assert "stage speedup" in text and "end-to-end" in text
+    assert set(json.loads((out / "summary.json").read_text())) == {"adam", *names.split(",")}
+    assert (out / "loss.png").exists()
+
+
+def test_model_prints_every_optimizer(capsys):
+    assert main(["model", "--params", "8400000", "--bandwidth", "1gbit,200mbit", "--compute-ms", "50"]) == 0
+    text = capsys.readouterr().out
+    assert text.count("onebit model:") == 2
+    for name in ("adam", "onebit_adam", "onebit_lamb", "birder_hierarchical", "comp_ams", "qadam", "ddp_fp16"):
+        assert f"\n{name} " in text

@@ -8,7 +8,6 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import onebit
 from _harness import run_ranks
 from onebit.hooks import BirderState, ErrorFeedbackState, birder_hook, error_feedback_hook
 

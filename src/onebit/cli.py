@@ -1,16 +1,20 @@
-"""The ``onebit`` command: demo, train, bench."""
+"""The ``onebit`` command: demo, train, compare, bench, cluster, model."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
-from dataclasses import replace
+from collections.abc import Iterator
+from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Any
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
 
 
+# ---------------------------------------------------------------------- argument types
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -21,18 +25,54 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _nonneg_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
 def _freeze(text: str) -> int | str:
     if text == "auto":
         return text
     try:
-        value = int(text)
-    except ValueError:
+        return _nonneg_int(text)
+    except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"must be 'auto' or an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 'auto' or an integer >= 0, got {text}")
-    return value
 
 
+def _bandwidth(text: str) -> float:
+    from .bench._cluster import parse_bandwidth
+
+    try:
+        return parse_bandwidth(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _latency(text: str) -> float:
+    from .bench._cluster import parse_latency
+
+    try:
+        return parse_latency(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+# ---------------------------------------------------------------------- output
 def _table(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
@@ -44,8 +84,12 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def _report(summaries: dict[str, dict], baseline: str = "adam") -> str:
-    base_bytes = summaries.get(baseline, {}).get("bytes_sent_per_rank")
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1e3:.1f}"
+
+
+def _report(summaries: dict[str, dict], baseline: str | None = "adam") -> str:
+    base_bytes = summaries.get(baseline, {}).get("bytes_sent_per_rank") if baseline else None
     rows = [["optimizer", "final loss", "eval loss", "samples/s warmup", "samples/s compressed",
              "MB sent/rank", "reduction", "freeze step"]]
     for name, s in summaries.items():
@@ -55,7 +99,7 @@ def _report(summaries: dict[str, dict], baseline: str = "adam") -> str:
             name,
             f"{s['final_loss']:.4f}",
             f"{s['eval_loss']:.4f}",
-            _fmt(rates.get("warmup") or rates.get("uncompressed"), ".0f"),
+            _fmt(rates.get("warmup"), ".0f"),
             _fmt(rates.get("compressed"), ".0f"),
             f"{sent / 1e6:.2f}",
             f"{base_bytes / sent:.1f}x" if base_bytes and sent else "-",
@@ -64,44 +108,192 @@ def _report(summaries: dict[str, dict], baseline: str = "adam") -> str:
     return _table(rows)
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from .bench._plot import plot_losses
-    from .bench._train import TrainConfig, train
+# ---------------------------------------------------------------------- cluster
+@contextlib.contextmanager
+def _cluster(args: argparse.Namespace) -> Iterator[Any]:
+    """The emulated cluster asked for by ``--nodes`` (None: loopback), removed on exit."""
+    if not getattr(args, "nodes", None):
+        yield None
+        return
+    from .bench._cluster import ClusterSpec, EmulatedCluster, cluster_unavailable
+
+    spec = ClusterSpec(args.nodes, args.bandwidth, args.latency)
+    reason = cluster_unavailable()
+    if reason:
+        print(f"onebit: no emulated cluster ({reason}); running unshaped on loopback", file=sys.stderr)
+        yield None
+        return
+    with EmulatedCluster(spec) as cluster:
+        print(f"emulated cluster {cluster.tag}: {spec.nodes} nodes, {spec.bandwidth / 1e9:g} Gbit/s per node egress, "
+              f"{spec.latency * 1e3:g} ms latency")
+        if cluster.latency_note:
+            print(f"onebit: {cluster.latency_note}", file=sys.stderr)
+        yield cluster
+
+
+def _cluster_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("emulated cluster (needs root and iproute2)")
+    g.add_argument("--nodes", type=_positive_int, default=None,
+                   help="spread the ranks evenly over K network namespaces with shaped links")
+    g.add_argument("--bandwidth", type=_bandwidth, default=1e9, help="each node's egress rate (default 1gbit)")
+    g.add_argument("--latency", type=_latency, default=0.0, help="added delay per packet (default 0)")
+
+
+# ---------------------------------------------------------------------- training
+def _training_flags(p: argparse.ArgumentParser, steps: int, out: str) -> None:
+    from .bench._train import SCHEDULES, TASKS
+
+    p.add_argument("--task", choices=TASKS, default="mlp", help="mlp (default), gpt, bert or digits")
+    p.add_argument("--world-size", type=_positive_int, default=2, help="total ranks (default 2)")
+    p.add_argument("--steps", type=_positive_int, default=steps, help=f"training steps (default {steps})")
+    p.add_argument("--batch-size", type=_positive_int, default=32, help="samples per rank per step")
+    p.add_argument("--lr", type=_positive_float, default=1e-3, help="peak learning rate (default 1e-3)")
+    p.add_argument("--schedule", choices=SCHEDULES, default="constant", help="after --warmup-steps")
+    p.add_argument("--warmup-steps", type=_nonneg_int, default=0, help="linear learning-rate warm-up")
+    p.add_argument("--freeze-step", type=_freeze, default=None,
+                   help="last warm-up step of 1-bit Adam/LAMB: an int or 'auto' (default: 20%% of --steps)")
+    p.add_argument("--topk-ratio", type=_positive_float, default=0.01, help="Comp-AMS top-k fraction")
+    p.add_argument("--qadam-bits", type=_positive_int, default=1, help="QAdam's bits per value")
+    p.add_argument("--powersgd-rank", type=_positive_int, default=1, help="ddp_powersgd's matrix rank")
+    p.add_argument("--hierarchical", action="store_true",
+                   help="1-bit exchanges use the Hierarchical-1-bit-All-Reduce (ranks per node from --nodes)")
+    p.add_argument("--context", type=_positive_int, default=16, help="bytes of context (mlp, gpt, bert)")
+    p.add_argument("--hidden", type=_positive_int, default=512, help="mlp hidden width")
+    p.add_argument("--d-model", type=_positive_int, default=128, help="gpt/bert width")
+    p.add_argument("--layers", type=_positive_int, default=2, help="gpt/bert blocks")
+    p.add_argument("--heads", type=_positive_int, default=4, help="gpt/bert attention heads")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=out, help=f"output directory (default {out})")
+    p.add_argument("--checkpoint-every", type=_nonneg_int, default=0, help="save every K steps (0: never)")
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _cluster_flags(p)
+
+
+def _config(args: argparse.Namespace, optimizer: str):
+    from .bench._train import TrainConfig
+
+    if args.nodes and args.world_size % args.nodes:
+        raise SystemExit(f"onebit: --world-size {args.world_size} is not a multiple of --nodes {args.nodes}")
+    if args.hierarchical and not args.nodes:
+        raise SystemExit("onebit: --hierarchical needs --nodes (ranks per node = world size / nodes)")
+    return TrainConfig(
+        optimizer=optimizer, task=args.task, world_size=args.world_size, steps=args.steps,
+        batch_size=args.batch_size, lr=args.lr, schedule=args.schedule, warmup_steps=args.warmup_steps,
+        freeze_step=args.freeze_step if args.freeze_step is not None else max(1, args.steps // 5),
+        seed=args.seed, topk_ratio=min(args.topk_ratio, 1.0), qadam_bits=args.qadam_bits,
+        powersgd_rank=args.powersgd_rank, hierarchical=args.hierarchical, context=args.context,
+        hidden=args.hidden, d_model=args.d_model, layers=args.layers, heads=args.heads,
+        checkpoint_every=args.checkpoint_every, resume=args.resume,
+    )
+
+
+def _run_all(args: argparse.Namespace, names: list[str]) -> dict[str, dict]:
+    from .bench._train import train
 
     out = Path(args.out)
-    cfg = TrainConfig(world_size=args.world_size, steps=args.steps, batch_size=args.batch_size,
-                      lr=args.lr, freeze_step=args.freeze_step if args.freeze_step is not None
-                      else max(1, args.steps // 5), seed=args.seed)
-    print(f"onebit demo: byte-level language model on the Python standard library, "
-          f"{cfg.world_size} local gloo ranks, {cfg.steps} steps, batch {cfg.batch_size}/rank")
     summaries = {}
-    for name in ("adam", "onebit_adam"):
-        summaries[name] = train(replace(cfg, optimizer=name), out / name, progress=not args.quiet)
-    print(_report(summaries))
-    with open(out / "summary.json", "w") as f:
-        json.dump(summaries, f, indent=2)
+    with _cluster(args) as cluster:
+        for name in names:
+            summaries[name] = train(_config(args, name), out / name, progress=not args.quiet, cluster=cluster)
+    return summaries
+
+
+def _plot(out: Path, names: list[str], title: str) -> None:
+    from .bench._plot import plot_losses
+
     runs = {}
-    for name in summaries:
+    for name in names:
         with open(out / name / "metrics.jsonl") as f:
             runs[name] = [json.loads(line) for line in f]
     try:
-        png = plot_losses(runs, out / "loss.png", "Adam vs 1-bit Adam")
-        print(f"loss plot: {png}")
+        print(f"loss plot: {plot_losses(runs, out / 'loss.png', title)}")
     except ImportError as exc:
         print(f"no loss plot: {exc}")
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    names = ["adam", "onebit_adam"]
+    print(f"onebit demo: {args.task} on the Python standard library, {args.world_size} gloo ranks, "
+          f"{args.steps} steps, batch {args.batch_size}/rank")
+    summaries = _run_all(args, names)
+    print(_report(summaries))
+    out = Path(args.out)
+    with open(out / "summary.json", "w") as f:
+        json.dump(summaries, f, indent=2)
+    _plot(out, names, "Adam vs 1-bit Adam")
     print(f"metrics: {out}/<optimizer>/metrics.jsonl, summaries: {out}/summary.json")
     return 0
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from .bench._train import TrainConfig, train
+    summaries = _run_all(args, [args.optimizer])
+    print(_report(summaries, baseline=None))
+    print(f"metrics: {args.out}/{args.optimizer}/metrics.jsonl, summary: {args.out}/{args.optimizer}/summary.json")
+    return 0
 
-    cfg = TrainConfig(optimizer=args.optimizer, world_size=args.world_size, steps=args.steps,
-                      batch_size=args.batch_size, lr=args.lr,
-                      freeze_step=args.freeze_step if args.freeze_step is not None else max(1, args.steps // 5),
-                      seed=args.seed)
-    summary = train(cfg, Path(args.out), progress=not args.quiet)
-    print(_report({args.optimizer: summary}, baseline=""))
+
+def _compare_rows(summaries: dict[str, dict], baseline: str, args: argparse.Namespace) -> tuple[list[list[str]], str]:
+    from .bench._model import ModelInput, predict
+
+    base = summaries[baseline]
+    base_step = base["step_time_s"].get("warmup") or next(iter(base["step_time_s"].values()))
+    base_comm = base["comm_time_s"].get("warmup") or 0.0
+    compute = max(0.0, base_step - base_comm)
+    note = (f"{baseline}: {base_step * 1e3:.1f} ms/step, of which {base_comm * 1e3:.1f} ms "
+            f"({100 * base_comm / base_step:.0f}%) in its collectives")
+    predictions: dict[str, Any] = {}
+    if args.nodes:
+        freeze = base["config"]["freeze_step"]
+        warm = freeze / args.steps if isinstance(freeze, int) else 0.15
+        model = ModelInput(params=base["parameters"], world_size=args.world_size, nodes=args.nodes,
+                           bandwidth=args.bandwidth, latency=args.latency, compute=compute,
+                           warmup_fraction=min(1.0, warm), topk_ratio=min(args.topk_ratio, 1.0))
+        predictions = {p.optimizer: p for p in predict(model)}
+    rows = [["optimizer", "eval loss", "gap", "ms/step warmup", "ms/step compressed", "stage speedup",
+             "end-to-end", "MB/rank", "reduction", "freeze", "model: stage", "model: end-to-end"]]
+    for name, s in summaries.items():
+        steps = s["step_time_s"]
+        stage_time = steps.get("compressed") or steps.get("warmup")
+        key = "birder_hierarchical" if name == "birder" and args.hierarchical else name
+        pred = predictions.get(key)
+        sent = s["bytes_sent_per_rank"]
+        rows.append([
+            name,
+            f"{s['eval_loss']:.4f}",
+            f"{100 * (s['eval_loss'] / base['eval_loss'] - 1):+.1f}%",
+            _ms(steps.get("warmup")),
+            _ms(steps.get("compressed")),
+            f"{base_step / stage_time:.2f}x",
+            f"{base['train_time_s'] / s['train_time_s']:.2f}x" if s["train_time_s"] else "-",
+            f"{sent / 1e6:.1f}",
+            f"{base['bytes_sent_per_rank'] / sent:.1f}x" if sent else "-",
+            str(s["freeze_step"]) if s["freeze_step"] is not None else "-",
+            f"{pred.stage_speedup:.2f}x" if pred else "-",
+            f"{pred.end_to_end_speedup:.2f}x" if pred else "-",
+        ])
+    return rows, note
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from .bench._train import OPTIMIZERS
+
+    names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
+    unknown = [n for n in names if n not in OPTIMIZERS]
+    if unknown or not names:
+        raise SystemExit(f"onebit: --optimizers: unknown {unknown or names}; available: {', '.join(OPTIMIZERS)}")
+    if args.baseline not in names:
+        names.insert(0, args.baseline)
+    summaries = _run_all(args, names)
+    rows, note = _compare_rows(summaries, args.baseline, args)
+    text = _table(rows)
+    print(note)
+    print(text)
+    out = Path(args.out)
+    (out / "table.txt").write_text(note + "\n" + text + "\n")
+    with open(out / "summary.json", "w") as f:
+        json.dump(summaries, f, indent=2)
+    _plot(out, names, f"{args.task}: " + ", ".join(names))
     return 0
 
 
@@ -116,55 +308,130 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         rows = [["kernel", "implementation", "ms", "GB/s (fp32 side)", "vs copy"]]
         rows += [[r.kernel, r.implementation, f"{r.seconds * 1e3:.2f}", f"{r.gbytes_per_s:.1f}", f"{r.vs_copy:.2f}x"]
                  for r in results]
-    else:
-        results = bench_comm(args.numel, args.world_size, args.repeat)
-        rows = [["collective", "ms", "bytes sent/rank", "speed vs fp32 all_reduce"]]
-        rows += [[r.collective, f"{r.seconds * 1e3:.1f}", str(r.bytes_sent), f"{r.vs_fp32:.2f}x"] for r in results]
-    print(f"onebit bench {args.what}: {args.numel} fp32 values, median of {args.repeat}")
-    print(_table(rows))
+        print(f"onebit bench kernels: {args.numel} fp32 values, median of {args.repeat}")
+        print(_table(rows))
+        return 0
+    with _cluster(args) as cluster:
+        for numel in args.numel_list or [args.numel]:
+            results = bench_comm(numel, args.world_size, args.repeat, cluster=cluster)
+            rows = [["collective", "ms", "bytes sent/rank", "inter-node bytes/rank", "vs fp32 all_reduce",
+                     "wire-limited ideal ms", "vs ideal"]]
+            rows += [[r.collective, f"{r.seconds * 1e3:.1f}", str(r.bytes_sent), _fmt(r.inter_node_bytes, "d"),
+                      f"{r.vs_fp32:.2f}x", _ms(r.ideal_seconds),
+                      f"{r.seconds / r.ideal_seconds:.2f}x" if r.ideal_seconds else "-"] for r in results]
+            print(f"onebit bench comm: {numel} fp32 values, {args.world_size} ranks, median of {args.repeat}")
+            print(_table(rows))
     return 0
 
 
+def _cmd_cluster(args: argparse.Namespace) -> int:
+    from .bench._cluster import cluster_unavailable, existing_namespaces
+    from .bench._comm import link_check
+
+    reason = cluster_unavailable()
+    if reason:
+        print(f"onebit cluster: cannot build an emulated cluster here: {reason}")
+        return 1
+    with _cluster(args) as cluster:
+        rows = [["node", "namespace", "address", "ranks"]]
+        for k in range(args.nodes):
+            ranks = range(k * args.ranks_per_node, (k + 1) * args.ranks_per_node)
+            rows.append([str(k), cluster.node(k), cluster.address(k), ",".join(map(str, ranks))])
+        print(_table(rows))
+        if args.nodes > 1:
+            gbit, seconds = link_check(cluster, args.check_mb)
+            print(f"link check: {args.check_mb} MB between node 0 and node 1 in {seconds * 1e3:.1f} ms "
+                  f"= {gbit:.3f} Gbit/s ({100 * gbit * 1e9 / args.bandwidth:.0f}% of the shaped rate)")
+        tag = cluster.tag
+    left = existing_namespaces(tag)
+    print(f"removed namespaces of {tag}: {'ok' if not left else 'LEFT BEHIND: ' + ', '.join(left)}")
+    return 0 if not left else 1
+
+
+def _cmd_model(args: argparse.Namespace) -> int:
+    from .bench._model import ModelInput, predict
+
+    for bandwidth in args.bandwidth:
+        m = ModelInput(params=args.params, world_size=args.world_size, nodes=args.nodes, bandwidth=bandwidth,
+                       latency=args.latency, compute=args.compute_ms / 1e3, kernel_gbps=args.kernel_gbps,
+                       warmup_fraction=args.warmup_fraction, topk_ratio=args.topk_ratio)
+        print(f"onebit model: {m.params} parameters, {m.world_size} ranks on {m.nodes} nodes, "
+              f"{bandwidth / 1e9:g} Gbit/s, {m.latency * 1e3:g} ms latency, compute {args.compute_ms:g} ms/step")
+        rows = [["optimizer", "collective", "MB out of the busiest node", "comm ms", "step ms", "stage speedup",
+                 "warm-up", "end-to-end", "volume reduction"]]
+        rows += [[p.optimizer, p.collective, f"{p.bytes_per_node / 1e6:.2f}", f"{p.comm_seconds * 1e3:.1f}",
+                  f"{p.step_seconds * 1e3:.1f}", f"{p.stage_speedup:.2f}x", f"{p.warmup_fraction:.0%}",
+                  f"{p.end_to_end_speedup:.2f}x", f"{p.volume_reduction:.1f}x"] for p in predict(m)]
+        print(_table(rows))
+    return 0
+
+
+# ---------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
+    from .bench._train import OPTIMIZERS
+
     parser = argparse.ArgumentParser(prog="onebit", description="1-bit communication-compressed optimizers.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def training_flags(p: argparse.ArgumentParser, steps: int, out: str) -> None:
-        p.add_argument("--world-size", type=_positive_int, default=2, help="local gloo ranks (default 2)")
-        p.add_argument("--steps", type=_positive_int, default=steps, help=f"training steps (default {steps})")
-        p.add_argument("--batch-size", type=_positive_int, default=32, help="samples per rank per step")
-        p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
-        p.add_argument("--freeze-step", type=_freeze, default=None,
-                       help="last warm-up step of 1-bit Adam: an int or 'auto' (default: 20%% of --steps)")
-        p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--out", default=out, help=f"output directory (default {out})")
-        p.add_argument("--quiet", action="store_true", help="no progress bar")
-
-    demo = sub.add_parser("demo", help="train Adam and 1-bit Adam side by side on local ranks")
-    training_flags(demo, 300, "runs/demo")
+    demo = sub.add_parser("demo", help="train Adam and 1-bit Adam side by side")
+    _training_flags(demo, 300, "runs/demo")
     demo.set_defaults(func=_cmd_demo)
 
-    from .bench._train import OPTIMIZERS
-
-    train = sub.add_parser("train", help="train one optimizer on local ranks")
+    train = sub.add_parser("train", help="train one optimizer on one task")
     train.add_argument("--optimizer", choices=OPTIMIZERS, default="onebit_adam")
-    training_flags(train, 300, "runs/train")
+    _training_flags(train, 300, "runs/train")
     train.set_defaults(func=_cmd_train)
+
+    compare = sub.add_parser("compare", help="several optimizers on the same task and seed: one table, one plot")
+    compare.add_argument("--optimizers", default=",".join(OPTIMIZERS),
+                         help="comma-separated names (default: all of them)")
+    compare.add_argument("--baseline", choices=OPTIMIZERS, default="adam", help="what speedups are relative to")
+    _training_flags(compare, 300, "runs/compare")
+    compare.set_defaults(func=_cmd_compare)
 
     bench = sub.add_parser("bench", help="microbenchmarks: bit kernels or collectives")
     bench.add_argument("what", choices=("kernels", "comm"))
     bench.add_argument("--numel", type=_positive_int, default=10_500_000, help="fp32 values (default 10.5M)")
+    bench.add_argument("--sizes", dest="numel_list", type=lambda t: [_positive_int(x) for x in t.split(",")],
+                       default=None, help="comma-separated sizes for 'comm' (instead of --numel)")
     bench.add_argument("--repeat", type=_positive_int, default=10)
     bench.add_argument("--world-size", type=_positive_int, default=2, help="ranks for 'comm' (default 2)")
     bench.add_argument("--threads", type=_positive_int, default=1, help="torch threads for 'kernels' (default 1)")
     bench.add_argument("--device", default="cpu", help="device for 'kernels' (default cpu)")
+    _cluster_flags(bench)
     bench.set_defaults(func=_cmd_bench)
+
+    cluster = sub.add_parser("cluster", help="build an emulated cluster, check its links, remove it")
+    cluster.add_argument("--ranks-per-node", type=_positive_int, default=1)
+    cluster.add_argument("--check-mb", type=_positive_int, default=25, help="MB sent for the link check")
+    _cluster_flags(cluster)
+    cluster.set_defaults(func=_cmd_cluster)
+
+    model = sub.add_parser("model", help="alpha-beta cost model of each optimizer's communication")
+    model.add_argument("--params", type=_positive_int, required=True, help="parameters of the model")
+    model.add_argument("--world-size", type=_positive_int, default=4)
+    model.add_argument("--nodes", type=_positive_int, default=4)
+    model.add_argument("--bandwidth", type=lambda t: [_bandwidth(x) for x in t.split(",")], default=[1e9],
+                       help="node egress rate(s), comma-separated for a sweep (default 1gbit)")
+    model.add_argument("--latency", type=_latency, default=0.0)
+    model.add_argument("--compute-ms", type=float, default=0.0, help="forward+backward+update time per step")
+    model.add_argument("--kernel-gbps", type=_positive_float, default=5.0, help="compression kernel GB/s")
+    model.add_argument("--warmup-fraction", type=float, default=0.15, help="1-bit Adam/LAMB warm-up share")
+    model.add_argument("--topk-ratio", type=_positive_float, default=0.01)
+    model.set_defaults(func=_cmd_model)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "cluster" and not args.nodes:
+        parser.error("onebit cluster: --nodes is required")
+    try:
+        return args.func(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return 2
 
 
 if __name__ == "__main__":

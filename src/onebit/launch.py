@@ -31,10 +31,31 @@ class RankFailure(RuntimeError):
     """One or more ranks raised or did not finish."""
 
 
-def _entry(fn, rank, world_size, init_file, results, args, pg_timeout, threads):
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+def _enter_namespace(name: str) -> None:
+    """Move this process into the network namespace ``name`` (``ip netns`` naming)."""
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if hasattr(os, "setns"):
+            os.setns(fd, os.CLONE_NEWNET)
+        else:  # Python < 3.12
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+                errno = ctypes.get_errno()
+                raise OSError(errno, f"setns into network namespace {name!r} failed: {os.strerror(errno)}")
+    finally:
+        os.close(fd)
+
+
+def _entry(fn, rank, world_size, init_file, results, args, pg_timeout, threads, place):
     torch.set_num_threads(threads)
     try:
+        if place is None:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        else:
+            _enter_namespace(place[0])
+            os.environ["GLOO_SOCKET_IFNAME"] = place[1]
         dist.init_process_group(
             "gloo",
             init_method=f"file://{init_file}",
@@ -60,19 +81,27 @@ def spawn(
     timeout: float = 600.0,
     pg_timeout: float = 120.0,
     threads: int = 1,
+    placement: list[tuple[str, str]] | None = None,
 ) -> list[Any]:
     """``[fn(rank, world_size, *args) for rank in range(world_size)]``, one gloo process per rank.
 
     ``fn`` must be importable (a module-level function); return values travel back
-    through ``torch.save``.
+    through ``torch.save``. ``placement`` puts rank ``r`` into network namespace
+    ``placement[r][0]``, talking over its interface ``placement[r][1]`` (an emulated
+    cluster's nodes); without it every rank uses loopback.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if placement is not None and len(placement) != world_size:
+        raise ValueError(f"placement has {len(placement)} entries for world_size {world_size}")
     with tempfile.TemporaryDirectory() as tmp:
         results = _CTX.Queue()
         init = os.path.join(tmp, "init")
         procs = [
-            _CTX.Process(target=_entry, args=(fn, r, world_size, init, results, args, pg_timeout, threads))
+            _CTX.Process(
+                target=_entry,
+                args=(fn, r, world_size, init, results, args, pg_timeout, threads, placement and placement[r]),
+            )
             for r in range(world_size)
         ]
         for p in procs:

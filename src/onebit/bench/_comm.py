@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .. import comm
 from ..launch import spawn
+from ._model import ModelInput, _allgather, _onebit_allreduce, _ring_allreduce
 from ._timing import median_seconds
 
-__all__ = ["CommResult", "bench_comm"]
+__all__ = ["CommResult", "bench_comm", "link_check"]
 
 
 @dataclass(frozen=True)
@@ -21,11 +24,12 @@ class CommResult:
     world_size: int
     seconds: float  # median over repeats, max over ranks
     bytes_sent: int  # per rank per call, from the byte meter
+    inter_node_bytes: int | None  # bytes the meter labelled inter-node (hierarchical collective only)
     vs_fp32: float  # fp32 all_reduce time / this time
-    ideal_seconds: float | None  # bytes_sent / bandwidth, when a bandwidth is given
+    ideal_seconds: float | None  # the busiest node's egress at the shaped rate (emulated cluster only)
 
 
-def _rank_bench(rank: int, world: int, numel: int, repeat: int) -> dict[str, tuple[float, int]]:
+def _rank_bench(rank: int, world: int, numel: int, repeat: int, per_node: int | None) -> dict[str, Any]:
     x = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
     out_buf = torch.empty_like(x)
     half = x.half()
@@ -34,11 +38,14 @@ def _rank_bench(rank: int, world: int, numel: int, repeat: int) -> dict[str, tup
         "all_reduce fp32": lambda: comm.all_reduce_mean(x),
         "all_reduce fp16": lambda: comm.all_reduce_mean(half),
     }
-    for name, op in {
+    collectives = {
         "compressed_allreduce sign": comm.CompressedAllReduce("sign"),
         "allgather block_sign": comm.CompressedAllGather("block_sign"),
         "allgather topk 1%": comm.CompressedAllGather("topk", ratio=0.01),
-    }.items():
+    }
+    if per_node is not None and 1 < per_node < world:
+        collectives["hierarchical_allreduce sign"] = comm.HierarchicalAllReduce("sign", ranks_per_node=per_node)
+    for name, op in collectives.items():
         cases[name] = lambda op=op: op(x, out=out_buf)
     out = {}
     for name, call in cases.items():
@@ -46,20 +53,59 @@ def _rank_bench(rank: int, world: int, numel: int, repeat: int) -> dict[str, tup
             call()
         dist.barrier()
         seconds = median_seconds(lambda: (call(), dist.barrier()), repeat)
-        out[name] = (seconds, meter.bytes_sent)
+        out[name] = (seconds, meter.bytes_sent, meter.by_link.get("inter"))
     return out
 
 
-def bench_comm(
-    numel: int = 10_500_000, world_size: int = 2, repeat: int = 10, bandwidth_bits: float | None = None
-) -> list[CommResult]:
-    """Run every collective on ``world_size`` local gloo ranks; times include a barrier."""
-    per_rank = spawn(_rank_bench, world_size, numel, repeat)
+def _ideal(name: str, m: ModelInput) -> float:
+    n = m.params
+    if name == "all_reduce fp32":
+        egress = _ring_allreduce(m, 4 * n)[0]
+    elif name == "all_reduce fp16":
+        egress = _ring_allreduce(m, 2 * n)[0]
+    elif name.startswith("compressed_allreduce"):
+        egress = _onebit_allreduce(m, False)[0]
+    elif name.startswith("hierarchical"):
+        egress = _onebit_allreduce(m, True)[0]
+    elif "topk" in name:
+        egress = _allgather(m, 8 * -(-n // 100))[0]
+    else:
+        egress = _allgather(m, n / 8 + 4)[0]
+    return egress * 8 / m.bandwidth
+
+
+def bench_comm(numel: int = 10_500_000, world_size: int = 2, repeat: int = 10, cluster=None) -> list[CommResult]:
+    """Run every collective on ``world_size`` gloo ranks (on ``cluster``'s nodes when given);
+    times include a barrier."""
+    placement = per_node = model = None
+    if cluster is not None:
+        placement = cluster.placement(world_size)
+        per_node = world_size // cluster.spec.nodes
+        model = ModelInput(params=numel, world_size=world_size, nodes=cluster.spec.nodes,
+                           bandwidth=cluster.spec.bandwidth)
+    per_rank = spawn(_rank_bench, world_size, numel, repeat, per_node, placement=placement)
     base = max(r["all_reduce fp32"][0] for r in per_rank)
     results = []
     for name in per_rank[0]:
         seconds = max(r[name][0] for r in per_rank)
-        sent = per_rank[0][name][1]
-        ideal = sent * 8 / bandwidth_bits if bandwidth_bits else None
-        results.append(CommResult(name, numel, world_size, seconds, sent, base / seconds, ideal))
+        _, sent, inter = per_rank[0][name]
+        ideal = _ideal(name, model) if model is not None and model.nodes > 1 else None
+        results.append(CommResult(name, numel, world_size, seconds, sent, inter, base / seconds, ideal))
     return results
+
+
+def _link_rank(rank: int, world: int, numel: int) -> float:
+    x = torch.ones(numel)
+    comm.all_reduce_mean(x)  # connect
+    dist.barrier()
+    start = time.perf_counter()
+    comm.all_reduce_mean(x)
+    return time.perf_counter() - start
+
+
+def link_check(cluster, megabytes: int) -> tuple[float, float]:
+    """Gbit/s and seconds of a 2-rank fp32 all-reduce between node 0 and node 1 (each sends the whole buffer)."""
+    numel = megabytes * 250_000
+    placement = [(cluster.node(0), "eth0"), (cluster.node(1), "eth0")]
+    seconds = max(spawn(_link_rank, 2, numel, placement=placement))
+    return numel * 4 * 8 / seconds / 1e9, seconds

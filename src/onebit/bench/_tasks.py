@@ -1,14 +1,24 @@
-"""Training tasks on real data present on every machine: the Python standard library's source."""
+"""Training tasks on real data present on every machine, nothing downloaded at run time.
+
+* ``mlp``  -- next-byte MLP on the Python standard library's source (the demo's task).
+* ``gpt``  -- byte-level causal transformer (pre-LN) on the same corpus.
+* ``bert`` -- masked-byte model, pre-LN transformer encoder (the papers' BERT setting in miniature).
+* ``digits`` -- a small CNN on scikit-learn's bundled 8x8 digits (optional extra ``vision``).
+"""
 
 from __future__ import annotations
 
 import sysconfig
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["ByteCorpus", "ByteMLP"]
+__all__ = ["TASKS", "ByteCorpus", "ByteMLP", "ByteTransformer", "DigitsCNN", "Task", "TaskSpec"]
+
+TASKS = ("mlp", "gpt", "bert", "digits")
+MASK = 256  # the masked-LM's [MASK] token, after the 256 byte values
 
 
 class ByteCorpus:
@@ -31,12 +41,15 @@ class ByteCorpus:
         split = int(len(data) * (1 - holdout))
         self.train, self.heldout = data[:split], data[split:]
 
+    def windows(self, length: int, size: int, generator: torch.Generator, heldout: bool = False) -> Tensor:
+        """``size`` random windows of ``length`` consecutive bytes, as int64."""
+        data = self.heldout if heldout else self.train
+        start = torch.randint(0, len(data) - length, (size,), generator=generator)
+        return data[start.unsqueeze(1) + torch.arange(length)]
+
     def batch(self, context: int, size: int, generator: torch.Generator, heldout: bool = False) -> tuple[Tensor, Tensor]:
         """``size`` random windows: ``context`` bytes in, the next byte as target."""
-        data = self.heldout if heldout else self.train
-        start = torch.randint(0, len(data) - context - 1, (size,), generator=generator)
-        idx = start.unsqueeze(1) + torch.arange(context + 1)
-        windows = data[idx]
+        windows = self.windows(context + 1, size, generator, heldout)
         return windows[:, :context], windows[:, context]
 
 
@@ -57,3 +70,124 @@ class ByteMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.net(self.embed(x).flatten(1))
+
+
+class ByteTransformer(nn.Module):
+    """Pre-LN transformer over bytes: causal (GPT) or bidirectional with a [MASK] token (BERT).
+
+    About ``12 * layers * d_model**2`` parameters: ``d_model=128, layers=4`` is ~0.9M,
+    ``512, 8`` ~25M, ``768, 12`` ~85M.
+    """
+
+    def __init__(self, context: int, d_model: int, layers: int, heads: int, causal: bool) -> None:
+        super().__init__()
+        self.causal = causal
+        self.embed = nn.Embedding(257, d_model)
+        self.position = nn.Parameter(torch.zeros(context, d_model))
+        nn.init.normal_(self.position, std=0.02)
+        block = nn.TransformerEncoderLayer(
+            d_model, heads, 4 * d_model, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
+        )
+        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, 256)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.embed(x) + self.position[: x.shape[1]]
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1]) if self.causal else None
+        return self.head(self.norm(self.blocks(h, mask=mask, is_causal=self.causal)))
+
+
+class DigitsCNN(nn.Module):
+    """Two 3x3 convolutions and a linear head for 8x8 grey digits."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv2d(1, width, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(width, 2 * width, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(2 * width * 16, 10),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """Model size options shared by the tasks (each task reads the ones it needs)."""
+
+    name: str = "mlp"
+    context: int = 16
+    hidden: int = 512
+    d_model: int = 128
+    layers: int = 2
+    heads: int = 4
+
+
+class Task:
+    """A model, its training batches and its held-out loss."""
+
+    def __init__(self, spec: TaskSpec) -> None:
+        if spec.name not in TASKS:
+            raise ValueError(f"unknown task {spec.name!r}; available: {', '.join(TASKS)}")
+        self.spec = spec
+        self.loss_fn = nn.CrossEntropyLoss()
+        if spec.name == "digits":
+            try:
+                from sklearn.datasets import load_digits
+            except ImportError as exc:
+                raise ImportError("the digits task needs scikit-learn: pip install 'onebit[vision]'") from exc
+            images, labels = load_digits(return_X_y=True)
+            x = torch.tensor(images, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0
+            y = torch.tensor(labels, dtype=torch.long)
+            order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+            cut = int(0.8 * len(y))
+            self.train_xy = (x[order[:cut]], y[order[:cut]])
+            self.heldout_xy = (x[order[cut:]], y[order[cut:]])
+        else:
+            self.corpus = ByteCorpus()
+
+    def model(self) -> nn.Module:
+        s = self.spec
+        if s.name == "mlp":
+            return ByteMLP(context=s.context, hidden=s.hidden)
+        if s.name == "digits":
+            return DigitsCNN()
+        if s.d_model % s.heads:
+            raise ValueError(f"d_model={s.d_model} must be a multiple of heads={s.heads}")
+        return ByteTransformer(s.context, s.d_model, s.layers, s.heads, causal=s.name == "gpt")
+
+    def batch(self, size: int, generator: torch.Generator, heldout: bool = False) -> tuple[Tensor, Tensor]:
+        """Inputs and targets, in the shapes :meth:`loss` expects."""
+        s = self.spec
+        if s.name == "digits":
+            x, y = self.heldout_xy if heldout else self.train_xy
+            idx = torch.randint(0, len(y), (size,), generator=generator)
+            return x[idx], y[idx]
+        if s.name == "mlp":
+            return self.corpus.batch(s.context, size, generator, heldout)
+        if s.name == "gpt":
+            w = self.corpus.windows(s.context + 1, size, generator, heldout)
+            return w[:, :-1], w[:, 1:]
+        # BERT-style masking: 15% of positions are predicted; of those 80% [MASK], 10% random, 10% kept.
+        w = self.corpus.windows(s.context, size, generator, heldout)
+        chosen = torch.rand(w.shape, generator=generator) < 0.15
+        roll = torch.rand(w.shape, generator=generator)
+        x = w.clone()
+        x[chosen & (roll < 0.8)] = MASK
+        random_bytes = torch.randint(0, 256, w.shape, generator=generator)
+        swap = chosen & (roll >= 0.8) & (roll < 0.9)
+        x[swap] = random_bytes[swap]
+        return x, torch.where(chosen, w, torch.full_like(w, -100))
+
+    def loss(self, model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+        out = model(x)
+        if out.dim() == 3:
+            return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1), ignore_index=-100)
+        return self.loss_fn(out, y)
+

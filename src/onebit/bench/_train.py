@@ -1,167 +1,216 @@
-"""One data-parallel training run on local gloo ranks, recorded step by step."""
+"""One data-parallel training run on local gloo ranks (or an emulated cluster), recorded step by step."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
+import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from .. import comm
 from ..launch import spawn
-from ..optim import CompAMS, OnebitAdam, OnebitAdamNaive, OnebitLamb, QAdam
-from ._tasks import ByteCorpus, ByteMLP
+from ._runs import OPTIMIZERS, build_run
+from ._tasks import TASKS, Task, TaskSpec
 
-__all__ = ["OPTIMIZERS", "TrainConfig", "train"]
+__all__ = ["OPTIMIZERS", "SCHEDULES", "TASKS", "TrainConfig", "train"]
 
-OPTIMIZERS = (
-    "adam",
-    "onebit_adam",
-    "onebit_adam_naive",
-    "lamb",
-    "onebit_lamb",
-    "amsgrad",
-    "comp_ams",
-    "comp_ams_block_sign",
-    "qadam",
-)
+SCHEDULES = ("constant", "linear", "cosine")
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     optimizer: str = "onebit_adam"
+    task: str = "mlp"
     world_size: int = 2
     steps: int = 300
     batch_size: int = 32  # per rank
     lr: float = 1e-3
+    schedule: str = "constant"  # after the learning-rate warm-up
+    warmup_steps: int = 0  # learning-rate warm-up (linear from 0)
     freeze_step: int | str = 60
     seed: int = 0
-    context: int = 16
-    hidden: int = 512
     eval_batches: int = 8
     # Short runs freeze long before v is stationary; bias correction keeps the frozen v unbiased.
     bias_correction: bool = True
+    topk_ratio: float = 0.01
+    qadam_bits: int = 1
+    powersgd_rank: int = 1
+    hierarchical: bool = False
+    # task sizes
+    context: int = 16
+    hidden: int = 512
+    d_model: int = 128
+    layers: int = 2
+    heads: int = 4
+    # checkpoints
+    checkpoint_every: int = 0
+    resume: bool = False
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}; got {self.optimizer!r}")
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {', '.join(TASKS)}; got {self.task!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got {self.schedule!r}")
+        for name in ("world_size", "steps", "batch_size", "context", "hidden", "d_model", "layers", "heads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name in ("warmup_steps", "checkpoint_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be a positive number, got {self.lr!r}")
+
+    @property
+    def spec(self) -> TaskSpec:
+        names = {f.name for f in fields(TaskSpec)} - {"name"}
+        return TaskSpec(name=self.task, **{n: getattr(self, n) for n in names})
 
 
-class _AllReduceAdam(torch.optim.Adam):
-    """Data-parallel Adam: one fp32 all-reduce of all gradients (a single DDP-style bucket)."""
-
-    def step(self, closure=None):  # type: ignore[override]
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        comm.all_reduce_mean(flat)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-        return super().step(closure)
+def lr_factor(cfg: TrainConfig, step: int) -> float:
+    """Multiplier of ``cfg.lr`` at ``step`` (0-based): linear warm-up, then the schedule down to 0."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    if cfg.schedule == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def _optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
-    if cfg.optimizer == "adam":
-        for p in model.parameters():
-            comm.broadcast(p.data, 0)
-        return _AllReduceAdam(model.parameters(), lr=cfg.lr)
-    if cfg.optimizer == "onebit_adam":
-        return OnebitAdam(
-            model.parameters(), lr=cfg.lr, freeze_step=cfg.freeze_step, bias_correction=cfg.bias_correction
-        )
-    if cfg.optimizer == "onebit_adam_naive":
-        return OnebitAdamNaive(model.parameters(), lr=cfg.lr, bias_correction=cfg.bias_correction)
-    if cfg.optimizer in ("lamb", "onebit_lamb"):
-        # "lamb" is 1-bit LAMB that never leaves its warm-up: exact LAMB on all-reduced gradients.
-        freeze = cfg.freeze_step if cfg.optimizer == "onebit_lamb" else cfg.steps + 1
-        return OnebitLamb(model.parameters(), lr=cfg.lr, freeze_step=freeze)
-    if cfg.optimizer in ("amsgrad", "comp_ams", "comp_ams_block_sign"):
-        compressor = {"amsgrad": "none", "comp_ams": "topk", "comp_ams_block_sign": "block_sign"}[cfg.optimizer]
-        return CompAMS(model.parameters(), lr=cfg.lr, compressor=compressor, bias_correction=cfg.bias_correction)
-    if cfg.optimizer == "qadam":
-        return QAdam(model.parameters(), lr=cfg.lr, bits=1)
-    raise ValueError(f"unknown optimizer {cfg.optimizer!r}; available: {', '.join(OPTIMIZERS)}")
+def _checkpoint_path(out: Path, rank: int) -> Path:
+    return out / "checkpoints" / f"rank{rank}.pt"
 
 
-def _rank_main(rank: int, world: int, cfg: TrainConfig, progress: bool) -> dict[str, Any]:
+def _rank_main(rank: int, world: int, cfg: TrainConfig, out: Path, per_node: int | None,
+               progress: bool) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
-    corpus = ByteCorpus()
-    model = ByteMLP(context=cfg.context, hidden=cfg.hidden)
-    opt = _optimizer(cfg, model)
+    task = Task(cfg.spec)
+    model = task.model()
+    run = build_run(cfg.optimizer, model, cfg, per_node)
+    opt = run.optimizer
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(cfg, s))
     gen = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
-    loss_fn = nn.CrossEntropyLoss()
-    records = []
+    records: list[dict[str, Any]] = []
+    first = 1
+    ckpt = _checkpoint_path(out, rank)
+    if cfg.resume and ckpt.exists():
+        state = torch.load(ckpt, weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        gen.set_state(state["generator"])
+        if run.hook_state is not None and hasattr(run.hook_state, "load_state_dict"):
+            run.hook_state.load_state_dict(state["hook"])
+        records, first = state["records"], int(state["step"]) + 1
     bar = None
     if progress and rank == 0:
         from tqdm import tqdm
 
-        bar = tqdm(total=cfg.steps, desc=cfg.optimizer, unit="step", leave=False)
-    start = time.perf_counter()
-    for step in range(1, cfg.steps + 1):
+        bar = tqdm(total=cfg.steps, initial=first - 1, desc=cfg.optimizer, unit="step", leave=False)
+    start = time.perf_counter() - (records[-1]["time"] if records else 0.0)
+    for step in range(first, cfg.steps + 1):
         t0 = time.perf_counter()
-        x, y = corpus.batch(cfg.context, cfg.batch_size, gen)
-        loss = loss_fn(model(x), y)
+        x, y = task.batch(cfg.batch_size, gen)
+        loss = task.loss(run.module, x, y)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        # DDP exchanges during backward, onebit's optimizers inside step: meter both.
         with comm.measure() as meter:
+            loss.backward()
             opt.step()
-        stats = getattr(opt, "stats", {"stage": "uncompressed"})
-        # The logged loss is the average over ranks (a tiny extra all-reduce, outside the meter).
+        schedule.step()
+        step_time = time.perf_counter() - t0
+        # The logged loss is the average over ranks (a tiny extra all-reduce, outside the meter and the timing).
         mean_loss = comm.all_reduce_mean(loss.detach().reshape(1)).item()
-        records.append(
-            {
-                "step": step,
-                "loss": mean_loss,
-                "stage": stats["stage"],
-                "bytes_sent": meter.bytes_sent,
-                "time": time.perf_counter() - start,
-                "step_time": time.perf_counter() - t0,
-                "samples": step * cfg.batch_size * world,
-            }
-        )
+        records.append({
+            "step": step,
+            "loss": mean_loss,
+            "stage": run.stage(),
+            "bytes_sent": meter.bytes_sent,
+            "time": time.perf_counter() - start,
+            "step_time": step_time,
+            "comm_time": meter.seconds,
+            "samples": step * cfg.batch_size * world,
+            "lr": schedule.get_last_lr()[0],
+        })
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(loss=f"{mean_loss:.3f}", stage=stats["stage"])
+            bar.set_postfix(loss=f"{mean_loss:.3f}", stage=records[-1]["stage"])
+        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+            _save_checkpoint(ckpt, step, model, opt, schedule, gen, run, records)
     if bar is not None:
         bar.close()
     with torch.no_grad():
         eval_gen = torch.Generator().manual_seed(12345)
-        losses = [loss_fn(model(xb), yb).item() for xb, yb in
-                  (corpus.batch(cfg.context, 256, eval_gen, heldout=True) for _ in range(cfg.eval_batches))]
-    checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
-    return {"records": records, "eval_loss": sum(losses) / len(losses), "checksum": checksum,
-            "freeze_step": getattr(opt, "stats", {}).get("freeze_step")}
+        losses = [task.loss(model, *task.batch(256, eval_gen, heldout=True)).item() for _ in range(cfg.eval_batches)]
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        digest.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    return {"records": records, "eval_loss": sum(losses) / len(losses), "digest": digest.hexdigest(),
+            "finite": finite,
+            "freeze_step": run.freeze_step(), "parameters": sum(p.numel() for p in model.parameters())}
 
 
-def _stage_rate(records: list[dict[str, Any]], stage: str, per_step_samples: int) -> float | None:
-    times = [r["step_time"] for r in records if r["stage"] == stage][1:]  # the first step pays set-up
-    return per_step_samples / (sum(times) / len(times)) if times else None
+def _save_checkpoint(path: Path, step, model, opt, schedule, gen, run, records) -> None:
+    state = {"step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
+             "schedule": schedule.state_dict(), "generator": gen.get_state(), "records": records}
+    if run.hook_state is not None and hasattr(run.hook_state, "state_dict"):
+        state["hook"] = run.hook_state.state_dict()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    tmp.replace(path)  # a crash while saving never leaves a truncated checkpoint behind
 
 
-def train(cfg: TrainConfig, out: Path, progress: bool = True) -> dict[str, Any]:
-    """Run ``cfg`` on local ranks; write ``metrics.jsonl`` and ``summary.json`` into ``out``."""
-    results = spawn(_rank_main, cfg.world_size, cfg, progress)
-    if len({r["checksum"] for r in results}) != 1:
-        raise RuntimeError(f"replicas diverged: parameter checksums {[r['checksum'] for r in results]}")
-    records = results[0]["records"]
+def _stage_median(records: list[dict[str, Any]], stage: str, key: str) -> float | None:
+    """Median of ``key`` over the steps of ``stage``, without its first step (which pays set-up)."""
+    values = [r[key] for r in records if r["stage"] == stage][1:]
+    return statistics.median(values) if values else None
+
+
+def train(cfg: TrainConfig, out: Path, progress: bool = True, cluster=None) -> dict[str, Any]:
+    """Run ``cfg`` on local ranks (inside ``cluster``'s nodes when given); write
+    ``metrics.jsonl`` and ``summary.json`` into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
+    placement = cluster.placement(cfg.world_size) if cluster is not None else None
+    per_node = cfg.world_size // cluster.spec.nodes if cluster is not None else None
+    results = spawn(_rank_main, cfg.world_size, cfg, out, per_node, progress, placement=placement)
+    if len({r["digest"] for r in results}) != 1:
+        raise RuntimeError(f"replicas differ at the end: parameter digests {[r['digest'][:12] for r in results]}")
+    records = results[0]["records"]
     with open(out / "metrics.jsonl", "w") as f:
         for rec in records:
             f.write(json.dumps(rec) + "\n")
     per_step = cfg.batch_size * cfg.world_size
-    bytes_total = sum(r["bytes_sent"] for r in records)
+    stages = sorted({r["stage"] for r in records})
+    step_times = {stage: _stage_median(records, stage, "step_time") for stage in stages}
     summary = {
         "config": asdict(cfg),
+        "parameters": results[0]["parameters"],
+        "cluster": None if cluster is None else {**asdict(cluster.spec), "latency_note": cluster.latency_note},
+        "finite": results[0]["finite"],
         "final_loss": sum(r["loss"] for r in records[-10:]) / min(10, len(records)),
         "eval_loss": results[0]["eval_loss"],
         "freeze_step": results[0]["freeze_step"],
-        "bytes_sent_per_rank": bytes_total,
-        "samples_per_s": {
-            stage: _stage_rate(records, stage, per_step)
-            for stage in sorted({r["stage"] for r in records})
-        },
+        "bytes_sent_per_rank": sum(r["bytes_sent"] for r in records),
+        "step_time_s": step_times,
+        "samples_per_s": {stage: t and per_step / t for stage, t in step_times.items()},
+        # Time waiting in onebit's collectives (DDP's own all-reduce runs inside backward, not timed here).
+        "comm_time_s": {stage: _stage_median(records, stage, "comm_time") for stage in stages},
         "wall_time_s": records[-1]["time"],
+        # Sum of step times without the first (connection set-up): what speedups compare.
+        "train_time_s": sum(r["step_time"] for r in records[1:]),
     }
     with open(out / "summary.json", "w") as f:
         json.dump(summary, f, indent=2)

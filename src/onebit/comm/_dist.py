@@ -9,13 +9,14 @@ Without an initialised process group every wrapper behaves as world size 1.
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ._meter import record
+from ._meter import record, record_time
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -81,9 +82,11 @@ def _describe(group: dist.ProcessGroup | None) -> str:
 def _run(op: str, group: dist.ProcessGroup | None, timeout: float | timedelta | None, launch) -> None:
     limit = to_timedelta(timeout)
     where = f"{op} on {_describe(group)}"
+    start = time.perf_counter()
     try:
         work = launch()
         completed = work is None or work.wait(limit)
+        record_time(time.perf_counter() - start)
     except RuntimeError as exc:
         status = "timed out" if "timed out" in str(exc).lower() else "failed"
         raise CollectiveError(f"{where} {status} (timeout {limit.total_seconds():g}s): {exc}") from exc

@@ -14,16 +14,18 @@ from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-__all__ = ["Meter", "measure", "record"]
+__all__ = ["Meter", "measure", "record", "record_time"]
 
 _local = threading.local()
 
 
 @dataclass
 class Meter:
-    """Totals of one :func:`measure` block: ``bytes_sent``, and per operation and per link."""
+    """Totals of one :func:`measure` block: ``bytes_sent``, per operation and per link, and
+    ``seconds`` spent waiting in collectives (launch to completion, on this rank)."""
 
     bytes_sent: int = 0
+    seconds: float = 0.0
     calls: int = 0
     by_op: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     by_link: dict[str, int] = field(default_factory=lambda: defaultdict(int))
@@ -55,3 +57,9 @@ def record(op: str, nbytes: int, link: str = "flat") -> None:
         meter.calls += 1
         meter.by_op[op] += nbytes
         meter.by_link[link] += nbytes
+
+
+def record_time(seconds: float) -> None:
+    """Add ``seconds`` spent in a collective to every active meter."""
+    for meter in _stack():
+        meter.seconds += seconds

@@ -1,0 +1,136 @@
+"""An alpha-beta cost model of each optimizer's per-step communication (``onebit model``).
+
+The network is the emulated cluster's: ``nodes`` nodes of ``ranks_per_node`` ranks, each
+node's egress a link of ``bandwidth`` bits/s and ``latency`` seconds per message; traffic
+inside a node is free. A collective's time is ``alpha * messages + node_egress_bytes * 8 /
+bandwidth``, where ``node_egress_bytes`` is what the busiest node must send:
+
+* ring all-reduce of S bytes (gloo, NCCL): the ring crosses each node boundary once and
+  every link carries ``2 (w - 1) / w * S``; ``2 (w - 1)`` messages.
+* 1-bit compressed all-reduce (1-bit Adam section 6): an all-to-all in which each rank
+  sends its ``w - R`` off-node slots of ``S / w`` bytes (``S`` = n/8 + scales), then a ring
+  all-gather of the re-compressed slot: ``R (w - R) S / w + (w - 1) S / w``.
+* hierarchical (Birder section 4): the same among the ``K`` nodes on each rank's shard
+  ``S / R``; the intra-node phases are free: ``R ((K - 1) + (K - 1)) S / (R K)``.
+* all-gather exchange (Comp-AMS): a ring all-gather of each rank's payload P: ``(w - 1) P``.
+
+Compressed steps also pay the kernels: the fused error-feedback compression touches the
+fp32 tensor ~3 times (``--kernel-gbps``, measured by ``onebit bench kernels``).
+End-to-end speedup with a warm-up fraction ``f`` of uncompressed steps, as in the papers:
+``1 / (f + (1 - f) / s)`` for compression-stage speedup ``s``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["ModelInput", "Prediction", "predict"]
+
+
+@dataclass(frozen=True)
+class ModelInput:
+    params: int
+    world_size: int
+    nodes: int
+    bandwidth: float  # bits/s per node egress
+    latency: float = 0.0  # seconds per message
+    compute: float = 0.0  # seconds of forward + backward + update per step
+    kernel_gbps: float = 5.0  # GB/s of the fused compression kernels
+    warmup_fraction: float = 0.15  # 1-bit Adam / LAMB steps before the freeze
+    topk_ratio: float = 0.01
+
+    def __post_init__(self) -> None:
+        for name in ("params", "world_size", "nodes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.world_size % self.nodes:
+            raise ValueError(f"world_size={self.world_size} must be a multiple of nodes={self.nodes}")
+        for name in ("bandwidth", "kernel_gbps"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        for name in ("latency", "compute"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not 0 <= self.warmup_fraction <= 1:
+            raise ValueError(f"warmup_fraction must be in [0, 1], got {self.warmup_fraction!r}")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    optimizer: str
+    collective: str
+    bytes_per_node: float  # busiest node's egress per compressed-stage step
+    comm_seconds: float
+    step_seconds: float  # compressed-stage step (or the only stage)
+    stage_speedup: float  # vs Adam's fp32 ring all-reduce step
+    warmup_fraction: float
+    end_to_end_speedup: float
+    volume_reduction: float  # Adam's bytes over the whole run / this optimizer's
+
+
+def _ring_allreduce(m: ModelInput, nbytes: float) -> tuple[float, float]:
+    w = m.world_size
+    if w == 1:
+        return 0.0, 0.0
+    egress = 2 * (w - 1) / w * nbytes if m.nodes > 1 else 0.0
+    return egress, 2 * (w - 1) * m.latency + egress * 8 / m.bandwidth
+
+
+def _onebit_allreduce(m: ModelInput, hierarchical: bool) -> tuple[float, float]:
+    w, k = m.world_size, m.nodes
+    r = w // k
+    packed = m.params / 8 + 4 * w  # signs plus one fp32 scale per chunk
+    if k == 1:
+        return 0.0, 0.0
+    if hierarchical:
+        egress = 2 * (k - 1) * packed / k
+        messages = 2 * (k - 1)
+    else:
+        egress = r * (w - r) * packed / w + (w - 1) * packed / w
+        messages = 2 * (w - 1)
+    return egress, messages * m.latency + egress * 8 / m.bandwidth
+
+
+def _allgather(m: ModelInput, payload: float) -> tuple[float, float]:
+    w = m.world_size
+    if m.nodes == 1:
+        return 0.0, 0.0
+    egress = (w - 1) * payload
+    return egress, (w - 1) * m.latency + egress * 8 / m.bandwidth
+
+
+def predict(m: ModelInput) -> list[Prediction]:
+    """Per-step predictions for each optimizer, against Adam on an fp32 ring all-reduce."""
+    n = m.params
+    kernels = 3 * 4 * n / (m.kernel_gbps * 1e9)
+    fp32 = _ring_allreduce(m, 4 * n)
+    base_step = m.compute + fp32[1]
+    topk_payload = 8 * math.ceil(m.topk_ratio * n)  # fp32 values + int32 indices
+    onebit = _onebit_allreduce(m, False)
+    rows = [
+        # name (as `onebit train --optimizer`), collective, (egress, seconds), kernel time, warm-up fraction
+        ("adam", "ring all-reduce fp32", fp32, 0.0, 0.0),
+        ("lamb", "ring all-reduce fp32", fp32, 0.0, 0.0),
+        ("amsgrad", "ring all-reduce fp32", fp32, 0.0, 0.0),
+        ("softsign_sgd", "ring all-reduce fp32", fp32, 0.0, 0.0),
+        ("ddp_allreduce", "ring all-reduce fp32", fp32, 0.0, 0.0),
+        ("ddp_fp16", "ring all-reduce fp16", _ring_allreduce(m, 2 * n), 0.0, 0.0),
+        ("onebit_adam", "1-bit compressed all-reduce", onebit, kernels, m.warmup_fraction),
+        ("onebit_adam_naive", "1-bit compressed all-reduce", onebit, kernels, 0.0),
+        ("onebit_lamb", "1-bit compressed all-reduce", onebit, kernels, m.warmup_fraction),
+        ("birder", "1-bit compressed all-reduce", onebit, kernels, 0.0),
+        ("birder_hierarchical", "Hierarchical-1-bit-All-Reduce", _onebit_allreduce(m, True), kernels, 0.0),
+        ("comp_ams", "all-gather of top-k values+indices", _allgather(m, topk_payload), kernels / 3, 0.0),
+        ("comp_ams_block_sign", "all-gather of signs+scales", _allgather(m, n / 8 + 4), kernels, 0.0),
+        ("qadam", "all-gather of signs+scale", _allgather(m, n / 8 + 4), kernels, 0.0),
+    ]
+    out = []
+    for name, collective, (egress, seconds), kernel, warm in rows:
+        step = m.compute + seconds + kernel
+        s = base_step / step if step > 0 else 1.0
+        end_to_end = 1.0 / (warm + (1.0 - warm) / s)
+        volume = 1.0 / (warm + (1.0 - warm) * egress / fp32[0]) if fp32[0] and egress else float("inf")
+        out.append(Prediction(name, collective, egress, seconds, step, s, warm, end_to_end, volume))
+    return out

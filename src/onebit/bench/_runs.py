@@ -1,0 +1,190 @@
+"""What ``onebit train --optimizer NAME`` builds: the model wrapper, the optimizer, and how to read its stage.
+
+onebit's optimizers average across ranks themselves (no DDP); the ``ddp_*`` peers are
+PyTorch DDP with its own hooks (plain all-reduce, ``fp16_compress_hook``,
+``powerSGD_hook``) or with onebit's hooks. DDP's traffic is counted by thin wrappers
+around the hooks that add each bucket's bytes to the meter before delegating.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel
+
+from .. import comm, hooks
+from ..comm._meter import record
+from ..optim import Birder, CompAMS, OnebitAdam, OnebitAdamNaive, OnebitLamb, QAdam, SoftSignSGD
+
+__all__ = ["OPTIMIZERS", "Run", "build_run"]
+
+_log = logging.getLogger(__name__)
+
+OPTIMIZERS = (
+    "adam",
+    "onebit_adam",
+    "onebit_adam_naive",
+    "lamb",
+    "onebit_lamb",
+    "amsgrad",
+    "comp_ams",
+    "comp_ams_block_sign",
+    "qadam",
+    "softsign_sgd",
+    "birder",
+    "ddp_allreduce",
+    "ddp_fp16",
+    "ddp_powersgd",
+    "ddp_ef_sign",
+    "ddp_birder",
+)
+
+# DDP hooks compress from this iteration on (DDP rebuilds its buckets after the first).
+_HOOK_START = 2
+
+
+@dataclass
+class Run:
+    """The module to call, its optimizer, and the stage / freeze step of the step just taken."""
+
+    module: nn.Module
+    optimizer: torch.optim.Optimizer
+    stage: Callable[[], str]
+    freeze_step: Callable[[], int | None]
+    hook_state: Any = None
+
+
+def _ring(world: int, nbytes: int) -> int:
+    return 2 * (world - 1) * nbytes // world
+
+
+class _AllReduceAdam(torch.optim.Adam):
+    """Data-parallel Adam: one fp32 all-reduce of all gradients (a single DDP-style bucket)."""
+
+    def step(self, closure=None):  # type: ignore[override]
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        comm.all_reduce_mean(flat)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+        return super().step(closure)
+
+
+def _allreduce_bytes(state, bucket) -> int:
+    buf = bucket.buffer()
+    return _ring(dist.get_world_size(state), buf.numel() * buf.element_size())
+
+
+def _fp16_bytes(state, bucket) -> int:
+    return _ring(dist.get_world_size(state), bucket.buffer().numel() * 2)
+
+
+def _powersgd_bytes(state: powerSGD_hook.PowerSGDState, bucket) -> int:
+    """What ``powerSGD_hook`` all-reduces for this bucket: the uncompressed tensors, then P, then Q."""
+    world = dist.get_world_size(state.process_group)
+    if state.iter < state.start_powerSGD_iter:
+        return _ring(world, bucket.buffer().numel() * 4)
+    rank = state.matrix_approximation_rank
+    plain = p_numel = q_numel = 0
+    for grad in bucket.gradients():
+        rows = grad.shape[0] if grad.dim() > 1 else 0
+        cols = grad.numel() // rows if rows else 0
+        if rows and powerSGD_hook._should_compress(rows, cols, rank, state.min_compression_rate)[0]:
+            p_numel += rows * min(rows, cols, rank)
+            q_numel += cols * min(rows, cols, rank)
+        else:
+            plain += grad.numel()
+    return sum(_ring(world, 4 * n) for n in (plain, p_numel, q_numel) if n)
+
+
+def _metered(hook, count, op: str):
+    """``hook`` with its bytes recorded first (DDP checks the parameter is named ``bucket``)."""
+
+    def metered_hook(state, bucket):
+        record(op, count(state, bucket))
+        return hook(state, bucket)
+
+    return metered_hook
+
+
+def _ddp_run(name: str, model: nn.Module, cfg, per_node: int | None) -> Run:
+    ddp = DistributedDataParallel(model)
+    hierarchical = {"hierarchical": cfg.hierarchical, "ranks_per_node": per_node}
+    state: Any = None
+    if name == "ddp_allreduce":
+        ddp.register_comm_hook(None, _metered(default_hooks.allreduce_hook, _allreduce_bytes, "ddp_allreduce"))
+    elif name == "ddp_fp16":
+        ddp.register_comm_hook(None, _metered(default_hooks.fp16_compress_hook, _fp16_bytes, "ddp_fp16"))
+    elif name == "ddp_powersgd":
+        state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=cfg.powersgd_rank,
+                                            start_powerSGD_iter=_HOOK_START)
+        ddp.register_comm_hook(state, _metered(powerSGD_hook.powerSGD_hook, _powersgd_bytes, "ddp_powersgd"))
+    elif name == "ddp_ef_sign":
+        state = hooks.ErrorFeedbackState(start_iter=_HOOK_START, **hierarchical)
+        ddp.register_comm_hook(state, hooks.error_feedback_hook)
+    else:
+        state = hooks.BirderState(seed=cfg.seed, start_iter=_HOOK_START, **hierarchical)
+        ddp.register_comm_hook(state, hooks.birder_hook)
+    if name == "ddp_birder":
+        # Birder's step is x <- x (1 - lr wd) - lr u_bar: plain SGD on the hook's output.
+        opt: torch.optim.Optimizer = torch.optim.SGD(ddp.parameters(), lr=cfg.lr)
+    else:
+        opt = torch.optim.Adam(ddp.parameters(), lr=cfg.lr)
+    compressing = name in ("ddp_fp16",)
+
+    def stage() -> str:
+        if compressing:
+            return "compressed"
+        if state is None:
+            return "warmup"
+        # The hook state counts iterations already finished; this step was number iter.
+        it = state.iter - 1
+        start = getattr(state, "start_powerSGD_iter", None) or getattr(state, "start_iter", _HOOK_START)
+        return "compressed" if it >= start else "warmup"
+
+    return Run(ddp, opt, stage, lambda: None, state)
+
+
+def build_run(name: str, model: nn.Module, cfg, per_node: int | None) -> Run:
+    """The model wrapper and optimizer of ``name`` for ``cfg`` (a :class:`TrainConfig`)."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; available: {', '.join(OPTIMIZERS)}")
+    if name.startswith("ddp_"):
+        return _ddp_run(name, model, cfg, per_node)
+    params = model.parameters()
+    hierarchical = {"hierarchical": cfg.hierarchical, "ranks_per_node": per_node}
+    if name == "adam":
+        for p in model.parameters():
+            comm.broadcast(p.data, 0)
+        opt: torch.optim.Optimizer = _AllReduceAdam(params, lr=cfg.lr)
+    elif name == "onebit_adam":
+        opt = OnebitAdam(params, lr=cfg.lr, freeze_step=cfg.freeze_step, bias_correction=cfg.bias_correction,
+                         **hierarchical)
+    elif name == "onebit_adam_naive":
+        opt = OnebitAdamNaive(params, lr=cfg.lr, bias_correction=cfg.bias_correction, **hierarchical)
+    elif name in ("lamb", "onebit_lamb"):
+        # "lamb" is 1-bit LAMB that never leaves its warm-up: exact LAMB on all-reduced gradients.
+        freeze = cfg.freeze_step if name == "onebit_lamb" else cfg.steps + 1
+        opt = OnebitLamb(params, lr=cfg.lr, freeze_step=freeze, **hierarchical)
+    elif name in ("amsgrad", "comp_ams", "comp_ams_block_sign"):
+        compressor = {"amsgrad": "none", "comp_ams": "topk", "comp_ams_block_sign": "block_sign"}[name]
+        opt = CompAMS(params, lr=cfg.lr, compressor=compressor, ratio=cfg.topk_ratio,
+                      bias_correction=cfg.bias_correction)
+    elif name == "qadam":
+        opt = QAdam(params, lr=cfg.lr, bits=cfg.qadam_bits)
+    elif name == "softsign_sgd":
+        opt = SoftSignSGD(params, lr=cfg.lr)
+    else:
+        opt = Birder(params, lr=cfg.lr, seed=cfg.seed, **hierarchical)
+    if name == "adam":
+        return Run(model, opt, lambda: "warmup", lambda: None)
+    return Run(model, opt, lambda: opt.stats["stage"], lambda: opt.stats["freeze_step"])
