@@ -7,7 +7,6 @@ import contextlib
 import json
 import sys
 from collections.abc import Iterator
-from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -233,6 +232,18 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _time_to_loss(records: list[dict[str, Any]], target: float, window: int = 10) -> float | None:
+    """Training time (step times after the first) until the ``window``-step mean loss first reaches ``target``."""
+    elapsed = 0.0
+    for i, r in enumerate(records):
+        if i:
+            elapsed += r["step_time"]
+        recent = records[max(0, i - window + 1) : i + 1]
+        if len(recent) == window and sum(x["loss"] for x in recent) / window <= target:
+            return elapsed
+    return None
+
+
 def _compare_rows(summaries: dict[str, dict], baseline: str, args: argparse.Namespace) -> tuple[list[list[str]], str]:
     from .bench._model import ModelInput, predict
 
@@ -251,8 +262,14 @@ def _compare_rows(summaries: dict[str, dict], baseline: str, args: argparse.Name
                            warmup_fraction=min(1.0, warm), topk_ratio=min(args.topk_ratio, 1.0))
         predictions = {p.optimizer: p for p in predict(model)}
     rows = [["optimizer", "eval loss", "gap", "ms/step warmup", "ms/step compressed", "stage speedup",
-             "end-to-end", "MB/rank", "reduction", "freeze", "model: stage", "model: end-to-end"]]
+             "end-to-end", "to baseline loss", "MB/rank", "reduction", "freeze", "model: stage", "model: end-to-end"]]
+    runs = {}
+    for name in summaries:
+        with open(Path(args.out) / name / "metrics.jsonl") as f:
+            runs[name] = [json.loads(line) for line in f]
+    target = summaries[baseline]["final_loss"]
     for name, s in summaries.items():
+        reach = _time_to_loss(runs[name], target)
         steps = s["step_time_s"]
         stage_time = steps.get("compressed") or steps.get("warmup")
         key = "birder_hierarchical" if name == "birder" and args.hierarchical else name
@@ -266,6 +283,7 @@ def _compare_rows(summaries: dict[str, dict], baseline: str, args: argparse.Name
             _ms(steps.get("compressed")),
             f"{base_step / stage_time:.2f}x",
             f"{base['train_time_s'] / s['train_time_s']:.2f}x" if s["train_time_s"] else "-",
+            f"{base['train_time_s'] / reach:.2f}x" if reach else "never",
             f"{sent / 1e6:.1f}",
             f"{base['bytes_sent_per_rank'] / sent:.1f}x" if sent else "-",
             str(s["freeze_step"]) if s["freeze_step"] is not None else "-",
@@ -354,7 +372,8 @@ def _cmd_model(args: argparse.Namespace) -> int:
     for bandwidth in args.bandwidth:
         m = ModelInput(params=args.params, world_size=args.world_size, nodes=args.nodes, bandwidth=bandwidth,
                        latency=args.latency, compute=args.compute_ms / 1e3, kernel_gbps=args.kernel_gbps,
-                       warmup_fraction=args.warmup_fraction, topk_ratio=args.topk_ratio)
+                       warmup_fraction=args.warmup_fraction, topk_ratio=args.topk_ratio,
+                       value_bytes=args.value_bytes)
         print(f"onebit model: {m.params} parameters, {m.world_size} ranks on {m.nodes} nodes, "
               f"{bandwidth / 1e9:g} Gbit/s, {m.latency * 1e3:g} ms latency, compute {args.compute_ms:g} ms/step")
         rows = [["optimizer", "collective", "MB out of the busiest node", "comm ms", "step ms", "stage speedup",
@@ -418,6 +437,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--kernel-gbps", type=_positive_float, default=5.0, help="compression kernel GB/s")
     model.add_argument("--warmup-fraction", type=float, default=0.15, help="1-bit Adam/LAMB warm-up share")
     model.add_argument("--topk-ratio", type=_positive_float, default=0.01)
+    model.add_argument("--value-bytes", type=int, choices=(2, 4), default=4,
+                       help="bytes per uncompressed gradient value: 4 (fp32) or 2 (fp16 training, the papers')")
     model.set_defaults(func=_cmd_model)
     return parser
 

@@ -78,7 +78,7 @@ def spawn(
     fn: Callable[..., Any],
     world_size: int,
     *args: Any,
-    timeout: float = 600.0,
+    timeout: float | None = 600.0,
     pg_timeout: float = 120.0,
     threads: int = 1,
     placement: list[tuple[str, str]] | None = None,
@@ -86,7 +86,8 @@ def spawn(
     """``[fn(rank, world_size, *args) for rank in range(world_size)]``, one gloo process per rank.
 
     ``fn`` must be importable (a module-level function); return values travel back
-    through ``torch.save``. ``placement`` puts rank ``r`` into network namespace
+    through ``torch.save``. ``timeout=None`` waits as long as the ranks run (their
+    collectives still time out on a stalled peer). ``placement`` puts rank ``r`` into network namespace
     ``placement[r][0]``, talking over its interface ``placement[r][1]`` (an emulated
     cluster's nodes); without it every rank uses loopback.
     """
@@ -108,7 +109,7 @@ def spawn(
             p.start()
         out: dict[int, Any] = {}
         failures: list[str] = []
-        deadline = time.monotonic() + timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while len(out) + len(failures) < world_size:
                 try:
@@ -121,7 +122,7 @@ def spawn(
                         codes = {r: procs[r].exitcode for r in dead}
                         failures.append(f"ranks {dead} exited without a result (exit codes {codes})")
                         break
-                    if time.monotonic() > deadline:
+                    if deadline is not None and time.monotonic() > deadline:
                         failures.append(f"ranks {sorted(set(range(world_size)) - set(out))} did not finish in {timeout:g}s")
                         break
                     continue

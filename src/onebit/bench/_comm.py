@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from .. import comm
 from ..launch import spawn
-from ._model import ModelInput, _allgather, _onebit_allreduce, _ring_allreduce
+from ._model import ModelInput, collective_cost
 from ._timing import median_seconds
 
 __all__ = ["CommResult", "bench_comm", "link_check"]
@@ -57,21 +57,15 @@ def _rank_bench(rank: int, world: int, numel: int, repeat: int, per_node: int | 
     return out
 
 
-def _ideal(name: str, m: ModelInput) -> float:
-    n = m.params
-    if name == "all_reduce fp32":
-        egress = _ring_allreduce(m, 4 * n)[0]
-    elif name == "all_reduce fp16":
-        egress = _ring_allreduce(m, 2 * n)[0]
-    elif name.startswith("compressed_allreduce"):
-        egress = _onebit_allreduce(m, False)[0]
-    elif name.startswith("hierarchical"):
-        egress = _onebit_allreduce(m, True)[0]
-    elif "topk" in name:
-        egress = _allgather(m, 8 * -(-n // 100))[0]
-    else:
-        egress = _allgather(m, n / 8 + 4)[0]
-    return egress * 8 / m.bandwidth
+# Which cost-model collective each benchmark case runs.
+_KINDS = {
+    "all_reduce fp32": "allreduce_fp32",
+    "all_reduce fp16": "allreduce_fp16",
+    "compressed_allreduce sign": "onebit",
+    "hierarchical_allreduce sign": "onebit_hierarchical",
+    "allgather block_sign": "allgather_sign",
+    "allgather topk 1%": "allgather_topk",
+}
 
 
 def bench_comm(numel: int = 10_500_000, world_size: int = 2, repeat: int = 10, cluster=None) -> list[CommResult]:
@@ -82,14 +76,14 @@ def bench_comm(numel: int = 10_500_000, world_size: int = 2, repeat: int = 10, c
         placement = cluster.placement(world_size)
         per_node = world_size // cluster.spec.nodes
         model = ModelInput(params=numel, world_size=world_size, nodes=cluster.spec.nodes,
-                           bandwidth=cluster.spec.bandwidth)
+                           bandwidth=cluster.spec.bandwidth, topk_ratio=0.01)
     per_rank = spawn(_rank_bench, world_size, numel, repeat, per_node, placement=placement)
     base = max(r["all_reduce fp32"][0] for r in per_rank)
     results = []
     for name in per_rank[0]:
         seconds = max(r[name][0] for r in per_rank)
         _, sent, inter = per_rank[0][name]
-        ideal = _ideal(name, model) if model is not None and model.nodes > 1 else None
+        ideal = collective_cost(_KINDS[name], model)[1] if model is not None and model.nodes > 1 else None
         results.append(CommResult(name, numel, world_size, seconds, sent, inter, base / seconds, ideal))
     return results
 

@@ -5,7 +5,7 @@ node's egress a link of ``bandwidth`` bits/s and ``latency`` seconds per message
 inside a node is free. A collective's time is ``alpha * messages + node_egress_bytes * 8 /
 bandwidth``, where ``node_egress_bytes`` is what the busiest node must send:
 
-* ring all-reduce of S bytes (gloo, NCCL): the ring crosses each node boundary once and
+* ring all-reduce of S bytes (gloo, NCCL; ``S`` = 4n, or 2n with ``value_bytes=2``): the ring crosses each node boundary once and
   every link carries ``2 (w - 1) / w * S``; ``2 (w - 1)`` messages.
 * 1-bit compressed all-reduce (1-bit Adam section 6): an all-to-all in which each rank
   sends its ``w - R`` off-node slots of ``S / w`` bytes (``S`` = n/8 + scales), then a ring
@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["ModelInput", "Prediction", "predict"]
+__all__ = ["COLLECTIVES", "ModelInput", "Prediction", "collective_cost", "predict", "rank_bytes"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,7 @@ class ModelInput:
     kernel_gbps: float = 5.0  # GB/s of the fused compression kernels
     warmup_fraction: float = 0.15  # 1-bit Adam / LAMB steps before the freeze
     topk_ratio: float = 0.01
+    value_bytes: int = 4  # of the uncompressed gradient: 4 (fp32) or 2 (fp16 training, as the papers)
 
     def __post_init__(self) -> None:
         for name in ("params", "world_size", "nodes"):
@@ -53,6 +54,8 @@ class ModelInput:
         for name in ("latency", "compute"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.value_bytes not in (2, 4):
+            raise ValueError(f"value_bytes must be 2 or 4, got {self.value_bytes!r}")
         if not 0 <= self.warmup_fraction <= 1:
             raise ValueError(f"warmup_fraction must be in [0, 1], got {self.warmup_fraction!r}")
 
@@ -67,7 +70,7 @@ class Prediction:
     stage_speedup: float  # vs Adam's fp32 ring all-reduce step
     warmup_fraction: float
     end_to_end_speedup: float
-    volume_reduction: float  # Adam's bytes over the whole run / this optimizer's
+    volume_reduction: float  # bytes a rank sends over the whole run: Adam's / this optimizer's
 
 
 def _ring_allreduce(m: ModelInput, nbytes: float) -> tuple[float, float]:
@@ -101,36 +104,81 @@ def _allgather(m: ModelInput, payload: float) -> tuple[float, float]:
     return egress, (w - 1) * m.latency + egress * 8 / m.bandwidth
 
 
-def predict(m: ModelInput) -> list[Prediction]:
-    """Per-step predictions for each optimizer, against Adam on an fp32 ring all-reduce."""
+COLLECTIVES = ("allreduce_full", "allreduce_fp32", "allreduce_fp16", "onebit", "onebit_hierarchical", "allgather_topk",
+               "allgather_sign")
+
+
+def collective_cost(kind: str, m: ModelInput) -> tuple[float, float]:
+    """``(busiest node's egress bytes, seconds)`` of one collective of ``kind`` over ``m.params`` values."""
     n = m.params
-    kernels = 3 * 4 * n / (m.kernel_gbps * 1e9)
-    fp32 = _ring_allreduce(m, 4 * n)
-    base_step = m.compute + fp32[1]
-    topk_payload = 8 * math.ceil(m.topk_ratio * n)  # fp32 values + int32 indices
-    onebit = _onebit_allreduce(m, False)
+    if kind == "allreduce_full":
+        return _ring_allreduce(m, m.value_bytes * n)
+    if kind == "allreduce_fp32":
+        return _ring_allreduce(m, 4 * n)
+    if kind == "allreduce_fp16":
+        return _ring_allreduce(m, 2 * n)
+    if kind in ("onebit", "onebit_hierarchical"):
+        return _onebit_allreduce(m, kind == "onebit_hierarchical")
+    if kind == "allgather_topk":
+        return _allgather(m, 8 * math.ceil(m.topk_ratio * n))  # fp32 values + int32 indices
+    if kind == "allgather_sign":
+        return _allgather(m, n / 8 + 4)
+    raise ValueError(f"unknown collective {kind!r}; available: {', '.join(COLLECTIVES)}")
+
+
+def rank_bytes(kind: str, m: ModelInput) -> float:
+    """Bytes one rank puts on the wire (any link) in one collective of ``kind`` -- what the byte
+    meter counts and what the papers call communication volume."""
+    n, w = m.params, m.world_size
+    ring = 2 * (w - 1) / w
+    packed = n / 8 + 4 * w
+    if kind == "allreduce_full":
+        return ring * m.value_bytes * n
+    if kind == "allreduce_fp32":
+        return ring * 4 * n
+    if kind == "allreduce_fp16":
+        return ring * 2 * n
+    if kind == "onebit":
+        return ring * packed
+    if kind == "onebit_hierarchical":
+        r = w // m.nodes
+        return (r - 1) / r * 4 * n + 2 * (m.nodes - 1) / m.nodes * packed / r + (r - 1) * packed / r
+    if kind == "allgather_topk":
+        return (w - 1) * 8 * math.ceil(m.topk_ratio * n)
+    if kind == "allgather_sign":
+        return (w - 1) * (n / 8 + 4)
+    raise ValueError(f"unknown collective {kind!r}; available: {', '.join(COLLECTIVES)}")
+
+
+def predict(m: ModelInput) -> list[Prediction]:
+    """Per-step predictions for each optimizer, against Adam on a ring all-reduce of the full gradient."""
+    kernels = 3 * 4 * m.params / (m.kernel_gbps * 1e9)
+    full = f"ring all-reduce fp{8 * m.value_bytes}"
     rows = [
-        # name (as `onebit train --optimizer`), collective, (egress, seconds), kernel time, warm-up fraction
-        ("adam", "ring all-reduce fp32", fp32, 0.0, 0.0),
-        ("lamb", "ring all-reduce fp32", fp32, 0.0, 0.0),
-        ("amsgrad", "ring all-reduce fp32", fp32, 0.0, 0.0),
-        ("softsign_sgd", "ring all-reduce fp32", fp32, 0.0, 0.0),
-        ("ddp_allreduce", "ring all-reduce fp32", fp32, 0.0, 0.0),
-        ("ddp_fp16", "ring all-reduce fp16", _ring_allreduce(m, 2 * n), 0.0, 0.0),
-        ("onebit_adam", "1-bit compressed all-reduce", onebit, kernels, m.warmup_fraction),
-        ("onebit_adam_naive", "1-bit compressed all-reduce", onebit, kernels, 0.0),
-        ("onebit_lamb", "1-bit compressed all-reduce", onebit, kernels, m.warmup_fraction),
-        ("birder", "1-bit compressed all-reduce", onebit, kernels, 0.0),
-        ("birder_hierarchical", "Hierarchical-1-bit-All-Reduce", _onebit_allreduce(m, True), kernels, 0.0),
-        ("comp_ams", "all-gather of top-k values+indices", _allgather(m, topk_payload), kernels / 3, 0.0),
-        ("comp_ams_block_sign", "all-gather of signs+scales", _allgather(m, n / 8 + 4), kernels, 0.0),
-        ("qadam", "all-gather of signs+scale", _allgather(m, n / 8 + 4), kernels, 0.0),
+        # name (as `onebit train --optimizer`), collective, cost-model kind, kernel time, warm-up fraction
+        ("adam", full, "allreduce_full", 0.0, 0.0),
+        ("lamb", full, "allreduce_full", 0.0, 0.0),
+        ("amsgrad", full, "allreduce_full", 0.0, 0.0),
+        ("softsign_sgd", full, "allreduce_full", 0.0, 0.0),
+        ("ddp_allreduce", full, "allreduce_full", 0.0, 0.0),
+        ("ddp_fp16", "ring all-reduce fp16", "allreduce_fp16", 0.0, 0.0),
+        ("onebit_adam", "1-bit compressed all-reduce", "onebit", kernels, m.warmup_fraction),
+        ("onebit_adam_naive", "1-bit compressed all-reduce", "onebit", kernels, 0.0),
+        ("onebit_lamb", "1-bit compressed all-reduce", "onebit", kernels, m.warmup_fraction),
+        ("birder", "1-bit compressed all-reduce", "onebit", kernels, 0.0),
+        ("birder_hierarchical", "Hierarchical-1-bit-All-Reduce", "onebit_hierarchical", kernels, 0.0),
+        ("comp_ams", "all-gather of top-k values+indices", "allgather_topk", kernels / 3, 0.0),
+        ("comp_ams_block_sign", "all-gather of signs+scales", "allgather_sign", kernels, 0.0),
+        ("qadam", "all-gather of signs+scale", "allgather_sign", kernels, 0.0),
     ]
+    base_step = m.compute + collective_cost("allreduce_full", m)[1]
+    base_volume = rank_bytes("allreduce_full", m)
     out = []
-    for name, collective, (egress, seconds), kernel, warm in rows:
+    for name, collective, kind, kernel, warm in rows:
+        egress, seconds = collective_cost(kind, m)
         step = m.compute + seconds + kernel
         s = base_step / step if step > 0 else 1.0
         end_to_end = 1.0 / (warm + (1.0 - warm) / s)
-        volume = 1.0 / (warm + (1.0 - warm) * egress / fp32[0]) if fp32[0] and egress else float("inf")
+        volume = 1.0 / (warm + (1.0 - warm) * rank_bytes(kind, m) / base_volume) if base_volume else 1.0
         out.append(Prediction(name, collective, egress, seconds, step, s, warm, end_to_end, volume))
     return out

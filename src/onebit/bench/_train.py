@@ -185,7 +185,9 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True, cluster=None) -> d
     out.mkdir(parents=True, exist_ok=True)
     placement = cluster.placement(cfg.world_size) if cluster is not None else None
     per_node = cfg.world_size // cluster.spec.nodes if cluster is not None else None
-    results = spawn(_rank_main, cfg.world_size, cfg, out, per_node, progress, placement=placement)
+    # No overall deadline: a training run takes as long as it takes; a dead or stalled rank
+    # still fails the run (spawn notices exits, the collectives time out).
+    results = spawn(_rank_main, cfg.world_size, cfg, out, per_node, progress, timeout=None, placement=placement)
     if len({r["digest"] for r in results}) != 1:
         raise RuntimeError(f"replicas differ at the end: parameter digests {[r['digest'][:12] for r in results]}")
     records = results[0]["records"]

@@ -15,7 +15,7 @@ from .. import comm
 from ..comm import _dist
 from ..compress import Compressor, StochasticSignCompressor, get
 from ..optim._base import check_positive
-from ..optim._birder import check_beta, check_seed
+from ..optim._birder import check_beta, check_seed, soft_sign_direction
 
 __all__ = ["BirderState", "ErrorFeedbackState", "birder_hook", "error_feedback_hook"]
 
@@ -261,11 +261,17 @@ def birder_hook(state: BirderState, bucket: dist.GradBucket) -> torch.futures.Fu
     grad = bucket.buffer()
     entry = state._bucket(bucket.index(), grad) if state._compressing() else None
     if entry is not None:
-        m, b = entry["exp_avg"], entry["exp_avg_abs"]
-        g = grad.float() if grad.dtype != torch.float32 else grad
-        m.mul_(state.beta).add_(g, alpha=1.0 - state.beta)
-        b.mul_(state.beta).add_(g.abs(), alpha=1.0 - state.beta)
-        update = torch.div(m, b + state.eps)
+        update = soft_sign_direction(
+            [(0, grad.numel())],
+            grad=grad.float(),
+            exp_avg=entry["exp_avg"],
+            exp_avg_abs=entry["exp_avg_abs"],
+            max_exp_avg_abs=None,
+            use_max=False,
+            betas=[state.beta],
+            eps=state.eps,
+            out=torch.empty(grad.numel(), dtype=torch.float32, device=grad.device),
+        )
         grad.copy_(entry["allreduce"](update, out=update))
     else:
         comm.all_reduce_mean(grad, state.process_group, state.timeout)

@@ -15,7 +15,7 @@ from ..compress import StochasticSignCompressor
 from ._base import OnebitOptimizer, check_nonneg, check_positive
 from ._functional import apply_update_
 
-__all__ = ["Birder", "SoftSignSGD", "birder", "check_beta", "check_seed", "soft_sign_sgd"]
+__all__ = ["Birder", "SoftSignSGD", "birder", "check_beta", "check_seed", "soft_sign_direction", "soft_sign_sgd"]
 
 Exchange = Callable[[Tensor], Tensor]
 
@@ -36,7 +36,7 @@ def check_beta(beta: object) -> float:
     return float(beta)
 
 
-def _soft_sign_direction(
+def soft_sign_direction(
     offsets: Sequence[tuple[int, int]],
     *,
     grad: Tensor,
@@ -90,7 +90,7 @@ def birder(
     """One Birder step (Algorithm 1): local ``m``, ``b`` from the local ``grad``, ``update = m / (b + eps)``,
     ``u_bar = exchange(update)`` (lines 8-14: the error-compensated 1-bit average), then
     ``x <- x (1 - lr wd) - lr u_bar`` (line 16 with decoupled weight decay)."""
-    _soft_sign_direction(
+    soft_sign_direction(
         offsets,
         grad=grad,
         exp_avg=exp_avg,
@@ -120,7 +120,7 @@ def soft_sign_sgd(
 ) -> None:
     """One SoftSignSGD step (appendix B, Algorithm 1) on ``exchange(grad)``, the averaged gradient:
     ``m = b m + (1-b) g``, ``b = b b + (1-b)|g|``, ``x <- x (1 - lr wd) - lr m / (b + eps)``."""
-    _soft_sign_direction(
+    soft_sign_direction(
         offsets,
         grad=exchange(grad),
         exp_avg=exp_avg,

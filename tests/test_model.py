@@ -1,0 +1,57 @@
+"""The alpha-beta cost model against hand-computed volumes and the 1-bit Adam paper's volume formula."""
+
+import pytest
+
+from onebit.bench._model import ModelInput, collective_cost, predict, rank_bytes
+
+
+def _by_name(m):
+    return {p.optimizer: p for p in predict(m)}
+
+
+def test_volume_matches_the_papers_formula():
+    # 1-bit Adam section 7.1: 1 / (warmup + (1 - warmup) / 16) for fp16 training (about 5x).
+    for warm in (0.15, 0.2):
+        m = ModelInput(params=340_000_000, world_size=256, nodes=64, bandwidth=1e9, warmup_fraction=warm,
+                       value_bytes=2)
+        expect = 1 / (warm + (1 - warm) / 16 * (1 + 4 * 256 * 8 / 340_000_000))
+        assert _by_name(m)["onebit_adam"].volume_reduction == pytest.approx(expect, rel=1e-6)
+    assert _by_name(m)["birder"].volume_reduction == pytest.approx(16, rel=1e-3)
+
+
+def test_ring_and_onebit_egress_by_hand():
+    n, w = 8_000_000, 4
+    m = ModelInput(params=n, world_size=w, nodes=4, bandwidth=1e9, latency=0.001)
+    egress, seconds = collective_cost("allreduce_fp32", m)
+    assert egress == pytest.approx(2 * 3 / 4 * 4 * n)
+    assert seconds == pytest.approx(2 * 3 * 0.001 + egress * 8 / 1e9)
+    packed = n / 8 + 16
+    assert collective_cost("onebit", m)[0] == pytest.approx(3 / 4 * packed + 3 / 4 * packed)
+    # Two ranks per node: the flat all-to-all sends twice as much out of each node; the hierarchy does not.
+    m2 = ModelInput(params=n, world_size=8, nodes=4, bandwidth=1e9)
+    packed8 = n / 8 + 32
+    assert collective_cost("onebit", m2)[0] == pytest.approx(2 * 6 * packed8 / 8 + 7 * packed8 / 8)
+    assert collective_cost("onebit_hierarchical", m2)[0] == pytest.approx(2 * 3 * packed8 / 4)
+    assert rank_bytes("onebit", m) == pytest.approx(2 * 3 / 4 * packed)
+
+
+def test_speedups_and_end_to_end_formula():
+    m = ModelInput(params=8_400_000, world_size=4, nodes=4, bandwidth=2e8, compute=0.2, warmup_fraction=0.2)
+    rows = _by_name(m)
+    assert rows["adam"].stage_speedup == 1.0
+    s = rows["onebit_adam"].stage_speedup
+    assert s > 5
+    assert rows["onebit_adam"].end_to_end_speedup == pytest.approx(1 / (0.2 + 0.8 / s))
+    assert rows["birder"].end_to_end_speedup == pytest.approx(rows["birder"].stage_speedup)
+    # One node: nothing crosses the network, nothing to gain.
+    one = _by_name(ModelInput(params=8_400_000, world_size=4, nodes=1, bandwidth=2e8, compute=0.2))
+    assert one["adam"].comm_seconds == 0 and one["onebit_adam"].stage_speedup <= 1
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="world_size=6 must be a multiple of nodes=4"):
+        ModelInput(params=1, world_size=6, nodes=4, bandwidth=1e9)
+    with pytest.raises(ValueError, match="value_bytes must be 2 or 4, got 8"):
+        ModelInput(params=1, world_size=4, nodes=4, bandwidth=1e9, value_bytes=8)
+    with pytest.raises(ValueError, match="unknown collective 'ring'"):
+        collective_cost("ring", ModelInput(params=1, world_size=4, nodes=4, bandwidth=1e9))
