@@ -9,6 +9,11 @@ import torch
 DIM, BATCH = 37, 16
 
 
+def flag_bytes(world: int) -> int:
+    """Bytes of the per-step non-finite agreement: a ring all-reduce of one fp32 flag."""
+    return 2 * (world - 1) * 4 // world
+
+
 def data(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(10_000 * step + rank)
     x = torch.randn(BATCH, DIM, generator=g)

@@ -7,7 +7,7 @@ import torch
 
 import onebit
 from _harness import run_ranks
-from _problem import DIM, grads, initial_params, run_problem, teacher_student_loss
+from _problem import DIM, flag_bytes, grads, initial_params, run_problem, teacher_student_loss
 
 SIZES = [DIM, 1]
 
@@ -122,7 +122,7 @@ def test_matches_algorithm_2_with_identical_replicas(kwargs, compress, ef):
         if kwargs["compressor"] == "topk"
         else onebit.compress.get("block_sign", block_sizes=SIZES)
     )
-    assert res[0]["sent"][-1] == (world - 1) * comp.wire_bytes(DIM + 1)
+    assert res[0]["sent"][-1] == (world - 1) * comp.wire_bytes(DIM + 1) + flag_bytes(world)
 
 
 def test_world_1_is_algorithm_3_and_resume_is_exact():

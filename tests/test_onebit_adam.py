@@ -9,7 +9,7 @@ import torch
 import onebit
 from _harness import run_ranks
 from _oracle import SimulatedCompressedAllReduce
-from _problem import DIM, run_problem, teacher_student_loss
+from _problem import DIM, flag_bytes, run_problem, teacher_student_loss
 from _problem import digest as _digest
 from _problem import grads as _grads
 from _problem import initial_params as _params
@@ -68,7 +68,7 @@ def test_warmup_equals_adamw_on_averaged_gradient(world):
         assert r["stats"][-1]["stage"] == "warmup"
         assert r["digests"] == res[0]["digests"]
     if world > 1:  # warm-up sends the fp32 gradients (plus one flag per tensor) by ring all-reduce
-        assert res[0]["stats"][-1]["bytes_sent"] == 2 * (world - 1) * 4 * (DIM + 1 + 2) // world
+        assert res[0]["stats"][-1]["bytes_sent"] == 2 * (world - 1) * 4 * (DIM + 1 + 2) // world + flag_bytes(world)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -251,4 +251,4 @@ def test_naive_control_compresses_gradients_every_step():
     assert res[0][0] == res[1][0]
     assert res[0][1]["stage"] == "compressed" and res[0][1]["freeze_step"] is None
     slot = onebit.compress.get("sign").wire_bytes(math.ceil((DIM + 1) / 16) * 8)
-    assert res[0][1]["bytes_sent"] == 2 * slot
+    assert res[0][1]["bytes_sent"] == 2 * slot + flag_bytes(2)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 __all__ = ["RankFailure", "spawn"]
 
 _CTX = mp.get_context("spawn")
+_GRACE = 30.0  # seconds the other ranks get to report (their collectives fail fast on a dead peer)
 
 
 class RankFailure(RuntimeError):
@@ -109,23 +110,30 @@ def spawn(
             p.start()
         out: dict[int, Any] = {}
         failures: list[str] = []
+        reported: set[int] = set()
         deadline = None if timeout is None else time.monotonic() + timeout
+        grace: float | None = None  # after a rank died: time left for the others to report their errors
         try:
-            while len(out) + len(failures) < world_size:
+            while len(reported) < world_size:
+                now = time.monotonic()
+                if (grace is not None and now > grace) or (deadline is not None and now > deadline):
+                    missing = sorted(set(range(world_size)) - reported)
+                    waited = f"{_GRACE:g}s after a rank died" if grace is not None and now > grace else f"{timeout:g}s"
+                    failures.append(f"ranks {missing} did not finish in {waited}")
+                    break
                 try:
                     rank, ok, value = results.get(timeout=0.5)
                 except queue.Empty:
-                    # A rank that died without reporting (killed, crashed at start-up) fails the run
-                    # now instead of after the whole timeout.
-                    dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
+                    # A rank that exited without reporting (killed, crashed at start-up) fails the run now
+                    # instead of after the whole timeout; the survivors get a moment to report their errors.
+                    dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in reported]
                     if dead and results.empty():
                         codes = {r: procs[r].exitcode for r in dead}
                         failures.append(f"ranks {dead} exited without a result (exit codes {codes})")
-                        break
-                    if deadline is not None and time.monotonic() > deadline:
-                        failures.append(f"ranks {sorted(set(range(world_size)) - set(out))} did not finish in {timeout:g}s")
-                        break
+                        reported.update(dead)
+                        grace = time.monotonic() + _GRACE
                     continue
+                reported.add(rank)
                 if ok:
                     out[rank] = torch.load(io.BytesIO(value), weights_only=False)
                 else:

@@ -92,8 +92,6 @@ class FlatState:
                 out[lo:hi].zero_()
                 has_grad.append(False)
             else:
-                if p.grad.is_sparse:
-                    raise ValueError("onebit optimizers do not support sparse gradients")
                 out[lo:hi].copy_(p.grad.reshape(-1))
                 has_grad.append(True)
         return has_grad
@@ -115,7 +113,11 @@ class OnebitOptimizer(Optimizer):
         group: dist.ProcessGroup | None,
         timeout: float | timedelta | None,
         broadcast_parameters: bool,
+        on_nonfinite: str = "skip",
     ) -> None:
+        if on_nonfinite not in ("skip", "raise"):
+            raise ValueError(f"Invalid on_nonfinite value: {on_nonfinite!r} (expected 'skip' or 'raise')")
+        self.on_nonfinite = on_nonfinite
         super().__init__(params, defaults)
         # Param groups may override the defaults: validate what each group will use.
         for g in self.param_groups:
@@ -144,6 +146,7 @@ class OnebitOptimizer(Optimizer):
                     comm.broadcast(p.data, 0, group, self.timeout)
         self.flat = FlatState(params)
         self._step_count = 0
+        self._skipped = 0
         self._bytes_total = 0
         self._bytes_last = 0
         self._last_stage: str | None = None
@@ -188,6 +191,7 @@ class OnebitOptimizer(Optimizer):
             "bytes_sent": self._bytes_last,
             "bytes_sent_total": self._bytes_total,
             "freeze_step": self._freeze_step_stat(),
+            "skipped_steps": self._skipped,
         }
 
     def _stage(self) -> str:
@@ -196,20 +200,60 @@ class OnebitOptimizer(Optimizer):
     def _freeze_step_stat(self) -> int | None:
         return None
 
+    # torch.amp.GradScaler then hands us ``grad_scale`` (gradients still scaled, or None) and
+    # ``found_inf`` as attributes and leaves the skip decision to step(): it must be the same
+    # decision on every rank, which a rank-local GradScaler cannot make.
+    _step_supports_amp_scaling = True
+
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
-        """One optimizer step (the closure, if given, is evaluated with grad enabled first)."""
+        """One optimizer step (the closure, if given, is evaluated with grad enabled first).
+
+        If any rank has a non-finite gradient (or its GradScaler found one), every rank skips
+        the step and leaves all state untouched (``stats["skipped_steps"]`` counts them), or
+        raises ``FloatingPointError`` with ``on_nonfinite="raise"``.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         with comm.measure() as meter:
-            self._step_count += 1
-            self._last_stage = self._stage()
-            self._step()
+            if self._agree_nonfinite():
+                self._skipped += 1
+            else:
+                self._step_count += 1
+                self._last_stage = self._stage()
+                self._step()
         self._bytes_last = meter.bytes_sent
         self._bytes_total += meter.bytes_sent
         return loss
+
+    def _agree_nonfinite(self) -> bool:
+        """Unscale (GradScaler), then one tiny all-reduce(max) of "some gradient here is not finite"."""
+        grads = [p.grad for p in self.flat.params if p.grad is not None]
+        if any(g.is_sparse for g in grads):
+            raise ValueError("onebit optimizers do not support sparse gradients")
+        scale = getattr(self, "grad_scale", None)
+        if scale is not None and grads:
+            torch._foreach_mul_(grads, scale.double().reciprocal().float().to(grads[0].device))
+        flag = torch.zeros(1, dtype=torch.float32, device=self.flat.device)
+        if grads:
+            peaks = torch.stack([g.detach().abs().amax().float() if g.numel() else flag[0] for g in grads])
+            flag[0] = (~torch.isfinite(peaks)).any()
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None:
+            flag = torch.maximum(flag, found_inf.reshape(1).to(flag))
+        if self.world_size > 1:
+            _dist.all_reduce_max(flag, self.process_group, self.timeout)
+        if not flag.item():
+            return False
+        if self.on_nonfinite == "raise":
+            local = [i for i, p in enumerate(self.flat.params) if p.grad is not None and not torch.isfinite(p.grad).all()]
+            where = f"parameter {local[0]} (shape {tuple(self.flat.params[local[0]].shape)}) on rank {self.rank}" if local \
+                else f"another rank than {self.rank}"
+            raise FloatingPointError(f"non-finite gradient at step {self._step_count + 1}: {where}")
+        _log.warning("step %d skipped on every rank: non-finite gradient", self._step_count + 1)
+        return True
 
     def _step(self) -> None:
         raise NotImplementedError

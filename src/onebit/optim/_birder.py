@@ -137,7 +137,7 @@ def soft_sign_sgd(
 class _SoftSign(OnebitOptimizer):
     """Argument checks and buffers shared by Birder and SoftSignSGD."""
 
-    def __init__(self, params, lr, beta, eps, weight_decay, group, timeout, broadcast_parameters) -> None:
+    def __init__(self, params, lr, beta, eps, weight_decay, group, timeout, broadcast_parameters, on_nonfinite) -> None:
         check_nonneg("learning rate", lr)
         check_beta(beta)
         check_positive("epsilon", eps)  # b is exactly 0 wherever no gradient was seen yet
@@ -149,6 +149,7 @@ class _SoftSign(OnebitOptimizer):
             group=group,
             timeout=timeout,
             broadcast_parameters=broadcast_parameters,
+            on_nonfinite=on_nonfinite,
         )
         for g in self.param_groups:
             check_beta(g["beta"])
@@ -202,6 +203,7 @@ class Birder(_SoftSign):
         compressor: str = "stochastic_sign",
         timeout: float | timedelta | None = None,
         broadcast_parameters: bool = True,
+        on_nonfinite: str = "skip",
     ) -> None:
         check_seed(seed)
         if threshold_step is not None and (
@@ -213,7 +215,7 @@ class Birder(_SoftSign):
         self.seed = seed
         self.threshold_step = threshold_step
         self._flat_names = ("exp_avg", "exp_avg_abs") + (("max_exp_avg_abs",) if threshold_step is not None else ())
-        super().__init__(params, lr, beta, eps, weight_decay, group, timeout, broadcast_parameters)
+        super().__init__(params, lr, beta, eps, weight_decay, group, timeout, broadcast_parameters, on_nonfinite)
         quantiser = (
             StochasticSignCompressor(seed + self.rank * 2**32) if compressor == "stochastic_sign" else "identity"
         )
@@ -269,8 +271,9 @@ class SoftSignSGD(_SoftSign):
         *,
         timeout: float | timedelta | None = None,
         broadcast_parameters: bool = True,
+        on_nonfinite: str = "skip",
     ) -> None:
-        super().__init__(params, lr, beta, eps, weight_decay, group, timeout, broadcast_parameters)
+        super().__init__(params, lr, beta, eps, weight_decay, group, timeout, broadcast_parameters, on_nonfinite)
 
     def _stage(self) -> str:
         return "warmup"

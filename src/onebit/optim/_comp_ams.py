@@ -125,6 +125,7 @@ class CompAMS(_GradientExchange):
         bias_correction: bool = False,
         timeout: float | timedelta | None = None,
         broadcast_parameters: bool = True,
+        on_nonfinite: str = "skip",
     ) -> None:
         _check_common(lr, betas, eps, weight_decay, error_feedback)
         if compressor not in _COMPRESSORS:
@@ -142,6 +143,7 @@ class CompAMS(_GradientExchange):
             group=group,
             timeout=timeout,
             broadcast_parameters=broadcast_parameters,
+            on_nonfinite=on_nonfinite,
         )
         if compressor == "block_sign":
             sizes = [p.numel() for p in self.flat.params]
@@ -197,6 +199,7 @@ class QAdam(_GradientExchange):
         error_feedback: bool = True,
         timeout: float | timedelta | None = None,
         broadcast_parameters: bool = True,
+        on_nonfinite: str = "skip",
     ) -> None:
         _check_common(lr, betas, eps, weight_decay, error_feedback)
         quantizer = UniformCompressor(bits)  # validates bits
@@ -207,6 +210,7 @@ class QAdam(_GradientExchange):
             group=group,
             timeout=timeout,
             broadcast_parameters=broadcast_parameters,
+            on_nonfinite=on_nonfinite,
         )
         self._setup_exchange(quantizer, error_feedback)
 

@@ -38,6 +38,7 @@ class _AdamFamily(OnebitOptimizer):
         group: dist.ProcessGroup | None,
         timeout: float | timedelta | None,
         broadcast_parameters: bool,
+        on_nonfinite: str,
     ) -> None:
         check_adam_args(lr, betas, eps, weight_decay)
         if not isinstance(bias_correction, bool):
@@ -46,7 +47,8 @@ class _AdamFamily(OnebitOptimizer):
         self.eps = float(eps)
         defaults = {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay}
         super().__init__(
-            params, defaults, group=group, timeout=timeout, broadcast_parameters=broadcast_parameters
+            params, defaults, group=group, timeout=timeout, broadcast_parameters=broadcast_parameters,
+            on_nonfinite=on_nonfinite,
         )
         for p in self.flat.params:
             if not p.is_contiguous():
@@ -140,6 +142,7 @@ class OnebitAdam(TwoStage, _AdamFamily):
         ranks_per_node: int | None = None,
         timeout: float | timedelta | None = None,
         broadcast_parameters: bool = True,
+        on_nonfinite: str = "skip",
     ) -> None:
         self._init_two_stage(
             freeze_step,
@@ -159,6 +162,7 @@ class OnebitAdam(TwoStage, _AdamFamily):
             group=group,
             timeout=timeout,
             broadcast_parameters=broadcast_parameters,
+            on_nonfinite=on_nonfinite,
         )
         self.allreduce = comm.compressed_allreduce(
             compressor, group, hierarchical=hierarchical, ranks_per_node=ranks_per_node, timeout=self.timeout
@@ -238,6 +242,7 @@ class OnebitAdamNaive(_AdamFamily):
         ranks_per_node: int | None = None,
         timeout: float | timedelta | None = None,
         broadcast_parameters: bool = True,
+        on_nonfinite: str = "skip",
     ) -> None:
         super().__init__(
             params,
@@ -249,6 +254,7 @@ class OnebitAdamNaive(_AdamFamily):
             group=group,
             timeout=timeout,
             broadcast_parameters=broadcast_parameters,
+            on_nonfinite=on_nonfinite,
         )
         self.allreduce = comm.compressed_allreduce(
             compressor, group, hierarchical=hierarchical, ranks_per_node=ranks_per_node, timeout=self.timeout

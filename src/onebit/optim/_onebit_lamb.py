@@ -157,6 +157,7 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
         ranks_per_node: int | None = None,
         timeout: float | timedelta | None = None,
         broadcast_parameters: bool = True,
+        on_nonfinite: str = "skip",
     ) -> None:
         beta2 = check_adam_args(lr, betas, eps, weight_decay)[1]
         for name, value in (("max_coeff", max_coeff), ("min_coeff", min_coeff), ("factor_max", factor_max),
@@ -196,6 +197,7 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
             group=group,
             timeout=timeout,
             broadcast_parameters=broadcast_parameters,
+            on_nonfinite=on_nonfinite,
         )
         n = len(self.flat.params)
         self.coeff_avg = torch.zeros(n, dtype=torch.float64)

@@ -1,0 +1,117 @@
+"""Faults: non-finite gradients on one rank, GradScaler, a rank that dies mid-run."""
+
+import os
+
+import pytest
+import torch
+
+import onebit
+from _harness import run_ranks
+from _problem import digest, grads, initial_params
+from onebit.launch import RankFailure
+
+OPTIMIZERS = [
+    ("OnebitAdam", dict(lr=0.01, freeze_step=2)),
+    ("OnebitLamb", dict(lr=0.01, freeze_step=2)),
+    ("CompAMS", dict(lr=0.01, compressor="topk", ratio=0.3)),
+    ("QAdam", dict(lr=0.01)),
+    ("Birder", dict(lr=0.01, seed=1)),
+    ("SoftSignSGD", dict(lr=0.01)),
+]
+
+
+def _loop(rank, world, name, kwargs, poison_step, poison_rank, skip_step=None, steps=7):
+    """Step on the least-squares gradients; at ``poison_step`` rank ``poison_rank`` gets a NaN/Inf gradient;
+    at ``skip_step`` no rank calls step() (the reference for "the step left everything untouched")."""
+    params = [p.clone().requires_grad_() for p in initial_params()]
+    opt = getattr(onebit, name)(params, **kwargs)
+    digests, skipped = [], []
+    for step in range(1, steps + 1):
+        for p, g in zip(params, grads([p.detach() for p in params], rank, step)):
+            p.grad = g
+        if step == poison_step and rank == poison_rank:
+            params[0].grad[3] = float("nan") if step % 2 else float("inf")
+        if step != skip_step:
+            opt.step()
+        digests.append(digest(params))
+        skipped.append(opt.stats["skipped_steps"])
+    state = opt.state_dict()["onebit"]
+    finite = all(bool(torch.isfinite(t).all()) for t in state["flat"].values())
+    return {"digests": digests, "skipped": skipped, "finite": finite, "step": opt.stats["step"]}
+
+
+@pytest.mark.parametrize("name,kwargs", OPTIMIZERS, ids=[n for n, _ in OPTIMIZERS])
+def test_nonfinite_gradient_on_one_rank_skips_the_step_everywhere(name, kwargs):
+    world, poison_step = 3, 4
+    poisoned = run_ranks(_loop, world, name, kwargs, poison_step, 1)
+    reference = run_ranks(_loop, world, name, kwargs, None, None, poison_step)
+    for r, ref in zip(poisoned, reference):
+        assert r["digests"] == poisoned[0]["digests"], "replicas differ"
+        # Skipping equals not calling step(): parameters, moments, errors and RNG untouched.
+        assert r["digests"] == ref["digests"]
+        assert r["skipped"] == [0, 0, 0, 1, 1, 1, 1] and r["step"] == 6 and r["finite"]
+
+
+def test_raise_mode_raises_on_every_rank():
+    with pytest.raises(RankFailure) as exc:
+        run_ranks(_loop, 2, "OnebitAdam", dict(lr=0.01, freeze_step=2, on_nonfinite="raise"), 3, 1)
+    text = str(exc.value)
+    assert "rank 0 failed" in text and "rank 1 failed" in text
+    assert "FloatingPointError: non-finite gradient at step 3: another rank than 0" in text
+    assert "FloatingPointError: non-finite gradient at step 3: parameter 0 (shape (37,)) on rank 1" in text
+
+
+def _scaler_loop(rank, world, use_scaler, inf_step):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = onebit.OnebitAdam(model.parameters(), lr=0.01, freeze_step=2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000) if use_scaler else None
+    gen = torch.Generator().manual_seed(rank)
+    out = []
+    for step in range(1, 6):
+        x = torch.randn(16, 8, generator=gen)
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        (scaler.scale(loss) if scaler else loss).backward()
+        if step == inf_step and rank == 1:
+            model[0].weight.grad[0, 0] = float("inf")
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        out.append(digest(list(model.parameters())))
+    return out, opt.stats["skipped_steps"]
+
+
+def test_grad_scaler_unscales_and_skips_on_every_rank():
+    plain = run_ranks(_scaler_loop, 2, False, None)
+    scaled = run_ranks(_scaler_loop, 2, True, None)
+    # A power-of-two scale unscales exactly: the same run bit for bit.
+    assert [r[0] for r in scaled] == [r[0] for r in plain]
+    overflow = run_ranks(_scaler_loop, 2, True, 3)
+    for digests, skipped in overflow:
+        assert skipped == 1 and digests[2] == digests[1] and digests == overflow[0][0]
+
+
+def _dying_loop(rank, world):
+    params = [p.clone().requires_grad_() for p in initial_params()]
+    opt = onebit.Birder(params, lr=0.01, timeout=20)
+    for step in range(1, 6):
+        if step == 3 and rank == 2:
+            os._exit(3)  # killed mid-run, no clean-up
+        for p, g in zip(params, grads([p.detach() for p in params], rank, step)):
+            p.grad = g
+        opt.step()
+    return "finished"
+
+
+def test_killed_rank_fails_the_survivors_with_a_named_collective_error():
+    with pytest.raises(RankFailure) as exc:
+        run_ranks(_dying_loop, 3, timeout=120)
+    text = str(exc.value)
+    assert "ranks [2] exited without a result" in text
+    for rank in (0, 1):
+        assert f"rank {rank} failed" in text
+        assert f"on group default (rank {rank} of 3)" in text
+    assert "CollectiveError" in text
