@@ -115,3 +115,36 @@ def test_killed_rank_fails_the_survivors_with_a_named_collective_error():
         assert f"rank {rank} failed" in text
         assert f"on group default (rank {rank} of 3)" in text
     assert "CollectiveError" in text
+
+
+def _diverging_loop(rank, world, check_every):
+    params = [p.clone().requires_grad_() for p in initial_params()]
+    opt = onebit.Birder([("weight", params[0]), ("bias", params[1])], lr=0.01, check_replicas_every=check_every)
+    for step in range(1, 5):
+        for p, g in zip(params, grads([p.detach() for p in params], rank, step)):
+            p.grad = g
+        if step == 3 and rank == 1:
+            with torch.no_grad():
+                params[1].add_(1e-6)  # a silent corruption on one rank
+        try:
+            opt.step()
+        except onebit.ReplicaDivergence as exc:
+            return step, str(exc)
+    return None
+
+
+def test_replica_check_names_the_divergent_parameter():
+    for step, message in run_ranks(_diverging_loop, 3, 2):
+        assert step == 4
+        assert message == "replicas differ after step 4: bias on ranks [1] differs from rank 0"
+    assert run_ranks(_diverging_loop, 2, 0) == [None, None]  # off by default
+
+
+@pytest.mark.parametrize("name,kwargs", OPTIMIZERS, ids=[n for n, _ in OPTIMIZERS])
+def test_reliability_options_are_validated_everywhere(name, kwargs):
+    cls = getattr(onebit, name)
+    p = [torch.nn.Parameter(torch.ones(2))]
+    with pytest.raises(ValueError, match="Invalid on_nonfinite value: 'ignore'"):
+        cls(p, on_nonfinite="ignore")
+    with pytest.raises(ValueError, match="Invalid check_replicas_every value: -1"):
+        cls(p, check_replicas_every=-1)

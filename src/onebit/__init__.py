@@ -6,7 +6,7 @@
 
 from . import comm, compress, hooks, ops, optim
 from .feedback import ErrorFeedback
-from .optim import Birder, CompAMS, OnebitAdam, OnebitAdamNaive, OnebitLamb, QAdam, SoftSignSGD
+from .optim import Birder, CompAMS, OnebitAdam, OnebitAdamNaive, OnebitLamb, QAdam, ReplicaDivergence, SoftSignSGD
 
 __all__ = [
     "Birder",
@@ -16,6 +16,7 @@ __all__ = [
     "OnebitAdamNaive",
     "OnebitLamb",
     "QAdam",
+    "ReplicaDivergence",
     "SoftSignSGD",
     "comm",
     "compress",

@@ -1,6 +1,6 @@
 """Optimizers: ``torch.optim.Optimizer`` subclasses that average across the group themselves."""
 
-from ._base import OnebitOptimizer
+from ._base import OnebitOptimizer, ReplicaDivergence
 from ._birder import Birder, SoftSignSGD, birder, soft_sign_sgd
 from ._comp_ams import CompAMS, QAdam, comp_ams
 from ._freeze import FreezeSchedule
@@ -17,6 +17,7 @@ __all__ = [
     "OnebitLamb",
     "OnebitOptimizer",
     "QAdam",
+    "ReplicaDivergence",
     "SoftSignSGD",
     "birder",
     "comp_ams",

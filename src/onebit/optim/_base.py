@@ -23,7 +23,7 @@ from torch.optim import Optimizer
 from .. import comm
 from ..comm import _dist
 
-__all__ = ["FlatState", "OnebitOptimizer", "check_adam_args", "check_betas", "check_nonneg", "check_positive"]
+__all__ = ["FlatState", "OnebitOptimizer", "ReplicaDivergence", "check_adam_args", "check_betas", "check_nonneg", "check_positive"]
 
 _log = logging.getLogger("onebit.optim")
 
@@ -97,9 +97,18 @@ class FlatState:
         return has_grad
 
 
+class ReplicaDivergence(RuntimeError):
+    """The ranks' parameters are no longer bit-identical."""
+
+
 class OnebitOptimizer(Optimizer):
     """Base of the onebit optimizers: process group, flat state, stats and checkpoint extras.
 
+    Options every optimizer takes (keyword-only): ``timeout`` (per collective),
+    ``broadcast_parameters`` (rank 0's parameters to all at construction), ``on_nonfinite``
+    (``"skip"``: a non-finite gradient on any rank makes every rank skip the step, counted
+    in ``stats["skipped_steps"]``; ``"raise"``: ``FloatingPointError`` on every rank) and
+    ``check_replicas_every`` (K > 0: :meth:`check_replicas` after every K-th step).
     Subclasses implement :meth:`_step` and list their flat buffers in ``_flat_names``.
     """
 
@@ -114,10 +123,14 @@ class OnebitOptimizer(Optimizer):
         timeout: float | timedelta | None,
         broadcast_parameters: bool,
         on_nonfinite: str = "skip",
+        check_replicas_every: int = 0,
     ) -> None:
         if on_nonfinite not in ("skip", "raise"):
             raise ValueError(f"Invalid on_nonfinite value: {on_nonfinite!r} (expected 'skip' or 'raise')")
+        if isinstance(check_replicas_every, bool) or not isinstance(check_replicas_every, int) or check_replicas_every < 0:
+            raise ValueError(f"Invalid check_replicas_every value: {check_replicas_every!r} (expected an int >= 0)")
         self.on_nonfinite = on_nonfinite
+        self.check_replicas_every = check_replicas_every
         super().__init__(params, defaults)
         # Param groups may override the defaults: validate what each group will use.
         for g in self.param_groups:
@@ -224,9 +237,33 @@ class OnebitOptimizer(Optimizer):
                 self._step_count += 1
                 self._last_stage = self._stage()
                 self._step()
+                if self.check_replicas_every and self._step_count % self.check_replicas_every == 0:
+                    self.check_replicas()
         self._bytes_last = meter.bytes_sent
         self._bytes_total += meter.bytes_sent
         return loss
+
+    @torch.no_grad()
+    def check_replicas(self) -> None:
+        """Raise :class:`ReplicaDivergence` naming the first parameter that differs between ranks.
+
+        Cheap: each parameter's bits, read as integers, are summed on its device, and the
+        sums (8 bytes per parameter) are all-gathered -- any single-value difference shows.
+        """
+        if self.world_size == 1:
+            return
+        ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+        sums = torch.stack([p.detach().reshape(-1).view(ints[p.element_size()]).sum(dtype=torch.int64)
+                            for p in self.flat.params])
+        table = _dist.all_gather_object_sizes(sums.tolist(), self.process_group, self.timeout, self.flat.device)
+        differs = (table != table[0]).any(dim=0).nonzero()
+        if differs.numel():
+            i = int(differs[0])
+            names = [n for g in self.param_groups for n in g.get("param_names", [None] * len(g["params"]))]
+            name = names[i] or f"parameter {i} (shape {tuple(self.flat.params[i].shape)})"
+            ranks = [r for r in range(self.world_size) if table[r, i] != table[0, i]]
+            raise ReplicaDivergence(f"replicas differ after step {self._step_count}: {name} on ranks {ranks} "
+                                    "differs from rank 0")
 
     def _agree_nonfinite(self) -> bool:
         """Unscale (GradScaler), then one tiny all-reduce(max) of "some gradient here is not finite"."""

@@ -137,7 +137,8 @@ def soft_sign_sgd(
 class _SoftSign(OnebitOptimizer):
     """Argument checks and buffers shared by Birder and SoftSignSGD."""
 
-    def __init__(self, params, lr, beta, eps, weight_decay, group, timeout, broadcast_parameters, on_nonfinite) -> None:
+    def __init__(self, params, lr, beta, eps, weight_decay, group, timeout, broadcast_parameters, on_nonfinite,
+                 check_replicas_every) -> None:
         check_nonneg("learning rate", lr)
         check_beta(beta)
         check_positive("epsilon", eps)  # b is exactly 0 wherever no gradient was seen yet
@@ -150,6 +151,7 @@ class _SoftSign(OnebitOptimizer):
             timeout=timeout,
             broadcast_parameters=broadcast_parameters,
             on_nonfinite=on_nonfinite,
+            check_replicas_every=check_replicas_every,
         )
         for g in self.param_groups:
             check_beta(g["beta"])
@@ -204,6 +206,7 @@ class Birder(_SoftSign):
         timeout: float | timedelta | None = None,
         broadcast_parameters: bool = True,
         on_nonfinite: str = "skip",
+        check_replicas_every: int = 0,
     ) -> None:
         check_seed(seed)
         if threshold_step is not None and (
@@ -215,7 +218,8 @@ class Birder(_SoftSign):
         self.seed = seed
         self.threshold_step = threshold_step
         self._flat_names = ("exp_avg", "exp_avg_abs") + (("max_exp_avg_abs",) if threshold_step is not None else ())
-        super().__init__(params, lr, beta, eps, weight_decay, group, timeout, broadcast_parameters, on_nonfinite)
+        super().__init__(params, lr, beta, eps, weight_decay, group, timeout, broadcast_parameters, on_nonfinite,
+                         check_replicas_every)
         quantiser = (
             StochasticSignCompressor(seed + self.rank * 2**32) if compressor == "stochastic_sign" else "identity"
         )
@@ -272,8 +276,10 @@ class SoftSignSGD(_SoftSign):
         timeout: float | timedelta | None = None,
         broadcast_parameters: bool = True,
         on_nonfinite: str = "skip",
+        check_replicas_every: int = 0,
     ) -> None:
-        super().__init__(params, lr, beta, eps, weight_decay, group, timeout, broadcast_parameters, on_nonfinite)
+        super().__init__(params, lr, beta, eps, weight_decay, group, timeout, broadcast_parameters, on_nonfinite,
+                         check_replicas_every)
 
     def _stage(self) -> str:
         return "warmup"

@@ -126,6 +126,7 @@ class CompAMS(_GradientExchange):
         timeout: float | timedelta | None = None,
         broadcast_parameters: bool = True,
         on_nonfinite: str = "skip",
+        check_replicas_every: int = 0,
     ) -> None:
         _check_common(lr, betas, eps, weight_decay, error_feedback)
         if compressor not in _COMPRESSORS:
@@ -144,6 +145,7 @@ class CompAMS(_GradientExchange):
             timeout=timeout,
             broadcast_parameters=broadcast_parameters,
             on_nonfinite=on_nonfinite,
+            check_replicas_every=check_replicas_every,
         )
         if compressor == "block_sign":
             sizes = [p.numel() for p in self.flat.params]
@@ -200,6 +202,7 @@ class QAdam(_GradientExchange):
         timeout: float | timedelta | None = None,
         broadcast_parameters: bool = True,
         on_nonfinite: str = "skip",
+        check_replicas_every: int = 0,
     ) -> None:
         _check_common(lr, betas, eps, weight_decay, error_feedback)
         quantizer = UniformCompressor(bits)  # validates bits
@@ -211,6 +214,7 @@ class QAdam(_GradientExchange):
             timeout=timeout,
             broadcast_parameters=broadcast_parameters,
             on_nonfinite=on_nonfinite,
+            check_replicas_every=check_replicas_every,
         )
         self._setup_exchange(quantizer, error_feedback)
 

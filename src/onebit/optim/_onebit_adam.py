@@ -39,6 +39,7 @@ class _AdamFamily(OnebitOptimizer):
         timeout: float | timedelta | None,
         broadcast_parameters: bool,
         on_nonfinite: str,
+        check_replicas_every: int,
     ) -> None:
         check_adam_args(lr, betas, eps, weight_decay)
         if not isinstance(bias_correction, bool):
@@ -49,6 +50,7 @@ class _AdamFamily(OnebitOptimizer):
         super().__init__(
             params, defaults, group=group, timeout=timeout, broadcast_parameters=broadcast_parameters,
             on_nonfinite=on_nonfinite,
+            check_replicas_every=check_replicas_every,
         )
         for p in self.flat.params:
             if not p.is_contiguous():
@@ -143,6 +145,7 @@ class OnebitAdam(TwoStage, _AdamFamily):
         timeout: float | timedelta | None = None,
         broadcast_parameters: bool = True,
         on_nonfinite: str = "skip",
+        check_replicas_every: int = 0,
     ) -> None:
         self._init_two_stage(
             freeze_step,
@@ -163,6 +166,7 @@ class OnebitAdam(TwoStage, _AdamFamily):
             timeout=timeout,
             broadcast_parameters=broadcast_parameters,
             on_nonfinite=on_nonfinite,
+            check_replicas_every=check_replicas_every,
         )
         self.allreduce = comm.compressed_allreduce(
             compressor, group, hierarchical=hierarchical, ranks_per_node=ranks_per_node, timeout=self.timeout
@@ -243,6 +247,7 @@ class OnebitAdamNaive(_AdamFamily):
         timeout: float | timedelta | None = None,
         broadcast_parameters: bool = True,
         on_nonfinite: str = "skip",
+        check_replicas_every: int = 0,
     ) -> None:
         super().__init__(
             params,
@@ -255,6 +260,7 @@ class OnebitAdamNaive(_AdamFamily):
             timeout=timeout,
             broadcast_parameters=broadcast_parameters,
             on_nonfinite=on_nonfinite,
+            check_replicas_every=check_replicas_every,
         )
         self.allreduce = comm.compressed_allreduce(
             compressor, group, hierarchical=hierarchical, ranks_per_node=ranks_per_node, timeout=self.timeout

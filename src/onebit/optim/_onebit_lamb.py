@@ -158,6 +158,7 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
         timeout: float | timedelta | None = None,
         broadcast_parameters: bool = True,
         on_nonfinite: str = "skip",
+        check_replicas_every: int = 0,
     ) -> None:
         beta2 = check_adam_args(lr, betas, eps, weight_decay)[1]
         for name, value in (("max_coeff", max_coeff), ("min_coeff", min_coeff), ("factor_max", factor_max),
@@ -198,6 +199,7 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
             timeout=timeout,
             broadcast_parameters=broadcast_parameters,
             on_nonfinite=on_nonfinite,
+            check_replicas_every=check_replicas_every,
         )
         n = len(self.flat.params)
         self.coeff_avg = torch.zeros(n, dtype=torch.float64)
