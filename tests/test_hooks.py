@@ -176,3 +176,34 @@ def _layout_change_worker(rank, world):
 def test_checkpoint_from_another_bucket_layout_raises():
     for message in run_ranks(_layout_change_worker, 2):
         assert "bucket layout differs from the checkpoint" in message, message
+
+
+def _overflow_worker(rank, world, kind, bad_step):
+    model, teacher = _model(), _teacher()
+    ddp, state = _ddp(kind, model)
+    opt = _make_opt("birder" if kind == "birder" else "sgd", ddp.parameters(), 0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    gen = torch.Generator().manual_seed(rank)
+    digests = []
+    for step in range(1, 6):
+        x = torch.randn(16, 16, generator=gen)
+        if step == bad_step and rank == 1:
+            x[0, 0] = float("inf")  # this rank's gradients become non-finite
+        opt.zero_grad()
+        scaler.scale(torch.nn.functional.mse_loss(ddp(x), teacher(x).detach())).backward()
+        scaler.step(opt)
+        scaler.update()
+        digests.append(_digest(model))
+    saved = state.state_dict()["buckets"]
+    tensors = [t for b in saved.values() for t in (b["allreduce"]["worker_error"]["error"],
+                                                   b["allreduce"]["server_error"]["error"], *b["buffers"].values())]
+    return digests, all(bool(torch.isfinite(t).all()) for t in tensors if t is not None)
+
+
+@pytest.mark.parametrize("kind", ["sign", "birder"])
+def test_overflow_on_one_rank_skips_everywhere_and_keeps_errors_finite(kind):
+    res = run_ranks(_overflow_worker, 2, kind, 4)
+    for digests, finite in res:
+        assert digests == res[0][0], "replicas differ"
+        assert digests[3] == digests[2], "the overflow step changed the parameters"
+        assert digests[4] != digests[3] and finite

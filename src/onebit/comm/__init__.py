@@ -5,6 +5,7 @@ from ._hierarchical import HierarchicalAllReduce, compressed_allreduce
 from ._dist import (
     DEFAULT_TIMEOUT,
     CollectiveError,
+    all_reduce_max,
     all_reduce_mean,
     broadcast,
     get_rank,
@@ -20,6 +21,7 @@ __all__ = [
     "CompressedAllReduce",
     "HierarchicalAllReduce",
     "Meter",
+    "all_reduce_max",
     "all_reduce_mean",
     "broadcast",
     "chunk_bounds",

@@ -110,8 +110,18 @@ class _HookState:
             if self._saved:
                 self._restore_iters += 1
 
-    def _compressing(self) -> bool:
-        return self.iter >= self.start_iter
+    def _compressing(self, grad: Tensor) -> bool:
+        """Compress this bucket: past ``start_iter`` and finite on every rank.
+
+        A non-finite bucket anywhere (an fp16 overflow, say) is all-reduced exactly instead:
+        the NaN/Inf reaches every rank, so every rank's GradScaler skips the step, and no
+        rank's error feedback (or Birder's moments) takes in the non-finite values.
+        """
+        if self.iter < self.start_iter:
+            return False
+        flag = (~torch.isfinite(grad)).any().float().reshape(1)
+        comm.all_reduce_max(flag, self.process_group, self.timeout)
+        return not flag.item()
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
@@ -203,7 +213,7 @@ def error_feedback_hook(state: ErrorFeedbackState, bucket: dist.GradBucket) -> t
     hook blocks while it exchanges (no overlap with the rest of the backward pass).
     """
     grad = bucket.buffer()
-    entry = state._bucket(bucket.index(), grad) if state._compressing() else None
+    entry = state._bucket(bucket.index(), grad) if state._compressing(grad) else None
     if entry is not None:
         entry["allreduce"](grad, out=grad)
     else:
@@ -259,7 +269,7 @@ def birder_hook(state: BirderState, bucket: dist.GradBucket) -> torch.futures.Fu
     moments, a soft sign) is returned. The hook blocks while it exchanges.
     """
     grad = bucket.buffer()
-    entry = state._bucket(bucket.index(), grad) if state._compressing() else None
+    entry = state._bucket(bucket.index(), grad) if state._compressing(grad) else None
     if entry is not None:
         update = soft_sign_direction(
             [(0, grad.numel())],
