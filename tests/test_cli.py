@@ -142,3 +142,14 @@ def test_model_prints_every_optimizer(capsys):
     assert text.count("onebit model:") == 2
     for name in ("adam", "onebit_adam", "onebit_lamb", "birder_hierarchical", "comp_ams", "qadam", "ddp_fp16"):
         assert f"\n{name} " in text
+
+
+def test_truncated_checkpoint_gives_a_clear_error(tmp_path):
+    from onebit.launch import RankFailure
+
+    common = ["--optimizer", "birder", "--batch-size", "4", "--hidden", "32", "--quiet", "--out", str(tmp_path)]
+    assert main(["train", "--steps", "2", "--checkpoint-every", "2", *common]) == 0
+    ckpt = tmp_path / "birder" / "checkpoints" / "rank1.pt"
+    ckpt.write_bytes(ckpt.read_bytes()[:100])
+    with pytest.raises(RankFailure, match="rank1.pt cannot be read"):
+        main(["train", "--steps", "4", "--resume", *common])

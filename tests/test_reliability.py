@@ -148,3 +148,45 @@ def test_reliability_options_are_validated_everywhere(name, kwargs):
         cls(p, on_nonfinite="ignore")
     with pytest.raises(ValueError, match="Invalid check_replicas_every value: -1"):
         cls(p, check_replicas_every=-1)
+
+
+def _resume_run(rank, world, name, kwargs, resume_at):
+    from _problem import run_problem
+
+    cls = getattr(onebit, name)
+    out = run_problem(lambda params: cls(params, **kwargs), rank, 7, resume_at)
+    return out["digests"]
+
+
+def _final_state(rank, world, name, kwargs):
+    from _problem import run_problem
+
+    cls = getattr(onebit, name)
+    holder = {}
+    run_problem(lambda params: holder.setdefault("opt", cls(params, **kwargs)), rank, 5)
+    return holder["opt"].state_dict()
+
+
+@pytest.mark.parametrize("name,kwargs", OPTIMIZERS, ids=[n for n, _ in OPTIMIZERS])
+def test_checkpoints_resume_exactly_and_across_world_sizes(name, kwargs, caplog):
+    # Same world size: save after step 3 (1-bit Adam/LAMB are then compressing), reload, continue.
+    straight = run_ranks(_resume_run, 2, name, kwargs, None)
+    resumed = run_ranks(_resume_run, 2, name, kwargs, 3)
+    assert resumed == straight
+    # Another world size: loads with a warning, errors restart at zero, training goes on.
+    state = run_ranks(_final_state, 2, name, kwargs)[0]
+    params = [p.clone().requires_grad_() for p in initial_params()]
+    opt = getattr(onebit, name)(params, **kwargs)
+    with caplog.at_level("WARNING"):
+        opt.load_state_dict(state)
+    assert "saved on world size 2, loaded on 1" in caplog.text
+    for p, g in zip(params, grads([p.detach() for p in params], 0, 6)):
+        p.grad = g
+    opt.step()
+    assert all(bool(torch.isfinite(p).all()) for p in params) and opt.stats["step"] == 6
+    # A truncated or foreign state dict is refused with a clear message.
+    broken = {**state, "onebit": {k: v for k, v in state["onebit"].items() if k != "flat"}}
+    with pytest.raises(ValueError, match=r"incomplete .* state_dict: missing \['flat'\]"):
+        opt.load_state_dict(broken)
+    with pytest.raises(ValueError, match="missing the 'onebit' entry"):
+        opt.load_state_dict(torch.optim.SGD(params, lr=0.1).state_dict())

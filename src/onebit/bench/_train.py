@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pickle
 import math
 import statistics
 import time
@@ -105,7 +106,10 @@ def _rank_main(rank: int, world: int, cfg: TrainConfig, out: Path, per_node: int
     first = 1
     ckpt = _checkpoint_path(out, rank)
     if cfg.resume and ckpt.exists():
-        state = torch.load(ckpt, weights_only=True)
+        try:
+            state = torch.load(ckpt, weights_only=True)
+        except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as exc:
+            raise ValueError(f"checkpoint {ckpt} cannot be read (truncated or not a checkpoint): {exc}") from None
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])

@@ -334,6 +334,12 @@ class OnebitOptimizer(Optimizer):
                 f"(keys: {sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__})"
             )
         extra = state_dict["onebit"]
+        missing = {"world_size", "step", "bytes_sent_total", "flat"} - set(extra)
+        if missing or "param_groups" not in state_dict:
+            raise ValueError(
+                f"incomplete {type(self).__name__} state_dict: missing {sorted(missing) or ['param_groups']} "
+                "(truncated, or saved by another version)"
+            )
         flat = extra["flat"]
         if set(flat) != set(self.flat.buffers):
             raise ValueError(f"state_dict holds buffers {sorted(flat)}, expected {sorted(self.flat.buffers)}")
@@ -356,4 +362,10 @@ class OnebitOptimizer(Optimizer):
                 extra["world_size"],
                 self.world_size,
             )
-        self._load_extra_state(extra, same_world)
+        try:
+            self._load_extra_state(extra, same_world)
+        except KeyError as exc:
+            raise ValueError(
+                f"incomplete {type(self).__name__} state_dict: missing {exc.args[0]!r} "
+                "(saved by another optimizer, or truncated)"
+            ) from None
