@@ -40,12 +40,16 @@ def _loop(rank, world, name, kwargs, poison_step, poison_rank, skip_step=None, s
     return {"digests": digests, "skipped": skipped, "finite": finite, "step": opt.stats["step"]}
 
 
+def _poisoned_and_reference(rank, world, name, kwargs, step):
+    """Both runs in one job: a NaN on rank 1 at ``step``, and no step() call at ``step``."""
+    return _loop(rank, world, name, kwargs, step, 1), _loop(rank, world, name, kwargs, None, None, step)
+
+
 @pytest.mark.parametrize("name,kwargs", OPTIMIZERS, ids=[n for n, _ in OPTIMIZERS])
 def test_nonfinite_gradient_on_one_rank_skips_the_step_everywhere(name, kwargs):
-    world, poison_step = 3, 4
-    poisoned = run_ranks(_loop, world, name, kwargs, poison_step, 1)
-    reference = run_ranks(_loop, world, name, kwargs, None, None, poison_step)
-    for r, ref in zip(poisoned, reference):
+    res = run_ranks(_poisoned_and_reference, 3, name, kwargs, 4)
+    poisoned = [r[0] for r in res]
+    for r, ref in res:
         assert r["digests"] == poisoned[0]["digests"], "replicas differ"
         # Skipping equals not calling step(): parameters, moments, errors and RNG untouched.
         assert r["digests"] == ref["digests"]
@@ -84,14 +88,17 @@ def _scaler_loop(rank, world, use_scaler, inf_step):
     return out, opt.stats["skipped_steps"]
 
 
+def _scaler_runs(rank, world):
+    """Without a scaler, with one, and with one and an inf on rank 1 at step 3."""
+    return _scaler_loop(rank, world, False, None), _scaler_loop(rank, world, True, None), _scaler_loop(rank, world, True, 3)
+
+
 def test_grad_scaler_unscales_and_skips_on_every_rank():
-    plain = run_ranks(_scaler_loop, 2, False, None)
-    scaled = run_ranks(_scaler_loop, 2, True, None)
-    # A power-of-two scale unscales exactly: the same run bit for bit.
-    assert [r[0] for r in scaled] == [r[0] for r in plain]
-    overflow = run_ranks(_scaler_loop, 2, True, 3)
-    for digests, skipped in overflow:
-        assert skipped == 1 and digests[2] == digests[1] and digests == overflow[0][0]
+    res = run_ranks(_scaler_runs, 2)
+    for plain, scaled, (digests, skipped) in res:
+        # A power-of-two scale unscales exactly: the same run bit for bit.
+        assert scaled[0] == plain[0]
+        assert skipped == 1 and digests[2] == digests[1] and digests == res[0][2][0]
 
 
 def _dying_loop(rank, world):
@@ -150,40 +157,34 @@ def test_reliability_options_are_validated_everywhere(name, kwargs):
         cls(p, check_replicas_every=-1)
 
 
-def _resume_run(rank, world, name, kwargs, resume_at):
-    from _problem import run_problem
-
-    cls = getattr(onebit, name)
-    out = run_problem(lambda params: cls(params, **kwargs), rank, 7, resume_at)
-    return out["digests"]
-
-
-def _final_state(rank, world, name, kwargs):
+def _resume_runs(rank, world, name, kwargs):
+    """Straight, resumed after step 3 (1-bit Adam/LAMB then compress), and the final state."""
     from _problem import run_problem
 
     cls = getattr(onebit, name)
     holder = {}
-    run_problem(lambda params: holder.setdefault("opt", cls(params, **kwargs)), rank, 5)
-    return holder["opt"].state_dict()
+    straight = run_problem(lambda params: holder.setdefault("opt", cls(params, **kwargs)), rank, 7)
+    resumed = run_problem(lambda params: cls(params, **kwargs), rank, 7, 3)
+    return straight["digests"], resumed["digests"], holder["opt"].state_dict()
 
 
 @pytest.mark.parametrize("name,kwargs", OPTIMIZERS, ids=[n for n, _ in OPTIMIZERS])
 def test_checkpoints_resume_exactly_and_across_world_sizes(name, kwargs, caplog):
-    # Same world size: save after step 3 (1-bit Adam/LAMB are then compressing), reload, continue.
-    straight = run_ranks(_resume_run, 2, name, kwargs, None)
-    resumed = run_ranks(_resume_run, 2, name, kwargs, 3)
-    assert resumed == straight
+    # Same world size: save after step 3, reload into fresh objects, continue.
+    res = run_ranks(_resume_runs, 2, name, kwargs)
+    for straight, resumed, _ in res:
+        assert resumed == straight
     # Another world size: loads with a warning, errors restart at zero, training goes on.
-    state = run_ranks(_final_state, 2, name, kwargs)[0]
+    state = res[0][2]
     params = [p.clone().requires_grad_() for p in initial_params()]
     opt = getattr(onebit, name)(params, **kwargs)
     with caplog.at_level("WARNING"):
         opt.load_state_dict(state)
     assert "saved on world size 2, loaded on 1" in caplog.text
-    for p, g in zip(params, grads([p.detach() for p in params], 0, 6)):
+    for p, g in zip(params, grads([p.detach() for p in params], 0, 8)):
         p.grad = g
     opt.step()
-    assert all(bool(torch.isfinite(p).all()) for p in params) and opt.stats["step"] == 6
+    assert all(bool(torch.isfinite(p).all()) for p in params) and opt.stats["step"] == 8
     # A truncated or foreign state dict is refused with a clear message.
     broken = {**state, "onebit": {k: v for k, v in state["onebit"].items() if k != "flat"}}
     with pytest.raises(ValueError, match=r"incomplete .* state_dict: missing \['flat'\]"):
