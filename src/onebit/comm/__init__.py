@@ -1,28 +1,37 @@
-"""Collectives: the only package that calls ``torch.distributed``."""
+"""Collectives: the only package that calls ``torch.distributed`` (and mpi4py, for ``group="mpi"``)."""
 
 from ._compressed import CompressedAllGather, CompressedAllReduce, chunk_bounds
 from ._hierarchical import HierarchicalAllReduce, compressed_allreduce
 from ._dist import (
+    BACKENDS,
     DEFAULT_TIMEOUT,
     CollectiveError,
+    Group,
     all_reduce_max,
     all_reduce_mean,
+    backend_of,
     broadcast,
     get_rank,
     get_world_size,
     is_distributed,
+    resolve_group,
 )
+from ._mpi import MPIGroup
 from ._meter import Meter, measure
 
 __all__ = [
+    "BACKENDS",
     "DEFAULT_TIMEOUT",
     "CollectiveError",
     "CompressedAllGather",
     "CompressedAllReduce",
+    "Group",
     "HierarchicalAllReduce",
+    "MPIGroup",
     "Meter",
     "all_reduce_max",
     "all_reduce_mean",
+    "backend_of",
     "broadcast",
     "chunk_bounds",
     "compressed_allreduce",
@@ -30,4 +39,5 @@ __all__ = [
     "get_world_size",
     "is_distributed",
     "measure",
+    "resolve_group",
 ]

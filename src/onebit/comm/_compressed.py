@@ -9,13 +9,12 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from .. import compress as _compress
 from ..compress import Compressor
 from ..feedback import ErrorFeedback
-from ._dist import all_gather_bytes, all_to_all_bytes, get_rank, get_world_size, to_timedelta
+from ._dist import Group, all_gather_bytes, all_to_all_bytes, get_rank, get_world_size, resolve_group, to_timedelta
 from ._wire import read_payload, write_payload
 
 __all__ = ["CompressedAllGather", "CompressedAllReduce", "chunk_bounds"]
@@ -48,23 +47,23 @@ class _Sized:
     """Shared first-call sizing and validation of the compressed collectives."""
 
     compressor: Compressor
-    group: dist.ProcessGroup | None
+    group: Group
 
     def __init__(
         self,
         compressor: str | Compressor,
-        group: dist.ProcessGroup | None,
+        group: Group,
         timeout: float | timedelta | None,
         compressor_kwargs: dict[str, Any],
     ) -> None:
         self.compressor = _compress.get(compressor, **compressor_kwargs)
-        self.group = group
+        self.group = resolve_group(group)
         self.timeout = to_timedelta(timeout)
         self.worker_error = ErrorFeedback("worker")
         self._numel: int | None = None
         self._device: torch.device | None = None
-        self._world_size = get_world_size(group)
-        self._rank = get_rank(group)
+        self._world_size = get_world_size(self.group)
+        self._rank = get_rank(self.group)
 
     def _prepare(self, tensor: object, out: Tensor | None) -> Tensor:
         tensor = _check_input(tensor)
@@ -157,7 +156,7 @@ class CompressedAllReduce(_Sized):
     def __init__(
         self,
         compressor: str | Compressor = "sign",
-        group: dist.ProcessGroup | None = None,
+        group: Group = None,
         *,
         timeout: float | timedelta | None = None,
         **compressor_kwargs: Any,
@@ -237,7 +236,7 @@ class CompressedAllGather(_Sized):
     def __init__(
         self,
         compressor: str | Compressor = "topk",
-        group: dist.ProcessGroup | None = None,
+        group: Group = None,
         *,
         error_feedback: bool = True,
         timeout: float | timedelta | None = None,

@@ -1,16 +1,20 @@
-"""The only module that calls ``torch.distributed``.
+"""The only module that calls ``torch.distributed``, and the one entry to every transport.
 
-Every wrapper takes ``group`` (``None``: the default group) and ``timeout`` (seconds or
-``timedelta``; ``None``: :data:`DEFAULT_TIMEOUT`), records its bytes in the meter, and
-turns a failure or a timeout into a :class:`CollectiveError` that names the operation and
-the group -- a dead peer gives an error on every surviving rank, never a hang.
-Without an initialised process group every wrapper behaves as world size 1.
+Every wrapper takes ``group`` and ``timeout`` (seconds or ``timedelta``; ``None``:
+:data:`DEFAULT_TIMEOUT`), records its bytes in the meter, and turns a failure or a timeout
+into a :class:`CollectiveError` that names the operation and the group -- a dead peer
+gives an error on every surviving rank, never a hang. ``group`` is a ``torch.distributed``
+process group (``None``: the default group), an :class:`onebit.comm.MPIGroup`, or a
+backend name (:data:`BACKENDS`: ``"torch"`` is the default process group, ``"mpi"``
+mpi4py's ``COMM_WORLD``). Without an initialised process group the torch transport
+behaves as world size 1.
 """
 
 from __future__ import annotations
 
 import time
 from datetime import timedelta
+from typing import Any, Protocol, Union
 
 import torch
 import torch.distributed as dist
@@ -19,44 +23,148 @@ from torch import Tensor
 from ._meter import record, record_time
 
 __all__ = [
+    "BACKENDS",
     "DEFAULT_TIMEOUT",
     "CollectiveError",
+    "Group",
+    "Transport",
     "all_gather_bytes",
     "all_gather_object_sizes",
     "all_reduce_max",
     "all_reduce_mean",
     "all_to_all_bytes",
+    "backend_of",
     "broadcast",
     "get_rank",
     "get_world_size",
     "is_distributed",
-    "new_subgroups",
     "reduce_scatter_mean",
+    "resolve_group",
+    "split",
     "to_timedelta",
 ]
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
+BACKENDS = ("torch", "mpi")
+# What every ``group`` argument accepts: a process group, None (the default group), a
+# transport such as onebit.comm.MPIGroup, or a name from BACKENDS.
+Group = Union[dist.ProcessGroup, "Transport", str, None]
 
 # all_gather_into_tensor is deprecated in favour of all_gather_single from torch 2.13.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+class _Work(Protocol):
+    def wait(self, timeout: timedelta) -> bool: ...
+
+
+class Transport(Protocol):
+    """What a group must provide: equal-slot collectives that return a waitable work.
+
+    ``onebit.comm.MPIGroup`` implements it over mpi4py; :class:`_TorchGroup` over
+    ``torch.distributed``. The wrappers below add validation, timeouts and metering.
+    """
+
+    backend: str
+
+    def size(self) -> int: ...
+    def rank(self) -> int: ...
+    def describe(self) -> str: ...
+    def all_to_all(self, recv: Tensor, send: Tensor) -> _Work: ...
+    def all_gather(self, out: Tensor, slot: Tensor) -> _Work: ...
+    def reduce_scatter_sum(self, out: Tensor, tensor: Tensor) -> _Work: ...
+    def all_reduce(self, tensor: Tensor, op: str) -> _Work: ...
+    def broadcast(self, tensor: Tensor, src: int) -> _Work: ...
+    def split(self, partition: list[list[int]], timeout: timedelta) -> Any: ...
+
+
+class _TorchGroup:
+    """The :class:`Transport` of a ``torch.distributed`` process group (``None``: the default)."""
+
+    backend = "torch"
+    __slots__ = ("group",)
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+
+    def size(self) -> int:
+        return dist.get_world_size(self.group) if dist.is_available() and dist.is_initialized() else 1
+
+    def rank(self) -> int:
+        return dist.get_rank(self.group) if dist.is_available() and dist.is_initialized() else 0
+
+    def describe(self) -> str:
+        name = "default" if self.group is None else getattr(self.group, "group_name", None) or repr(self.group)
+        return f"group {name}"
+
+    def all_to_all(self, recv: Tensor, send: Tensor) -> _Work:
+        return dist.all_to_all_single(recv, send, group=self.group, async_op=True)
+
+    def all_gather(self, out: Tensor, slot: Tensor) -> _Work:
+        return _all_gather_flat(out, slot, group=self.group, async_op=True)
+
+    def reduce_scatter_sum(self, out: Tensor, tensor: Tensor) -> _Work:
+        return _reduce_scatter_flat(out, tensor, group=self.group, async_op=True)
+
+    def all_reduce(self, tensor: Tensor, op: str) -> _Work:
+        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+        return dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=True)
+
+    def broadcast(self, tensor: Tensor, src: int) -> _Work:
+        global_src = src if self.group is None else dist.get_global_rank(self.group, src)
+        return dist.broadcast(tensor, global_src, group=self.group, async_op=True)
+
+    def split(self, partition: list[list[int]], timeout: timedelta) -> dist.ProcessGroup:
+        # new_group is collective over the default group: every rank creates every sub-group.
+        to_global = (lambda r: r) if self.group is None else (lambda r: dist.get_global_rank(self.group, r))
+        mine = self.rank()
+        own = None
+        for ranks in partition:
+            created = dist.new_group([to_global(r) for r in ranks], timeout=timeout)
+            if mine in ranks:
+                own = created
+        return own
+
+
+def resolve_group(group: Group) -> Any:
+    """``group`` as given, or the group a backend name stands for (``"torch"``: ``None``)."""
+    if isinstance(group, str):
+        if group == "torch":
+            return None
+        if group == "mpi":
+            from ._mpi import world_group
+
+            return world_group()
+        raise ValueError(f"group must be a process group, an MPIGroup or one of {BACKENDS}, got {group!r}")
+    return group
+
+
+def _transport(group: Group) -> Transport:
+    group = resolve_group(group)
+    return group if hasattr(group, "backend") else _TorchGroup(group)
+
+
+def backend_of(group: Group) -> str:
+    """The backend name of ``group`` (``"torch"`` or ``"mpi"``)."""
+    return _transport(group).backend
+
+
 class CollectiveError(RuntimeError):
     """A collective failed or timed out (a peer died, stalled or disagreed on sizes)."""
 
 
-def is_distributed(group: dist.ProcessGroup | None = None) -> bool:
-    """True when a process group is initialised and has more than one rank."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+def is_distributed(group: Group = None) -> bool:
+    """True when ``group`` (a process group or MPI communicator) has more than one rank."""
+    return get_world_size(group) > 1
 
 
-def get_world_size(group: dist.ProcessGroup | None = None) -> int:
-    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+def get_world_size(group: Group = None) -> int:
+    return _transport(group).size()
 
 
-def get_rank(group: dist.ProcessGroup | None = None) -> int:
-    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+def get_rank(group: Group = None) -> int:
+    return _transport(group).rank()
 
 
 def to_timedelta(timeout: float | timedelta | None) -> timedelta:
@@ -74,14 +182,9 @@ def to_timedelta(timeout: float | timedelta | None) -> timedelta:
     return timedelta(seconds=seconds)
 
 
-def _describe(group: dist.ProcessGroup | None) -> str:
-    name = "default" if group is None else getattr(group, "group_name", None) or repr(group)
-    return f"group {name} (rank {get_rank(group)} of {get_world_size(group)})"
-
-
-def _run(op: str, group: dist.ProcessGroup | None, timeout: float | timedelta | None, launch) -> None:
+def _run(op: str, transport: Transport, timeout: float | timedelta | None, launch) -> None:
     limit = to_timedelta(timeout)
-    where = f"{op} on {_describe(group)}"
+    where = f"{op} on {transport.describe()} (rank {transport.rank()} of {transport.size()})"
     start = time.perf_counter()
     try:
         work = launch()
@@ -94,35 +197,35 @@ def _run(op: str, group: dist.ProcessGroup | None, timeout: float | timedelta | 
         raise CollectiveError(f"{where} timed out (timeout {limit.total_seconds():g}s)")
 
 
-def all_to_all_bytes(
-    send: Tensor, group: dist.ProcessGroup | None = None, timeout: float | timedelta | None = None, link: str = "flat"
-) -> Tensor:
+def all_to_all_bytes(send: Tensor, group: Group = None, timeout: float | timedelta | None = None,
+                     link: str = "flat") -> Tensor:
     """Exchange equal slots: slot ``j`` of ``send`` goes to rank ``j``; returns the received slots."""
-    world = get_world_size(group)
+    t = _transport(group)
+    world = t.size()
     if world == 1:
         return send
     recv = torch.empty_like(send)
-    _run("all_to_all_single", group, timeout, lambda: dist.all_to_all_single(recv, send, group=group, async_op=True))
+    _run("all_to_all", t, timeout, lambda: t.all_to_all(recv, send))
     record("all_to_all", send.numel() * send.element_size() * (world - 1) // world, link)
     return recv
 
 
-def all_gather_bytes(
-    slot: Tensor, group: dist.ProcessGroup | None = None, timeout: float | timedelta | None = None, link: str = "flat"
-) -> Tensor:
+def all_gather_bytes(slot: Tensor, group: Group = None, timeout: float | timedelta | None = None,
+                     link: str = "flat") -> Tensor:
     """Concatenate every rank's equal-sized flat ``slot`` in rank order."""
-    world = get_world_size(group)
+    t = _transport(group)
+    world = t.size()
     if world == 1:
         return slot
     out = slot.new_empty(world * slot.numel())
-    _run("all_gather", group, timeout, lambda: _all_gather_flat(out, slot, group=group, async_op=True))
+    _run("all_gather", t, timeout, lambda: t.all_gather(out, slot))
     record("all_gather", slot.numel() * slot.element_size() * (world - 1), link)
     return out
 
 
 def all_gather_object_sizes(
     values: list[int],
-    group: dist.ProcessGroup | None = None,
+    group: Group = None,
     timeout: float | timedelta | None = None,
     device: torch.device | str = "cpu",
 ) -> Tensor:
@@ -134,63 +237,57 @@ def all_gather_object_sizes(
     return all_gather_bytes(mine, group, timeout).view(-1, len(values)).cpu()
 
 
-def reduce_scatter_mean(
-    tensor: Tensor, group: dist.ProcessGroup | None = None, timeout: float | timedelta | None = None, link: str = "flat"
-) -> Tensor:
+def reduce_scatter_mean(tensor: Tensor, group: Group = None, timeout: float | timedelta | None = None,
+                        link: str = "flat") -> Tensor:
     """Average of slot ``rank`` of ``tensor`` (``world`` equal slots) over the group; returns that slot."""
-    world = get_world_size(group)
+    t = _transport(group)
+    world = t.size()
     if world == 1:
         return tensor
     out = tensor.new_empty(tensor.numel() // world)
-    _run("reduce_scatter", group, timeout, lambda: _reduce_scatter_flat(out, tensor, group=group, async_op=True))
+    _run("reduce_scatter", t, timeout, lambda: t.reduce_scatter_sum(out, tensor))
     record("reduce_scatter", (world - 1) * out.numel() * out.element_size(), link)
     return out.div_(world)
 
 
-def new_subgroups(partition: list[list[int]], group: dist.ProcessGroup | None, timeout: timedelta) -> list:
-    """One process group per list of group ranks in ``partition`` (every rank must call, in the same order)."""
-    to_global = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
-    return [dist.new_group([to_global(r) for r in ranks], timeout=timeout) for ranks in partition]
+def split(partition: list[list[int]], group: Group, timeout: timedelta) -> Any:
+    """This rank's sub-group of ``partition`` (lists of group ranks covering the group).
+
+    Collective: every rank of the group must call it with the same partition.
+    """
+    return _transport(group).split(partition, timeout)
 
 
-def all_reduce_mean(
-    tensor: Tensor, group: dist.ProcessGroup | None = None, timeout: float | timedelta | None = None, link: str = "flat"
-) -> Tensor:
+def all_reduce_mean(tensor: Tensor, group: Group = None, timeout: float | timedelta | None = None,
+                    link: str = "flat") -> Tensor:
     """In-place average over the group (sum, then divide by world size)."""
-    world = get_world_size(group)
+    t = _transport(group)
+    world = t.size()
     if world == 1:
         return tensor
-    _run("all_reduce", group, timeout, lambda: dist.all_reduce(tensor, group=group, async_op=True))
+    _run("all_reduce", t, timeout, lambda: t.all_reduce(tensor, "sum"))
     record("all_reduce", 2 * (world - 1) * tensor.numel() * tensor.element_size() // world, link)
     return tensor.div_(world)
 
 
-def all_reduce_max(
-    tensor: Tensor, group: dist.ProcessGroup | None = None, timeout: float | timedelta | None = None
-) -> Tensor:
+def all_reduce_max(tensor: Tensor, group: Group = None, timeout: float | timedelta | None = None) -> Tensor:
     """In-place element-wise maximum over the group."""
-    world = get_world_size(group)
+    t = _transport(group)
+    world = t.size()
     if world == 1:
         return tensor
-    _run(
-        "all_reduce(max)",
-        group,
-        timeout,
-        lambda: dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True),
-    )
+    _run("all_reduce(max)", t, timeout, lambda: t.all_reduce(tensor, "max"))
     record("all_reduce", 2 * (world - 1) * tensor.numel() * tensor.element_size() // world)
     return tensor
 
 
-def broadcast(
-    tensor: Tensor, src: int = 0, group: dist.ProcessGroup | None = None, timeout: float | timedelta | None = None
-) -> Tensor:
+def broadcast(tensor: Tensor, src: int = 0, group: Group = None, timeout: float | timedelta | None = None) -> Tensor:
     """In-place broadcast from group rank ``src``."""
-    world = get_world_size(group)
+    t = _transport(group)
+    world = t.size()
     if world == 1:
         return tensor
-    global_src = src if group is None else dist.get_global_rank(group, src)
-    _run("broadcast", group, timeout, lambda: dist.broadcast(tensor, global_src, group=group, async_op=True))
-    if get_rank(group) == src:
+    _run("broadcast", t, timeout, lambda: t.broadcast(tensor, src))
+    if t.rank() == src:
         record("broadcast", tensor.numel() * tensor.element_size() * (world - 1))
     return tensor

@@ -9,20 +9,19 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from ..compress import Compressor
 from ._compressed import CompressedAllReduce, _Sized, chunk_bounds
 from ._wire import read_payload
-from ._dist import all_gather_bytes, get_rank, get_world_size, new_subgroups, reduce_scatter_mean, to_timedelta
+from ._dist import Group, all_gather_bytes, get_rank, get_world_size, reduce_scatter_mean, split, to_timedelta
 
 __all__ = ["HierarchicalAllReduce", "compressed_allreduce", "resolve_ranks_per_node"]
 
 _log = logging.getLogger(__name__)
 
-# Sub-groups are created once per (parent group, ranks per node): new_group is a collective
-# call of the whole default group, and every creation costs a store round trip.
+# Sub-groups are created once per (parent group, ranks per node): creating one is collective
+# (torch's new_group over the whole default group, MPI's Comm.Split) and costs a round trip.
 _SUBGROUPS: dict[tuple[Any, int], tuple[Any, Any]] = {}
 
 
@@ -46,17 +45,15 @@ def resolve_ranks_per_node(ranks_per_node: int | None, world_size: int) -> int |
     return ranks_per_node
 
 
-def _subgroups(group: dist.ProcessGroup | None, per_node: int, timeout: timedelta) -> tuple[Any, Any]:
+def _subgroups(group: Any, per_node: int, timeout: timedelta) -> tuple[Any, Any]:
     """(this rank's node group, this rank's inter-node group of equal local index)."""
     key = (group, per_node)
     if key not in _SUBGROUPS:
-        world, rank = get_world_size(group), get_rank(group)
+        world = get_world_size(group)
         nodes = world // per_node
         intra = [list(range(k * per_node, (k + 1) * per_node)) for k in range(nodes)]
         inter = [list(range(local, world, per_node)) for local in range(per_node)]
-        node_groups = new_subgroups(intra, group, timeout)
-        cross_groups = new_subgroups(inter, group, timeout)
-        _SUBGROUPS[key] = (node_groups[rank // per_node], cross_groups[rank % per_node])
+        _SUBGROUPS[key] = (split(intra, group, timeout), split(inter, group, timeout))
     return _SUBGROUPS[key]
 
 
@@ -89,7 +86,7 @@ class HierarchicalAllReduce(_Sized):
     def __init__(
         self,
         compressor: str | Compressor = "sign",
-        group: dist.ProcessGroup | None = None,
+        group: Group = None,
         *,
         ranks_per_node: int | None = None,
         timeout: float | timedelta | None = None,
@@ -102,9 +99,9 @@ class HierarchicalAllReduce(_Sized):
         self.ranks_per_node = per_node
         self.nodes = self._world_size // per_node
         if self._world_size > 1:
-            self.node_group, cross_group = _subgroups(group, per_node, self.timeout)
+            self.node_group, cross_group = _subgroups(self.group, per_node, self.timeout)
         else:
-            self.node_group = cross_group = None
+            self.node_group = cross_group = self.group
         # The inner collective owns the worker and server errors of this rank's shard.
         self.inter = _InterNode(self.compressor, cross_group, timeout=self.timeout)
 
@@ -166,7 +163,7 @@ class HierarchicalAllReduce(_Sized):
 
 def compressed_allreduce(
     compressor: str | Compressor = "sign",
-    group: dist.ProcessGroup | None = None,
+    group: Group = None,
     *,
     hierarchical: bool | str = False,
     ranks_per_node: int | None = None,

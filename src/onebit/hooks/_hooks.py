@@ -52,6 +52,9 @@ class _HookState:
             )
         if hierarchical not in (True, False, "auto"):
             raise ValueError(f"hierarchical must be True, False or 'auto', got {hierarchical!r}")
+        if _dist.backend_of(process_group) != "torch":
+            # DDP itself (bucketing, the backward-pass futures) runs on torch.distributed.
+            raise ValueError(f"process_group must be a torch.distributed process group, got {process_group!r}")
         self.process_group = process_group
         self.start_iter = start_iter
         self.iter = 0

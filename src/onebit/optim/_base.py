@@ -16,7 +16,6 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -119,7 +118,7 @@ class OnebitOptimizer(Optimizer):
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
         defaults: dict[str, Any],
         *,
-        group: dist.ProcessGroup | None,
+        group: comm.Group,
         timeout: float | timedelta | None,
         broadcast_parameters: bool,
         on_nonfinite: str = "skip",
@@ -140,10 +139,10 @@ class OnebitOptimizer(Optimizer):
                 check_betas(g["betas"])
             if "weight_decay" in g:
                 check_nonneg("weight_decay", g["weight_decay"])
-        self.process_group = group
+        self.process_group = comm.resolve_group(group)
         self.timeout = _dist.to_timedelta(timeout)
-        self.world_size = comm.get_world_size(group)
-        self.rank = comm.get_rank(group)
+        self.world_size = comm.get_world_size(self.process_group)
+        self.rank = comm.get_rank(self.process_group)
         params = [p for g in self.param_groups for p in g["params"]]
         if not params:
             raise ValueError("optimizer got an empty parameter list")
@@ -156,7 +155,7 @@ class OnebitOptimizer(Optimizer):
         if broadcast_parameters:
             with torch.no_grad():
                 for p in params:
-                    comm.broadcast(p.data, 0, group, self.timeout)
+                    comm.broadcast(p.data, 0, self.process_group, self.timeout)
         self.flat = FlatState(params)
         self._step_count = 0
         self._skipped = 0

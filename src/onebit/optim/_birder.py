@@ -7,7 +7,6 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from .. import comm
@@ -197,7 +196,7 @@ class Birder(_SoftSign):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         seed: int = 0,
-        group: dist.ProcessGroup | None = None,
+        group: comm.Group = None,
         *,
         hierarchical: bool | str = False,
         ranks_per_node: int | None = None,
@@ -224,7 +223,7 @@ class Birder(_SoftSign):
             StochasticSignCompressor(seed + self.rank * 2**32) if compressor == "stochastic_sign" else "identity"
         )
         self.allreduce = comm.compressed_allreduce(
-            quantiser, group, hierarchical=hierarchical, ranks_per_node=ranks_per_node, timeout=self.timeout
+            quantiser, self.process_group, hierarchical=hierarchical, ranks_per_node=ranks_per_node, timeout=self.timeout
         )
 
     def _step(self) -> None:
@@ -271,7 +270,7 @@ class SoftSignSGD(_SoftSign):
         beta: float = 0.95,
         eps: float = 1e-8,
         weight_decay: float = 0.0,
-        group: dist.ProcessGroup | None = None,
+        group: comm.Group = None,
         *,
         timeout: float | timedelta | None = None,
         broadcast_parameters: bool = True,

@@ -8,7 +8,6 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from .. import comm
@@ -120,7 +119,7 @@ class CompAMS(_GradientExchange):
         ratio: float = 0.01,
         block: str | int = "tensor",
         error_feedback: bool = True,
-        group: dist.ProcessGroup | None = None,
+        group: comm.Group = None,
         *,
         bias_correction: bool = False,
         timeout: float | timedelta | None = None,
@@ -196,7 +195,7 @@ class QAdam(_GradientExchange):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         bits: int = 1,
-        group: dist.ProcessGroup | None = None,
+        group: comm.Group = None,
         *,
         error_feedback: bool = True,
         timeout: float | timedelta | None = None,

@@ -8,7 +8,6 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from .. import comm
@@ -35,7 +34,7 @@ class _AdamFamily(OnebitOptimizer):
         eps: float,
         weight_decay: float,
         bias_correction: bool,
-        group: dist.ProcessGroup | None,
+        group: comm.Group,
         timeout: float | timedelta | None,
         broadcast_parameters: bool,
         on_nonfinite: str,
@@ -105,7 +104,8 @@ class OnebitAdam(TwoStage, _AdamFamily):
         freeze_step: last warm-up step (an int), or ``"auto"`` for the paper's variance
             stability criterion (see :class:`onebit.optim.FreezeSchedule`).
         bias_correction: Adam's bias correction (see above).
-        group: process group (``None``: default; no process group: world size 1).
+        group: process group (``None``: default; no process group: world size 1), an
+            :class:`onebit.comm.MPIGroup`, or a backend name (``"mpi"``: mpi4py's ``COMM_WORLD``).
         freeze_threshold, freeze_window: the auto criterion's threshold (0.96) and window
             ``D`` (``None``: ``round(1 / (1 - beta2))``).
         min_freeze_step: "auto" never freezes before this step (set it to the LR warm-up).
@@ -133,7 +133,7 @@ class OnebitAdam(TwoStage, _AdamFamily):
         weight_decay: float = 0.0,
         freeze_step: int | str = "auto",
         bias_correction: bool = False,
-        group: dist.ProcessGroup | None = None,
+        group: comm.Group = None,
         *,
         freeze_threshold: float = 0.96,
         freeze_window: int | None = None,
@@ -169,7 +169,7 @@ class OnebitAdam(TwoStage, _AdamFamily):
             check_replicas_every=check_replicas_every,
         )
         self.allreduce = comm.compressed_allreduce(
-            compressor, group, hierarchical=hierarchical, ranks_per_node=ranks_per_node, timeout=self.timeout
+            compressor, self.process_group, hierarchical=hierarchical, ranks_per_node=ranks_per_node, timeout=self.timeout
         )
         self._denom: Tensor | None = None
         self._unused: Tensor | None = None
@@ -239,7 +239,7 @@ class OnebitAdamNaive(_AdamFamily):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         bias_correction: bool = False,
-        group: dist.ProcessGroup | None = None,
+        group: comm.Group = None,
         *,
         compressor: str = "sign",
         hierarchical: bool | str = False,
@@ -263,7 +263,7 @@ class OnebitAdamNaive(_AdamFamily):
             check_replicas_every=check_replicas_every,
         )
         self.allreduce = comm.compressed_allreduce(
-            compressor, group, hierarchical=hierarchical, ranks_per_node=ranks_per_node, timeout=self.timeout
+            compressor, self.process_group, hierarchical=hierarchical, ranks_per_node=ranks_per_node, timeout=self.timeout
         )
 
     def _exchange_gradient(self, buffer: Tensor) -> None:

@@ -9,7 +9,6 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from .. import comm
@@ -146,7 +145,7 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
         factor_max: float = 4.0,
         factor_min: float = 0.5,
         factor_threshold: float = 0.1,
-        group: dist.ProcessGroup | None = None,
+        group: comm.Group = None,
         *,
         freeze_threshold: float = 0.96,
         freeze_window: int | None = None,
@@ -208,7 +207,7 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
         self.last_coefficients: list[float] = []
         self._grad = torch.zeros(self.flat.numel, dtype=torch.float32, device=self.flat.device)
         self.allreduce = comm.compressed_allreduce(
-            compressor, group, hierarchical=hierarchical, ranks_per_node=ranks_per_node, timeout=self.timeout
+            compressor, self.process_group, hierarchical=hierarchical, ranks_per_node=ranks_per_node, timeout=self.timeout
         )
 
     def _on_freeze(self) -> None:

