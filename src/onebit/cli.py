@@ -320,10 +320,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "kernels":
         torch.set_num_threads(args.threads)
         results = bench_kernels(args.numel, args.repeat, args.device)
-        rows = [["kernel", "implementation", "ms", "GB/s (fp32 side)", "vs copy"]]
-        rows += [[r.kernel, r.implementation, f"{r.seconds * 1e3:.2f}", f"{r.gbytes_per_s:.1f}", f"{r.vs_copy:.2f}x"]
-                 for r in results]
-        print(f"onebit bench kernels: {args.numel} fp32 values, median of {args.repeat}")
+        rows = [["kernel", "implementation", "ms", "GB/s (fp32 values)", "vs copy", "traffic GB/s",
+                 "of copy bandwidth"]]
+        rows += [[r.kernel, r.implementation, f"{r.seconds * 1e3:.2f}", f"{r.gbytes_per_s:.1f}", f"{r.vs_copy:.2f}x",
+                  f"{r.traffic_gbytes_per_s:.1f}", f"{r.bandwidth:.0%}"] for r in results]
+        print(f"onebit bench kernels: {args.numel} fp32 values on {args.device}, median of {args.repeat}")
         print(_table(rows))
         return 0
     with _cluster(args) as cluster:

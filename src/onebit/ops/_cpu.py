@@ -2,7 +2,7 @@
 
 They compute exactly the floating-point operations of the torch reference, in the same
 order, so their results are bit-identical to it: ``c - copysign(scale, c)`` for the
-error, and ``((+-s_0) + (+-s_1) + ...) / w`` for an average of sign payloads.
+error, and ``((+-s_0) + (+-s_1) + ...) * (1/w)`` for an average of sign payloads.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ if numba is not None:
     @numba.njit(cache=True, nogil=True, boundscheck=False)
     def _average_signs(packed, scales, n, out, accumulate):  # pragma: no cover - compiled
         w = packed.shape[0]
-        inv = np.float32(w)
+        inv = np.float32(1.0 / w)
         # table[r, b, k]: the value bit k of byte b decodes to in rank r's payload.
         table = np.empty((w, 256, 8), dtype=np.float32)
         for r in range(w):
@@ -62,24 +62,24 @@ if numba is not None:
                     acc[k] += row[k]
             for k in range(8):
                 if accumulate:
-                    out[8 * i + k] = out[8 * i + k] + acc[k] / inv
+                    out[8 * i + k] = out[8 * i + k] + acc[k] * inv
                 else:
-                    out[8 * i + k] = acc[k] / inv
+                    out[8 * i + k] = acc[k] * inv
         for k in range(n - 8 * full):
             t = table[0, packed[0, full], k]
             for r in range(1, w):
                 t += table[r, packed[r, full], k]
             if accumulate:
-                out[8 * full + k] = out[8 * full + k] + t / inv
+                out[8 * full + k] = out[8 * full + k] + t * inv
             else:
-                out[8 * full + k] = t / inv
+                out[8 * full + k] = t * inv
 
     def pack_signs_update(c: np.ndarray, scale: np.float32, packed: np.ndarray) -> None:
         """Pack the signs of ``c`` (bit 1 = sign bit clear) and set ``c -= copysign(scale, c)``."""
         _pack_signs_update(c, scale, packed)
 
     def average_signs(packed: np.ndarray, scales: np.ndarray, n: int, out: np.ndarray, accumulate: bool) -> None:
-        """``out (+)= mean_r(+-scales[r])`` over the rows of ``packed`` (summed in row order)."""
+        """``out (+)= (sum_r +-scales[r]) * (1/w)`` over the rows of ``packed`` (summed in row order)."""
         _average_signs(packed, scales, n, out, accumulate)
 
 else:  # pragma: no cover

@@ -1,24 +1,25 @@
 """Fused error-feedback sign compression (1-bit Adam's C_w[m + delta], Algorithm 1 lines 7 and 10).
 
 One call does "add error, scale, sign, pack, new error" in three passes over memory:
-``error += x`` (the compensated value c lives in the error buffer), one norm reduction,
-and one pass that packs the signs of c while ``error -= copysign(scale, c)`` leaves
-exactly ``c - C(c)`` behind (a numba kernel on CPU; torch ops elsewhere, same results).
-:func:`average_signs` is the chunk owner's "unpack, average" in one pass.
+``error += x`` (the compensated value c lives in the error buffer), one norm reduction
+(torch's, on every device, so the scale is the reference's to the bit), and one pass that
+packs the signs of c while ``error -= copysign(scale, c)`` leaves exactly ``c - C(c)``
+behind. :func:`average_signs` is the chunk owner's "unpack, average, add server error" in
+one pass; the server's re-compression is then ``ef_sign_compress_`` on that buffer.
+Kernels: numba on CPU (:mod:`._cpu`), Triton on CUDA (:mod:`._triton`), the pure-torch
+reference elsewhere or inside :func:`reference_kernels`; all give the same bits.
 """
 
 from __future__ import annotations
 
 import math
-
-import torch
-from torch import Tensor
-
 from collections.abc import Sequence
 
 import numpy as np
+import torch
+from torch import Tensor
 
-from . import _bits, _cpu
+from . import _bits, _cpu, _triton
 from ._bits import pack_signs, packed_numel, unpack_signs
 from ._norms import l2_norm
 
@@ -27,6 +28,24 @@ __all__ = ["average_signs", "ef_sign_compress_"]
 
 def _numba_ok(t: Tensor) -> bool:
     return _cpu.pack_signs_update is not None and not _bits._FORCE_REFERENCE and t.device.type == "cpu"
+
+
+def _triton_ok(t: Tensor) -> bool:
+    return not _bits._FORCE_REFERENCE and _triton.available(t)
+
+
+def _rows(packed: Sequence[Tensor], nbytes: int) -> Tensor:
+    """The ranks' packed bytes as one ``(w, stride)`` tensor: a strided view when they are
+    evenly spaced slices of one buffer (the received all-to-all slots), else a copy."""
+    first = packed[0]
+    step = packed[1].data_ptr() - first.data_ptr() if len(packed) > 1 else nbytes
+    storage = first.untyped_storage().data_ptr()
+    if step >= nbytes and all(
+        p.untyped_storage().data_ptr() == storage and p.data_ptr() - first.data_ptr() == r * step
+        for r, p in enumerate(packed)
+    ):
+        return first.as_strided((len(packed), nbytes), (step, 1))
+    return torch.stack([p[:nbytes] for p in packed])
 
 
 def ef_sign_compress_(
@@ -51,9 +70,13 @@ def ef_sign_compress_(
     if n == 0:
         return pack_signs(c, out=packed_out), torch.zeros(1, dtype=torch.float32, device=c.device)
     scale = l2_norm(c).mul_(1.0 / math.sqrt(n)).reshape(1)
-    if _numba_ok(c):
-        packed = packed_out if packed_out is not None else torch.empty(packed_numel(n), dtype=torch.uint8)
-        _cpu.pack_signs_update(c.numpy(), np.float32(scale.item()), packed.numpy())
+    if _numba_ok(c) or _triton_ok(c):
+        packed = packed_out if packed_out is not None else torch.empty(packed_numel(n), dtype=torch.uint8,
+                                                                       device=c.device)
+        if c.device.type == "cpu":
+            _cpu.pack_signs_update(c.numpy(), np.float32(scale.item()), packed.numpy())
+        else:
+            _triton.pack_signs_update(c, scale, packed)
         return packed, scale
     packed = pack_signs(c, out=packed_out)
     if workspace is None:
@@ -66,16 +89,23 @@ def ef_sign_compress_(
 def average_signs(
     packed: Sequence[Tensor], scales: Sequence[Tensor], numel: int, out: Tensor, *, accumulate: bool = False
 ) -> Tensor:
-    """``(sum_r +-scales[r]) / len(packed)``, decoding each rank's packed signs, summed in order;
-    written to ``out``, or added to it with ``accumulate``."""
+    """``(sum_r +-scales[r]) * (1 / len(packed))``, decoding each rank's packed signs, summed in
+    rank order; written to ``out``, or added to it with ``accumulate``.
+
+    The multiplication by the fp32 reciprocal (rather than a division) is what every
+    kernel computes, so CPU, CUDA and the reference agree to the bit."""
     if numel and _numba_ok(out):
         rows = np.stack([p.numpy()[: packed_numel(numel)] for p in packed])
         values = np.array([float(s.reshape(-1)[0]) for s in scales], dtype=np.float32)
         _cpu.average_signs(rows, values, numel, out.numpy(), accumulate)
         return out
+    if numel and _triton_ok(out):
+        rows = _rows(packed, packed_numel(numel))
+        _triton.average_signs(rows, torch.cat([s.reshape(1) for s in scales]), numel, out, accumulate)
+        return out
     target = torch.empty_like(out) if accumulate else out
     unpack_signs(packed[0], numel, scales[0], out=target)
     for p, s in zip(packed[1:], scales[1:]):
         target.add_(unpack_signs(p, numel, s))
-    target.div_(len(packed))
+    target.mul_(1.0 / len(packed))
     return out.add_(target) if accumulate else out

@@ -1,0 +1,72 @@
+"""Fused GPU kernels (Triton), one pass over memory each; used for CUDA tensors when Triton is installed.
+
+Same wire layout and the same floating-point operations, in the same order, as the torch
+reference (and the numba CPU kernels), so results are bit-identical to it:
+
+* ``pack_signs``: bit ``k`` of byte ``i`` is set when the IEEE sign bit of value ``8i+k`` is clear.
+* ``pack_signs_update``: the same bytes, and ``c -= copysign(scale, c)`` (1-bit Adam's new error).
+* ``unpack_signs``: byte bits to ``+-scale`` (exact: a sign flip, no arithmetic).
+* ``average_signs``: ``((+-s_0) + (+-s_1) + ...) * (1/w)`` summed in rank order, optionally
+  added to ``out``. Kernels are compiled with ``enable_fp_fusion=False`` so that
+  ``out + acc * inv`` is never contracted to an FMA the reference does not perform.
+
+Scales are read from device memory: no host synchronisation. With ``TRITON_INTERPRET=1``
+Triton runs these kernels on CPU tensors, which is how the tests check them without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+__all__ = ["available", "average_signs", "pack_signs", "pack_signs_update", "unpack_signs"]
+
+_BLOCK_BYTES = 512  # 4096 values per program
+
+
+def available(t: Tensor) -> bool:
+    """True when ``t`` lives where these kernels run (a CUDA device, with Triton installed)."""
+    return t.device.type == "cuda" and _has_triton()
+
+
+@functools.cache
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+@functools.cache
+def _kernels() -> ModuleType:
+    """The kernel module, imported (and Triton with it) when a CUDA tensor or a test first needs it."""
+    return importlib.import_module("._triton_kernels", __package__)
+
+
+def _grid(nbytes: int) -> tuple[int]:
+    return (max(1, -(-nbytes // _BLOCK_BYTES)),)
+
+
+def pack_signs(c: Tensor, packed: Tensor) -> None:
+    """``packed`` (uint8, ``ceil(n/8)``) := the sign bits of the contiguous fp32 ``c``."""
+    _kernels().pack_kernel[_grid(packed.numel())](c, c, packed, c.numel(), packed.numel(), UPDATE=False, BLOCK=_BLOCK_BYTES)
+
+
+def pack_signs_update(c: Tensor, scale: Tensor, packed: Tensor) -> None:
+    """Pack the signs of ``c`` and set ``c -= copysign(scale, c)``; ``scale`` is a 1-element fp32 tensor."""
+    _kernels().pack_kernel[_grid(packed.numel())](c, scale, packed, c.numel(), packed.numel(), UPDATE=True,
+                                        BLOCK=_BLOCK_BYTES, enable_fp_fusion=False)
+
+
+def unpack_signs(packed: Tensor, numel: int, scale: Tensor, out: Tensor) -> None:
+    """``out[:numel]`` (fp32) := ``+scale`` where the bit is set, ``-scale`` elsewhere."""
+    _kernels().unpack_kernel[_grid(-(-numel // 8))](packed, scale, out, numel, BLOCK=_BLOCK_BYTES)
+
+
+def average_signs(rows: Tensor, scales: Tensor, numel: int, out: Tensor, accumulate: bool) -> None:
+    """``out (+)= (sum_r +-scales[r]) * (1/w)`` over the ``(w, stride)`` uint8 ``rows``, in row order."""
+    world = rows.shape[0]
+    inv = float(torch.tensor(1.0 / world, dtype=torch.float32))
+    _kernels().average_kernel[_grid(-(-numel // 8))](rows, rows.stride(0), scales, out, numel, world, inv,
+                                              ACCUMULATE=accumulate, BLOCK=_BLOCK_BYTES, enable_fp_fusion=False)

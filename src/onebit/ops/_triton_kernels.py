@@ -1,0 +1,52 @@
+"""The Triton kernels behind :mod:`._triton` (imported on first use: importing Triton costs ~0.3 s)."""
+
+import triton
+import triton.language as tl
+
+__all__ = ["average_kernel", "pack_kernel", "unpack_kernel"]
+
+
+@triton.jit
+def pack_kernel(c_ptr, scale_ptr, packed_ptr, n, nbytes, UPDATE: tl.constexpr, BLOCK: tl.constexpr):
+    byte = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    k = tl.arange(0, 8)
+    idx = byte[:, None] * 8 + k[None, :]
+    valid = idx < n
+    c = tl.load(c_ptr + idx, mask=valid, other=0.0)
+    negative = (c.to(tl.int32, bitcast=True) >> 31) & 1
+    # Bits are disjoint, so their sum is their OR; padding bits stay zero.
+    bits = tl.where(valid, (1 - negative) << k[None, :], 0)
+    tl.store(packed_ptr + byte, tl.sum(bits, axis=1).to(tl.uint8), mask=byte < nbytes)
+    if UPDATE:
+        scale = tl.load(scale_ptr)
+        tl.store(c_ptr + idx, c - tl.where(negative == 1, -scale, scale), mask=valid)
+
+@triton.jit
+def unpack_kernel(packed_ptr, scale_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    byte = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    k = tl.arange(0, 8)
+    idx = byte[:, None] * 8 + k[None, :]
+    valid = idx < n
+    b = tl.load(packed_ptr + byte, mask=byte * 8 < n, other=0).to(tl.int32)
+    scale = tl.load(scale_ptr)
+    tl.store(out_ptr + idx, tl.where(((b[:, None] >> k[None, :]) & 1) == 1, scale, -scale), mask=valid)
+
+@triton.jit
+def average_kernel(packed_ptr, stride, scales_ptr, out_ptr, n, world, inv,
+                    ACCUMULATE: tl.constexpr, BLOCK: tl.constexpr):
+    byte = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    k = tl.arange(0, 8)
+    idx = byte[:, None] * 8 + k[None, :]
+    valid = idx < n
+    in_range = byte * 8 < n
+    b = tl.load(packed_ptr + byte, mask=in_range, other=0).to(tl.int32)
+    s = tl.load(scales_ptr)
+    acc = tl.where(((b[:, None] >> k[None, :]) & 1) == 1, s, -s)
+    for r in range(1, world):
+        b = tl.load(packed_ptr + r * stride + byte, mask=in_range, other=0).to(tl.int32)
+        s = tl.load(scales_ptr + r)
+        acc += tl.where(((b[:, None] >> k[None, :]) & 1) == 1, s, -s)
+    result = acc * inv
+    if ACCUMULATE:
+        result = tl.load(out_ptr + idx, mask=valid, other=0.0) + result
+    tl.store(out_ptr + idx, result, mask=valid)

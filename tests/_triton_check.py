@@ -1,0 +1,85 @@
+"""The Triton kernels against the torch reference on random inputs of odd sizes.
+
+Run as a script: with ``TRITON_INTERPRET=1`` on CPU tensors (test_gpu.py does this in a
+subprocess, since the variable must be set before Triton compiles anything), or with
+``--device cuda`` on a GPU. Exits non-zero on the first mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from onebit import ops
+from onebit.ops import _triton
+
+SIZES = [1, 7, 8, 9, 63, 1001, 4096, 4103, 12_345]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32) if t.dtype == torch.float32 else t
+
+
+def check(device: str) -> int:
+    checked = 0
+    for n in SIZES:
+        g = torch.Generator().manual_seed(n)
+        c = torch.randn(n, generator=g)
+        c[:: max(1, n // 5)] = -0.0  # the sign bit, not the value, decides
+        if n > 3:
+            c[1], c[2] = float("inf"), float("-inf")
+        c = c.to(device)
+        scale = torch.rand(1, generator=g).to(device)
+        with ops.reference_kernels():
+            ref_packed = ops.pack_signs(c)
+            ref_unpacked = ops.unpack_signs(ref_packed, n, scale)
+        packed = torch.empty_like(ref_packed)
+        _triton.pack_signs(c, packed)
+        assert torch.equal(packed, ref_packed), f"pack_signs n={n}"
+
+        ref_c = c.clone()
+        ref_c.sub_(torch.copysign(scale, ref_c))
+        fused_c, fused_packed = c.clone(), torch.empty_like(ref_packed)
+        _triton.pack_signs_update(fused_c, scale, fused_packed)
+        assert torch.equal(fused_packed, ref_packed), f"pack_signs_update bytes n={n}"
+        assert torch.equal(_bits(fused_c), _bits(ref_c)), f"pack_signs_update error n={n}"
+
+        out = torch.empty(n, device=device)
+        _triton.unpack_signs(ref_packed, n, scale, out)
+        assert torch.equal(_bits(out), _bits(ref_unpacked)), f"unpack_signs n={n}"
+
+        for world in (1, 2, 3, 5):
+            rows = [ops.pack_signs(torch.randn(n, generator=g).to(device)) for _ in range(world)]
+            scales = [torch.rand(1, generator=g).to(device) for _ in range(world)]
+            base = torch.randn(n, generator=g).to(device)
+            for accumulate in (False, True):
+                with ops.reference_kernels():
+                    ref = ops.average_signs(rows, scales, n, base.clone(), accumulate=accumulate)
+                fused = base.clone()
+                _triton.average_signs(torch.stack(rows), torch.cat(scales), n, fused, accumulate)
+                assert torch.equal(_bits(fused), _bits(ref)), f"average_signs n={n} world={world} acc={accumulate}"
+                checked += 1
+        # Slots of one received buffer (the all-to-all layout): a strided view, no copy.
+        slot = ref_packed.numel() + 5
+        buffer = torch.randint(0, 256, (3 * slot,), dtype=torch.uint8, generator=g).to(device)
+        views = [buffer[r * slot : r * slot + ref_packed.numel()] for r in range(3)]
+        scales = [torch.rand(1, generator=g).to(device) for _ in range(3)]
+        with ops.reference_kernels():
+            ref = ops.average_signs(views, scales, n, torch.empty(n, device=device))
+        fused = torch.empty(n, device=device)
+        _triton.average_signs(buffer.view(3, slot), torch.cat(scales), n, fused, False)
+        assert torch.equal(_bits(fused), _bits(ref)), f"average_signs strided n={n}"
+        checked += 4
+    return checked
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    print(f"triton kernels bit-identical to the reference: {check(args.device)} cases on {args.device}")
+
+
+if __name__ == "__main__":
+    main()
