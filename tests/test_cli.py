@@ -60,6 +60,9 @@ def test_bench_kernels_prints_table(capsys):
         (["cluster"], "--nodes is required"),
         (["model"], "the following arguments are required: --params"),
         (["model", "--params", "10", "--world-size", "3", "--nodes", "2"], "world_size=3 must be a multiple of nodes=2"),
+        (["train", "--backend", "nccl"], "invalid choice: 'nccl'"),
+        (["train", "--backend", "mpi", "--optimizer", "ddp_allreduce"],
+         "optimizer 'ddp_allreduce' runs on DDP, which needs backend 'torch', not 'mpi'"),
     ],
 )
 def test_more_argument_errors(argv, msg, capsys):

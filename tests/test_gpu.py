@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -112,6 +113,28 @@ def test_optimizers_on_cuda_under_nccl(nccl_world_one, name, kwargs, dtype):
     state = opt.state_dict()
     fresh = _run(name, kwargs, "cuda", dtype, steps=0)[1]
     fresh.load_state_dict(state)  # checkpoints of CUDA state load back onto CUDA
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("name", ["OnebitAdam", "OnebitLamb"])
+def test_compressed_step_synchronises_the_host_once(nccl_world_one, name):
+    """The only host round trip of a compressed step is the 4-byte "any non-finite gradient"
+    flag every rank must agree on (GradScaler reads its found_inf the same way)."""
+    params, opt = _run(name, dict(lr=0.01, freeze_step=2), "cuda", torch.float32, steps=4)
+    assert opt.stats["stage"] == "compressed"
+    for p in params:
+        p.grad = torch.randn_like(p)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+    assert len(syncs) == 1, syncs
 
 
 @pytest.mark.cuda

@@ -7,6 +7,7 @@ Skipped where ``mpirun`` or mpi4py is missing (the test extra installs both on L
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -19,6 +20,7 @@ import torch
 
 import onebit
 from onebit import comm
+from onebit.cli import main
 
 pytestmark = [pytest.mark.mpi, pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not found")]
 pytest.importorskip("mpi4py.MPI", reason="mpi4py or its MPI library is missing")
@@ -26,14 +28,18 @@ pytest.importorskip("mpi4py.MPI", reason="mpi4py or its MPI library is missing")
 WORKER = Path(__file__).with_name("_mpi_worker.py")
 
 
-def _mpirun(world: int, out: Path, *checks: str, timeout: float = 240.0) -> tuple[int, float]:
+def _launch(world: int, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    """``mpirun -np world python -m mpi4py args...`` (an uncaught error aborts the whole job)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if os.geteuid() == 0:  # Open MPI refuses root unless told twice
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    cmd = ["mpirun", "--oversubscribe", "-np", str(world), sys.executable, "-m", "mpi4py", str(WORKER), str(out),
-           *checks]
+    cmd = ["mpirun", "--oversubscribe", "-np", str(world), sys.executable, "-m", "mpi4py", *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _mpirun(world: int, out: Path, *checks: str, timeout: float = 240.0) -> tuple[int, float]:
     start = time.monotonic()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = _launch(world, str(WORKER), str(out), *checks, timeout=timeout)
     elapsed = time.monotonic() - start
     if "stall" not in checks and proc.returncode:
         pytest.fail(f"mpirun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -116,6 +122,24 @@ def test_stalled_mpi_peer_gives_a_timeout_error_and_the_job_aborts(tmp_path):
         res = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)["stall"]
         assert res["error"] == f"all_to_all on MPI communicator MPI_COMM_WORLD (rank {r} of 3) timed out (timeout 1.5s)"
         assert res["elapsed"] < 5
+
+
+def test_onebit_train_under_mpirun_matches_the_spawned_gloo_run(tmp_path):
+    """``mpirun -np 2 onebit train --backend mpi`` follows the gloo run loss for loss (two-rank
+    sums do not depend on the order), and only rank 0 writes the outputs."""
+    flags = ["--optimizer", "onebit_adam", "--steps", "12", "--freeze-step", "4", "--batch-size", "8", "--quiet"]
+    proc = _launch(2, "-m", "onebit.cli", "train", "--backend", "mpi", "--out", str(tmp_path / "mpi"), *flags,
+                   timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("metrics: ") == 1
+    assert main(["train", "--world-size", "2", "--out", str(tmp_path / "gloo"), *flags]) == 0
+    mpi, gloo = (
+        [json.loads(line) for line in (tmp_path / run / "onebit_adam" / "metrics.jsonl").read_text().splitlines()]
+        for run in ("mpi", "gloo")
+    )
+    assert [(r["loss"], r["bytes_sent"], r["stage"]) for r in mpi] == [(r["loss"], r["bytes_sent"], r["stage"])
+                                                                      for r in gloo]
+    assert mpi[-1]["stage"] == "compressed"
 
 
 def test_mpi_group_in_one_process():

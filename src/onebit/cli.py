@@ -180,7 +180,7 @@ def _config(args: argparse.Namespace, optimizer: str):
         seed=args.seed, topk_ratio=min(args.topk_ratio, 1.0), qadam_bits=args.qadam_bits,
         powersgd_rank=args.powersgd_rank, hierarchical=args.hierarchical, context=args.context,
         hidden=args.hidden, d_model=args.d_model, layers=args.layers, heads=args.heads,
-        checkpoint_every=args.checkpoint_every, resume=args.resume,
+        checkpoint_every=args.checkpoint_every, resume=args.resume, backend=getattr(args, "backend", "torch"),
     )
 
 
@@ -223,7 +223,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    if args.backend == "mpi":
+        from . import comm
+
+        # Under mpirun the job decides the ranks; --world-size would only repeat it.
+        args.world_size = comm.get_world_size("mpi")
     summaries = _run_all(args, [args.optimizer])
+    if summaries[args.optimizer] is None:  # an MPI rank other than 0: rank 0 reports
+        return 0
     print(_report(summaries, baseline=None))
     print(f"metrics: {args.out}/{args.optimizer}/metrics.jsonl, summary: {args.out}/{args.optimizer}/summary.json")
     return 0
@@ -397,6 +404,9 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train one optimizer on one task")
     train.add_argument("--optimizer", choices=OPTIMIZERS, default="onebit_adam")
     _training_flags(train, 300, "runs/train")
+    train.add_argument("--backend", choices=("torch", "mpi"), default="torch",
+                       help="torch: spawn --world-size local gloo ranks (default); mpi: run as one rank of an "
+                            "mpirun job (mpirun -np N onebit train --backend mpi ...)")
     train.set_defaults(func=_cmd_train)
 
     compare = sub.add_parser("compare", help="several optimizers on the same task and seed: one table, one plot")

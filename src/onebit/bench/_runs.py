@@ -68,10 +68,14 @@ def _ring(world: int, nbytes: int) -> int:
 class _AllReduceAdam(torch.optim.Adam):
     """Data-parallel Adam: one fp32 all-reduce of all gradients (a single DDP-style bucket)."""
 
+    def __init__(self, params, lr: float, group: comm.Group = None) -> None:
+        super().__init__(params, lr=lr)
+        self.group = group
+
     def step(self, closure=None):  # type: ignore[override]
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        comm.all_reduce_mean(flat)
+        comm.all_reduce_mean(flat, self.group)
         offset = 0
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
@@ -161,11 +165,12 @@ def build_run(name: str, model: nn.Module, cfg, per_node: int | None) -> Run:
     if name.startswith("ddp_"):
         return _ddp_run(name, model, cfg, per_node)
     params = model.parameters()
-    hierarchical = {"hierarchical": cfg.hierarchical, "ranks_per_node": per_node}
+    group = cfg.backend
+    hierarchical = {"hierarchical": cfg.hierarchical, "ranks_per_node": per_node, "group": group}
     if name == "adam":
         for p in model.parameters():
-            comm.broadcast(p.data, 0)
-        opt: torch.optim.Optimizer = _AllReduceAdam(params, lr=cfg.lr)
+            comm.broadcast(p.data, 0, group)
+        opt: torch.optim.Optimizer = _AllReduceAdam(params, lr=cfg.lr, group=group)
     elif name == "onebit_adam":
         opt = OnebitAdam(params, lr=cfg.lr, freeze_step=cfg.freeze_step, bias_correction=cfg.bias_correction,
                          **hierarchical)
@@ -178,11 +183,11 @@ def build_run(name: str, model: nn.Module, cfg, per_node: int | None) -> Run:
     elif name in ("amsgrad", "comp_ams", "comp_ams_block_sign"):
         compressor = {"amsgrad": "none", "comp_ams": "topk", "comp_ams_block_sign": "block_sign"}[name]
         opt = CompAMS(params, lr=cfg.lr, compressor=compressor, ratio=cfg.topk_ratio,
-                      bias_correction=cfg.bias_correction)
+                      bias_correction=cfg.bias_correction, group=group)
     elif name == "qadam":
-        opt = QAdam(params, lr=cfg.lr, bits=cfg.qadam_bits)
+        opt = QAdam(params, lr=cfg.lr, bits=cfg.qadam_bits, group=group)
     elif name == "softsign_sgd":
-        opt = SoftSignSGD(params, lr=cfg.lr)
+        opt = SoftSignSGD(params, lr=cfg.lr, group=group)
     else:
         opt = Birder(params, lr=cfg.lr, seed=cfg.seed, **hierarchical)
     if name == "adam":

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import pickle
 import math
+import pickle
 import statistics
 import time
 from dataclasses import asdict, dataclass, fields
@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .. import comm
+from ..comm import _dist
 from ..launch import spawn
 from ._runs import OPTIMIZERS, build_run
 from ._tasks import TASKS, Task, TaskSpec
@@ -43,6 +44,8 @@ class TrainConfig:
     qadam_bits: int = 1
     powersgd_rank: int = 1
     hierarchical: bool = False
+    # "torch": spawned gloo ranks; "mpi": this process is one rank of an mpirun job
+    backend: str = "torch"
     # task sizes
     context: int = 16
     hidden: int = 512
@@ -60,6 +63,10 @@ class TrainConfig:
             raise ValueError(f"task must be one of {', '.join(TASKS)}; got {self.task!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got {self.schedule!r}")
+        if self.backend not in comm.BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(comm.BACKENDS)}; got {self.backend!r}")
+        if self.backend == "mpi" and self.optimizer.startswith("ddp_"):
+            raise ValueError(f"optimizer {self.optimizer!r} runs on DDP, which needs backend 'torch', not 'mpi'")
         for name in ("world_size", "steps", "batch_size", "context", "hidden", "d_model", "layers", "heads"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -135,7 +142,7 @@ def _rank_main(rank: int, world: int, cfg: TrainConfig, out: Path, per_node: int
         schedule.step()
         step_time = time.perf_counter() - t0
         # The logged loss is the average over ranks (a tiny extra all-reduce, outside the meter and the timing).
-        mean_loss = comm.all_reduce_mean(loss.detach().reshape(1)).item()
+        mean_loss = comm.all_reduce_mean(loss.detach().reshape(1), cfg.backend).item()
         records.append({
             "step": step,
             "loss": mean_loss,
@@ -183,15 +190,37 @@ def _stage_median(records: list[dict[str, Any]], stage: str, key: str) -> float 
     return statistics.median(values) if values else None
 
 
-def train(cfg: TrainConfig, out: Path, progress: bool = True, cluster=None) -> dict[str, Any]:
-    """Run ``cfg`` on local ranks (inside ``cluster``'s nodes when given); write
-    ``metrics.jsonl`` and ``summary.json`` into ``out``."""
+def _this_mpi_rank(cfg: TrainConfig, out: Path, progress: bool, cluster) -> list[dict[str, Any]] | None:
+    """Train as one rank of the running MPI job; rank 0 gets its result (after every rank's
+    parameter digest was compared), the others ``None``."""
+    if cluster is not None:
+        raise ValueError("an emulated cluster places spawned ranks; under mpirun the job's own placement applies")
+    rank, world = comm.get_rank("mpi"), comm.get_world_size("mpi")
+    if world != cfg.world_size:
+        raise ValueError(f"world_size={cfg.world_size} but the MPI job has {world} ranks")
+    result = _rank_main(rank, world, cfg, out, None, progress)
+    # 60 bits of each rank's digest are plenty to tell replicas apart.
+    table = _dist.all_gather_object_sizes([int(result["digest"][:15], 16)], "mpi")
+    if not bool((table == table[0]).all()):
+        raise RuntimeError(f"replicas differ at the end: parameter digests {[f'{int(d):015x}' for d in table[:, 0]]}")
+    return [result] if rank == 0 else None
+
+
+def train(cfg: TrainConfig, out: Path, progress: bool = True, cluster=None) -> dict[str, Any] | None:
+    """Run ``cfg`` on local ranks (inside ``cluster``'s nodes when given), or as this process's
+    rank of an mpirun job (``cfg.backend == "mpi"``); write ``metrics.jsonl`` and
+    ``summary.json`` into ``out`` (rank 0 only, under MPI; the other ranks return ``None``)."""
     out.mkdir(parents=True, exist_ok=True)
-    placement = cluster.placement(cfg.world_size) if cluster is not None else None
-    per_node = cfg.world_size // cluster.spec.nodes if cluster is not None else None
-    # No overall deadline: a training run takes as long as it takes; a dead or stalled rank
-    # still fails the run (spawn notices exits, the collectives time out).
-    results = spawn(_rank_main, cfg.world_size, cfg, out, per_node, progress, timeout=None, placement=placement)
+    if cfg.backend == "mpi":
+        results = _this_mpi_rank(cfg, out, progress, cluster)
+        if results is None:
+            return None
+    else:
+        placement = cluster.placement(cfg.world_size) if cluster is not None else None
+        per_node = cfg.world_size // cluster.spec.nodes if cluster is not None else None
+        # No overall deadline: a training run takes as long as it takes; a dead or stalled rank
+        # still fails the run (spawn notices exits, the collectives time out).
+        results = spawn(_rank_main, cfg.world_size, cfg, out, per_node, progress, timeout=None, placement=placement)
     if len({r["digest"] for r in results}) != 1:
         raise RuntimeError(f"replicas differ at the end: parameter digests {[r['digest'][:12] for r in results]}")
     records = results[0]["records"]

@@ -25,17 +25,22 @@ def adam_denominator(exp_avg_sq: Tensor, *, eps: float, bias_correction2: float,
 
 
 def apply_update_(
-    param: Tensor, numer: Tensor, denom: Tensor | None, *, lr: float, weight_decay: float, step_size: float
+    param: Tensor, numer: Tensor, denom: Tensor | None, *, lr: float, weight_decay: float,
+    step_size: float | Tensor,
 ) -> None:
     """``x <- x (1 - lr wd) - step_size * numer [/ denom]`` (decoupled weight decay, as AdamW).
 
     ``numer``/``denom`` are flat fp32; low-precision parameters are updated in fp32 and
-    rounded once.
+    rounded once. ``step_size`` may be a 0-d tensor on the parameter's device (1-bit
+    LAMB's layer-wise coefficient), which keeps the step free of host synchronisation.
     """
     x = param.view(-1) if param.dtype == torch.float32 else param.detach().reshape(-1).float()
     if weight_decay:
         x.mul_(1.0 - lr * weight_decay)
-    if denom is None:
+    if isinstance(step_size, Tensor):
+        numer = numer if denom is None else numer / denom
+        x.addcmul_(numer, step_size.neg().to(torch.float32))
+    elif denom is None:
         x.add_(numer, alpha=-step_size)
     else:
         x.addcdiv_(numer, denom, value=-step_size)
@@ -48,6 +53,7 @@ def onebit_adam(
     offsets: Sequence[tuple[int, int]],
     *,
     grad: Tensor,
+    has_grad: Sequence[bool],
     exp_avg: Tensor,
     exp_avg_sq: Tensor,
     frozen_denom: Tensor | None,
@@ -63,7 +69,10 @@ def onebit_adam(
     """One step of 1-bit Adam over all parameters; returns which parameters were updated.
 
     ``grad`` holds the local gradients at ``offsets`` followed by one participation flag
-    per parameter (1.0 where the parameter has a gradient on this rank).
+    per parameter (1.0 where the parameter has a gradient on this rank, as ``has_grad``).
+    A parameter is updated where its flag is positive after ``exchange``; when every
+    parameter has a local gradient that is known without reading the flags back from the
+    device, so the usual step has no host synchronisation.
 
     Warm-up (``compressed=False``): ``exchange(grad)`` averages gradients and flags, then
     exact Adam, eq. (1), on every parameter that has a gradient on some rank.
@@ -77,7 +86,7 @@ def onebit_adam(
     flags = grad[grad.numel() - n :]
     if not compressed:
         exchange(grad)
-    active = (flags > 0).tolist()
+    active = [True] * n if all(has_grad) else (flags > 0).tolist()
     for i, (lo, hi) in enumerate(offsets):
         if not active[i]:
             continue

@@ -59,14 +59,19 @@ class _AdamFamily(OnebitOptimizer):
         self._grad = torch.zeros(self.flat.numel + n, dtype=torch.float32, device=self.flat.device)
 
     def _collect(self) -> None:
-        has_grad = self.flat.gather_grads(self._grad)
-        self._grad[self.flat.numel :].copy_(torch.tensor(has_grad, dtype=torch.float32))
+        self._has_grad = self.flat.gather_grads(self._grad)
+        flags = self._grad[self.flat.numel :]
+        if all(self._has_grad):
+            flags.fill_(1.0)  # the common case, without a host-to-device copy
+        else:
+            flags.copy_(torch.tensor(self._has_grad, dtype=torch.float32))
 
     def _run(self, *, exchange, compressed: bool, frozen_denom: Tensor | None) -> None:
         onebit_adam(
             self.flat.params,
             self.flat.offsets,
             grad=self._grad,
+            has_grad=self._has_grad,
             exp_avg=self.flat.buffers["exp_avg"],
             exp_avg_sq=self.flat.buffers["exp_avg_sq"],
             frozen_denom=frozen_denom,

@@ -19,14 +19,16 @@ from ._functional import apply_update_
 __all__ = ["OnebitLamb", "lamb_coefficient", "onebit_lamb"]
 
 
-def lamb_coefficient(param: Tensor, update: Tensor, *, min_coeff: float, max_coeff: float) -> float:
+def lamb_coefficient(param: Tensor, update: Tensor, *, min_coeff: float, max_coeff: float) -> Tensor:
     """``clip(||x|| / ||u||, c_min, c_max)`` of eq. (1), the clip on the whole trust ratio
-    (footnote 3); ``1.0`` when either norm is zero (a zero-initialised bias, say)."""
-    x_norm = float(param.detach().float().norm())
-    u_norm = float(update.norm())
-    if x_norm == 0.0 or u_norm == 0.0:
-        return 1.0
-    return min(max(x_norm / u_norm, min_coeff), max_coeff)
+    (footnote 3); ``1`` when either norm is zero (a zero-initialised bias, say).
+
+    A 0-d float64 tensor on the parameter's device: no host synchronisation per layer.
+    """
+    x_norm = param.detach().float().norm().double()
+    u_norm = update.norm().double()
+    ratio = (x_norm / u_norm).clamp(min_coeff, max_coeff)
+    return torch.where((x_norm == 0) | (u_norm == 0), torch.ones_like(ratio), ratio)
 
 
 def onebit_lamb(
@@ -53,8 +55,12 @@ def onebit_lamb(
     factor_max: float,
     factor_min: float,
     factor_threshold: float,
-) -> list[float]:
+) -> Tensor:
     """One step of 1-bit LAMB over all parameters; returns each tensor's coefficient ``c_t``.
+
+    ``coeff_avg``, ``ratio`` and ``momentum_scale`` are float64 vectors (one entry per
+    tensor) on the parameters' device, updated in place; every per-layer quantity stays on
+    the device, so a step makes no host round trip.
 
     Warm-up: ``exchange(grad)`` averages the gradients, then LAMB, eq. (1), per tensor with
     ``u = m / (sqrt(v) + eps) + wd x`` and ``c_avg <- b3 c_avg + (1 - b3) c_t`` (line 2).
@@ -79,7 +85,7 @@ def onebit_lamb(
             coeff_avg[i] = coeff_beta * coeff_avg[i] + (1.0 - coeff_beta) * c
             apply_update_(p, update, None, lr=lrs[i], weight_decay=0.0, step_size=lrs[i] * c)
             coeffs.append(c)
-        return coeffs
+        return torch.stack(coeffs)
 
     last_exp_avg.copy_(exp_avg)
     for i, (lo, hi) in enumerate(offsets):
@@ -92,19 +98,24 @@ def onebit_lamb(
         m.div_(momentum_scale[i])
         g = (m - b1 * last_exp_avg[lo:hi]) / (1.0 - b1)
         v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
-        seen = v > 0
-        r = float((v_frozen[seen] / v[seen]).max()) if bool(seen.any()) else float(ratio[i])
-        prev = float(ratio[i])
-        r = min(max(r, (1.0 - factor_threshold) * prev), (1.0 + factor_threshold) * prev)
-        r = min(max(r, factor_min), factor_max)
+        prev = ratio[i].clone()
+        if hi > lo:
+            seen = v > 0
+            # max over the values with a variance; the previous ratio where none has one
+            largest = torch.where(seen, v_frozen / v, float("-inf")).max().double()
+            r = torch.where(seen.any(), largest, prev)
+        else:
+            r = prev
+        r = torch.minimum(torch.maximum(r, (1.0 - factor_threshold) * prev), (1.0 + factor_threshold) * prev)
+        r = r.clamp(factor_min, factor_max)
         ratio[i] = r
-        c = r * float(coeff_avg[i])
+        c = r * coeff_avg[i]
         update = m / (v_frozen.sqrt() + eps)
         if weight_decays[i]:
             update.add_(p.detach().reshape(-1).float(), alpha=weight_decays[i])
         apply_update_(p, update, None, lr=lrs[i], weight_decay=0.0, step_size=lrs[i] * c)
         coeffs.append(c)
-    return coeffs
+    return torch.stack(coeffs)
 
 
 class OnebitLamb(TwoStage, OnebitOptimizer):
@@ -200,11 +211,11 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
             on_nonfinite=on_nonfinite,
             check_replicas_every=check_replicas_every,
         )
-        n = len(self.flat.params)
-        self.coeff_avg = torch.zeros(n, dtype=torch.float64)
-        self.ratio = torch.ones(n, dtype=torch.float64)
-        self.momentum_scale = torch.ones(n, dtype=torch.float64)
-        self.last_coefficients: list[float] = []
+        n, device = len(self.flat.params), self.flat.device
+        self.coeff_avg = torch.zeros(n, dtype=torch.float64, device=device)
+        self.ratio = torch.ones(n, dtype=torch.float64, device=device)
+        self.momentum_scale = torch.ones(n, dtype=torch.float64, device=device)
+        self._coefficients: Tensor | None = None
         self._grad = torch.zeros(self.flat.numel, dtype=torch.float32, device=self.flat.device)
         self.allreduce = comm.compressed_allreduce(
             compressor, self.process_group, hierarchical=hierarchical, ranks_per_node=ranks_per_node, timeout=self.timeout
@@ -217,13 +228,19 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
         scales = [float(b["exp_avg"][lo:hi].norm()) / math.sqrt(hi - lo) for lo, hi in self.flat.offsets]
         positive = [s for s in scales if s > 0]
         united = sum(positive) / len(positive) if positive else 1.0
-        self.momentum_scale = torch.tensor([united / s if s > 0 else 1.0 for s in scales], dtype=torch.float64)
+        self.momentum_scale = torch.tensor([united / s if s > 0 else 1.0 for s in scales], dtype=torch.float64,
+                                           device=self.flat.device)
+
+    @property
+    def last_coefficients(self) -> list[float]:
+        """Each tensor's layer-wise coefficient ``c_t`` of the last step (reading it synchronises a GPU)."""
+        return [] if self._coefficients is None else self._coefficients.tolist()
 
     def _step(self) -> None:
         self.flat.gather_grads(self._grad)
         b = self.flat.buffers
         compressed = self._frozen_at is not None
-        self.last_coefficients = onebit_lamb(
+        self._coefficients = onebit_lamb(
             self.flat.params,
             self.flat.offsets,
             grad=self._grad,
@@ -256,7 +273,8 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
 
     def _load_extra_state(self, state: Mapping[str, Any], same_world: bool) -> None:
         self._load_two_stage_state(state)
-        self.coeff_avg = state["coeff_avg"].clone().to(torch.float64)
-        self.ratio = state["ratio"].clone().to(torch.float64)
-        self.momentum_scale = state["momentum_scale"].clone().to(torch.float64)
+        as_vector = {"dtype": torch.float64, "device": self.flat.device, "copy": True}
+        self.coeff_avg = state["coeff_avg"].to(**as_vector)
+        self.ratio = state["ratio"].to(**as_vector)
+        self.momentum_scale = state["momentum_scale"].to(**as_vector)
         self._restore_collective(self.allreduce, state["allreduce"], same_world)
