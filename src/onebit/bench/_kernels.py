@@ -32,8 +32,11 @@ class KernelResult:
     bandwidth: float  # traffic_gbytes_per_s / the copy's (which reads and writes 4 bytes per value)
 
 
-def _fast_name(device: torch.device) -> str:
+def _fast_name(device: torch.device, kernel: str) -> str:
+    """Which implementation the dispatch picks for ``kernel`` on ``device``."""
     if device.type == "cpu":
+        if kernel in ("pack_signs", "unpack_signs"):
+            return "numpy"
         return "numba" if _cpu.pack_signs_update is not None else "torch"
     return "triton" if _triton.available(torch.empty(0, device=device)) else "torch"
 
@@ -72,13 +75,14 @@ def bench_kernels(numel: int = 10_500_000, repeat: int = 10, device: str = "cpu"
         f"server_average_{SERVER_RANKS}": (
             lambda: ops.average_signs(rows, scales, numel, server_error, accumulate=True), SERVER_RANKS * b + 8 * n),
     }
-    for impl in (_fast_name(dev), "reference"):
+    for reference in (False, True):
         for name, (fn, traffic) in cases.items():
-            if impl == "reference":
+            if reference:
                 with ops.reference_kernels():
                     s = timed(fn)
             else:
                 s = timed(fn)
+            impl = "reference" if reference else _fast_name(dev, name)
             results.append(KernelResult(name, impl, s, 4 * n / s / 1e9, copy_s / s, traffic / s / 1e9,
                                         traffic / s / (copy_traffic / copy_s)))
     return results

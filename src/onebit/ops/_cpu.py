@@ -44,35 +44,35 @@ if numba is not None:
     def _average_signs(packed, scales, n, out, accumulate):  # pragma: no cover - compiled
         w = packed.shape[0]
         inv = np.float32(1.0 / w)
-        # table[r, b, k]: the value bit k of byte b decodes to in rank r's payload.
-        table = np.empty((w, 256, 8), dtype=np.float32)
-        for r in range(w):
-            for b in range(256):
-                for k in range(8):
-                    table[r, b, k] = scales[r] if (b >> k) & 1 else -scales[r]
-        acc = np.empty(8, dtype=np.float32)
-        full = n // 8
-        for i in range(full):
-            row = table[0, packed[0, i]]
+        head = min(w, 8)
+        # sums[p] = (+-s_0) + (+-s_1) + ... over the first `head` ranks, bit r of p choosing the
+        # sign of s_r, added in rank order: the reference's exact sequence of fp32 additions.
+        sums = np.empty(1 << head, dtype=np.float32)
+        for p in range(1 << head):
+            t = scales[0] if p & 1 else -scales[0]
+            for r in range(1, head):
+                t += scales[r] if (p >> r) & 1 else -scales[r]
+            sums[p] = t
+        # spread[b] moves bit k of byte b to bit 8k: OR-ing spread[byte of rank r] << r over the
+        # ranks gives, in byte k of one 64-bit word, the sign pattern p of value k.
+        spread = np.zeros(256, dtype=np.uint64)
+        for b in range(256):
             for k in range(8):
-                acc[k] = row[k]
-            for r in range(1, w):
-                row = table[r, packed[r, i]]
-                for k in range(8):
-                    acc[k] += row[k]
-            for k in range(8):
+                if (b >> k) & 1:
+                    spread[b] |= np.uint64(1) << np.uint64(8 * k)
+        for i in range((n + 7) // 8):
+            word = np.uint64(0)
+            for r in range(head):
+                word |= spread[packed[r, i]] << np.uint64(r)
+            for k in range(min(8, n - 8 * i)):
+                t = sums[(word >> np.uint64(8 * k)) & np.uint64(255)]
+                for r in range(head, w):  # ranks beyond 8 keep adding one by one, in order
+                    t += scales[r] if (packed[r, i] >> k) & 1 else -scales[r]
+                j = 8 * i + k
                 if accumulate:
-                    out[8 * i + k] = out[8 * i + k] + acc[k] * inv
+                    out[j] = out[j] + t * inv
                 else:
-                    out[8 * i + k] = acc[k] * inv
-        for k in range(n - 8 * full):
-            t = table[0, packed[0, full], k]
-            for r in range(1, w):
-                t += table[r, packed[r, full], k]
-            if accumulate:
-                out[8 * full + k] = out[8 * full + k] + t * inv
-            else:
-                out[8 * full + k] = t * inv
+                    out[j] = t * inv
 
     def pack_signs_update(c: np.ndarray, scale: np.float32, packed: np.ndarray) -> None:
         """Pack the signs of ``c`` (bit 1 = sign bit clear) and set ``c -= copysign(scale, c)``."""

@@ -95,9 +95,8 @@ def average_signs(
     The multiplication by the fp32 reciprocal (rather than a division) is what every
     kernel computes, so CPU, CUDA and the reference agree to the bit."""
     if numel and _numba_ok(out):
-        rows = np.stack([p.numpy()[: packed_numel(numel)] for p in packed])
         values = np.array([float(s.reshape(-1)[0]) for s in scales], dtype=np.float32)
-        _cpu.average_signs(rows, values, numel, out.numpy(), accumulate)
+        _cpu.average_signs(_rows(packed, packed_numel(numel)).numpy(), values, numel, out.numpy(), accumulate)
         return out
     if numel and _triton_ok(out):
         rows = _rows(packed, packed_numel(numel))
