@@ -142,6 +142,14 @@ def test_onebit_train_under_mpirun_matches_the_spawned_gloo_run(tmp_path):
     assert mpi[-1]["stage"] == "compressed"
 
 
+def test_bench_comm_under_mpirun_reports_from_rank_zero():
+    proc = _launch(3, "-m", "onebit.cli", "bench", "comm", "--backend", "mpi", "--numel", "4099", "--repeat", "2",
+                   timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("onebit bench comm: 4099 fp32 values, 3 ranks (mpi)") == 1
+    assert "compressed_allreduce sign" in proc.stdout
+
+
 def test_mpi_group_in_one_process():
     """Singleton MPI (no mpirun): world size 1, the same contract as an absent process group."""
     group = comm.MPIGroup()

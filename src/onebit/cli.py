@@ -336,13 +336,16 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return 0
     with _cluster(args) as cluster:
         for numel in args.numel_list or [args.numel]:
-            results = bench_comm(numel, args.world_size, args.repeat, cluster=cluster)
+            results = bench_comm(numel, args.world_size, args.repeat, cluster=cluster, backend=args.backend)
+            if results is None:  # an MPI rank other than 0: rank 0 reports
+                continue
+            world = results[0].world_size
             rows = [["collective", "ms", "bytes sent/rank", "inter-node bytes/rank", "vs fp32 all_reduce",
                      "wire-limited ideal ms", "vs ideal"]]
             rows += [[r.collective, f"{r.seconds * 1e3:.1f}", str(r.bytes_sent), _fmt(r.inter_node_bytes, "d"),
                       f"{r.vs_fp32:.2f}x", _ms(r.ideal_seconds),
                       f"{r.seconds / r.ideal_seconds:.2f}x" if r.ideal_seconds else "-"] for r in results]
-            print(f"onebit bench comm: {numel} fp32 values, {args.world_size} ranks, median of {args.repeat}")
+            print(f"onebit bench comm: {numel} fp32 values, {world} ranks ({args.backend}), median of {args.repeat}")
             print(_table(rows))
     return 0
 
@@ -425,6 +428,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--world-size", type=_positive_int, default=2, help="ranks for 'comm' (default 2)")
     bench.add_argument("--threads", type=_positive_int, default=1, help="torch threads for 'kernels' (default 1)")
     bench.add_argument("--device", default="cpu", help="device for 'kernels' (default cpu)")
+    bench.add_argument("--backend", choices=("torch", "mpi"), default="torch",
+                       help="'comm' over spawned gloo ranks (default) or, under mpirun, over MPI")
     _cluster_flags(bench)
     bench.set_defaults(func=_cmd_bench)
 

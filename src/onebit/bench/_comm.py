@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from .. import comm
 from ..launch import spawn
@@ -29,32 +28,45 @@ class CommResult:
     ideal_seconds: float | None  # the busiest node's egress at the shaped rate (emulated cluster only)
 
 
-def _rank_bench(rank: int, world: int, numel: int, repeat: int, per_node: int | None) -> dict[str, Any]:
+def _rank_bench(rank: int, world: int, numel: int, repeat: int, per_node: int | None,
+                group: comm.Group = None) -> dict[str, Any]:
     x = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
     out_buf = torch.empty_like(x)
     half = x.half()
     # Every case works in place or into a reused buffer, as an optimizer step does.
     cases = {
-        "all_reduce fp32": lambda: comm.all_reduce_mean(x),
-        "all_reduce fp16": lambda: comm.all_reduce_mean(half),
+        "all_reduce fp32": lambda: comm.all_reduce_mean(x, group),
+        "all_reduce fp16": lambda: comm.all_reduce_mean(half, group),
     }
     collectives = {
-        "compressed_allreduce sign": comm.CompressedAllReduce("sign"),
-        "allgather block_sign": comm.CompressedAllGather("block_sign"),
-        "allgather topk 1%": comm.CompressedAllGather("topk", ratio=0.01),
+        "compressed_allreduce sign": comm.CompressedAllReduce("sign", group),
+        "allgather block_sign": comm.CompressedAllGather("block_sign", group),
+        "allgather topk 1%": comm.CompressedAllGather("topk", group, ratio=0.01),
     }
     if per_node is not None and 1 < per_node < world:
-        collectives["hierarchical_allreduce sign"] = comm.HierarchicalAllReduce("sign", ranks_per_node=per_node)
+        collectives["hierarchical_allreduce sign"] = comm.HierarchicalAllReduce("sign", group,
+                                                                                ranks_per_node=per_node)
     for name, op in collectives.items():
         cases[name] = lambda op=op: op(x, out=out_buf)
     out = {}
     for name, call in cases.items():
         with comm.measure() as meter:
             call()
-        dist.barrier()
-        seconds = median_seconds(lambda: (call(), dist.barrier()), repeat)
+        comm.barrier(group)
+        seconds = median_seconds(lambda: (call(), comm.barrier(group)), repeat)
         out[name] = (seconds, meter.bytes_sent, meter.by_link.get("inter"))
     return out
+
+
+def _this_mpi_rank(numel: int, repeat: int) -> list[dict[str, Any]] | None:
+    """Run the cases as this rank of the MPI job; rank 0 gets them with each time the
+    maximum over ranks, the other ranks ``None``."""
+    rank, world = comm.get_rank("mpi"), comm.get_world_size("mpi")
+    mine = _rank_bench(rank, world, numel, repeat, None, "mpi")
+    slowest = comm.all_reduce_max(torch.tensor([t for t, _, _ in mine.values()], dtype=torch.float64), "mpi")
+    if rank:
+        return None
+    return [{name: (float(t), sent, inter) for (name, (_, sent, inter)), t in zip(mine.items(), slowest)}]
 
 
 # Which cost-model collective each benchmark case runs.
@@ -68,16 +80,26 @@ _KINDS = {
 }
 
 
-def bench_comm(numel: int = 10_500_000, world_size: int = 2, repeat: int = 10, cluster=None) -> list[CommResult]:
-    """Run every collective on ``world_size`` gloo ranks (on ``cluster``'s nodes when given);
-    times include a barrier."""
+def bench_comm(numel: int = 10_500_000, world_size: int = 2, repeat: int = 10, cluster=None,
+               backend: str = "torch") -> list[CommResult] | None:
+    """Run every collective on ``world_size`` gloo ranks (on ``cluster``'s nodes when given),
+    or, with ``backend="mpi"``, over MPI as this rank of an mpirun job (rank 0 gets the
+    results, the others ``None``); times include a barrier."""
     placement = per_node = model = None
     if cluster is not None:
+        if backend == "mpi":
+            raise ValueError("an emulated cluster places spawned ranks; under mpirun the job's own placement applies")
         placement = cluster.placement(world_size)
         per_node = world_size // cluster.spec.nodes
         model = ModelInput(params=numel, world_size=world_size, nodes=cluster.spec.nodes,
                            bandwidth=cluster.spec.bandwidth, topk_ratio=0.01)
-    per_rank = spawn(_rank_bench, world_size, numel, repeat, per_node, placement=placement)
+    if backend == "mpi":
+        per_rank = _this_mpi_rank(numel, repeat)
+        if per_rank is None:
+            return None
+        world_size = comm.get_world_size("mpi")
+    else:
+        per_rank = spawn(_rank_bench, world_size, numel, repeat, per_node, placement=placement)
     base = max(r["all_reduce fp32"][0] for r in per_rank)
     results = []
     for name in per_rank[0]:
@@ -91,7 +113,7 @@ def bench_comm(numel: int = 10_500_000, world_size: int = 2, repeat: int = 10, c
 def _link_rank(rank: int, world: int, numel: int) -> float:
     x = torch.ones(numel)
     comm.all_reduce_mean(x)  # connect
-    dist.barrier()
+    comm.barrier()
     start = time.perf_counter()
     comm.all_reduce_mean(x)
     return time.perf_counter() - start

@@ -34,6 +34,7 @@ __all__ = [
     "all_reduce_mean",
     "all_to_all_bytes",
     "backend_of",
+    "barrier",
     "broadcast",
     "get_rank",
     "get_world_size",
@@ -76,6 +77,7 @@ class Transport(Protocol):
     def reduce_scatter_sum(self, out: Tensor, tensor: Tensor) -> _Work: ...
     def all_reduce(self, tensor: Tensor, op: str) -> _Work: ...
     def broadcast(self, tensor: Tensor, src: int) -> _Work: ...
+    def barrier(self) -> _Work: ...
     def split(self, partition: list[list[int]], timeout: timedelta) -> Any: ...
 
 
@@ -114,6 +116,9 @@ class _TorchGroup:
     def broadcast(self, tensor: Tensor, src: int) -> _Work:
         global_src = src if self.group is None else dist.get_global_rank(self.group, src)
         return dist.broadcast(tensor, global_src, group=self.group, async_op=True)
+
+    def barrier(self) -> _Work:
+        return dist.barrier(group=self.group, async_op=True)
 
     def split(self, partition: list[list[int]], timeout: timedelta) -> dist.ProcessGroup:
         # new_group is collective over the default group: every rank creates every sub-group.
@@ -291,3 +296,10 @@ def broadcast(tensor: Tensor, src: int = 0, group: Group = None, timeout: float 
     if t.rank() == src:
         record("broadcast", tensor.numel() * tensor.element_size() * (world - 1))
     return tensor
+
+
+def barrier(group: Group = None, timeout: float | timedelta | None = None) -> None:
+    """Wait until every rank of the group arrives (nothing is sent that the meter counts)."""
+    t = _transport(group)
+    if t.size() > 1:
+        _run("barrier", t, timeout, t.barrier)

@@ -1,7 +1,7 @@
 """The MPI transport: the 1-bit Adam paper's original backend (section 6), over mpi4py.
 
 Every collective runs non-blocking on host buffers (``Ialltoall``, ``Iallgather``,
-``Ireduce_scatter_block``, ``Iallreduce``, ``Ibcast``) and is polled against the caller's
+``Ireduce_scatter_block``, ``Iallreduce``, ``Ibcast``, ``Ibarrier``) and is polled against the caller's
 timeout, so a dead or stalled peer gives a :class:`~onebit.comm.CollectiveError`, not a
 hang. CPU tensors are handed to MPI without a copy; CUDA tensors are staged through host
 memory (one copy each way), which works with any MPI build, CUDA-aware or not.
@@ -89,13 +89,22 @@ class _Work:
         return True
 
 
+def _sum_rows(received: np.ndarray, world: int, out: np.ndarray) -> None:
+    """``out = rows[0] + rows[1] + ...`` of the ``world`` equal slots of ``received``, in rank order."""
+    rows = received.reshape(world, -1)
+    np.copyto(out, rows[0])
+    for row in rows[1:]:
+        out += row
+
+
 class MPIGroup:
     """An mpi4py communicator as a onebit group (``comm=None``: ``MPI.COMM_WORLD``).
 
-    Implements the transport the compressed collectives and optimizers use; its
-    ``all_reduce`` of a sum is a reduce-scatter then an all-gather of the reduced
-    slots, so every rank receives the same bytes (MPI itself does not promise
-    bit-identical ``Allreduce`` results on all ranks).
+    Implements the transport the compressed collectives and optimizers use. Sums are an
+    all-to-all of equal slots, a sum of each slot in rank order by the rank that owns it,
+    and (for ``all_reduce``) an all-gather of the sums: every rank receives the same bytes,
+    which ``MPI_Allreduce`` does not promise, and on 2-3 ranks it beat Open MPI 5's
+    ``Allreduce`` and ``Reduce_scatter_block`` on the same data here.
     """
 
     backend = "mpi"
@@ -135,37 +144,49 @@ class MPIGroup:
         return _Work([lambda: self.comm.Iallgather(src.array, dst.array)], dst.finish)
 
     def reduce_scatter_sum(self, out: Tensor, tensor: Tensor) -> _Work:
-        MPI = _mpi()
         src = _Staged(tensor, typed=True, load=True)
         dst = _Staged(out, typed=True, load=False)
-        return _Work([lambda: self.comm.Ireduce_scatter_block(src.array, dst.array, op=MPI.SUM)], dst.finish)
+        received = np.empty_like(src.array)
+
+        def done() -> None:
+            _sum_rows(received, self.size(), dst.array)
+            dst.finish()
+
+        return _Work([lambda: self.comm.Ialltoall(src.array, received)], done)
 
     def all_reduce(self, tensor: Tensor, op: str) -> _Work:
-        MPI = _mpi()
         buf = _Staged(tensor, typed=True, load=True)
         if op == "max":
+            MPI = _mpi()
             return _Work([lambda: self.comm.Iallreduce(MPI.IN_PLACE, buf.array, op=MPI.MAX)], buf.finish)
         world, n = self.size(), buf.array.size
         slot = -(-n // world)
-        padded = np.zeros(world * slot, dtype=buf.array.dtype)
-        padded[:n] = buf.array
+        padded = buf.array if n == world * slot else np.zeros(world * slot, dtype=buf.array.dtype)
+        received = np.empty_like(padded)
         mine = np.empty(slot, dtype=padded.dtype)
 
+        def scatter() -> Any:
+            if padded is not buf.array:
+                padded[:n] = buf.array
+            return self.comm.Ialltoall(padded, received)
+
+        def gather() -> Any:
+            _sum_rows(received, world, mine)
+            return self.comm.Iallgather(mine, padded)
+
         def done() -> None:
-            buf.array[:] = padded[:n]
+            if padded is not buf.array:
+                buf.array[:] = padded[:n]
             buf.finish()
 
-        return _Work(
-            [
-                lambda: self.comm.Ireduce_scatter_block(padded, mine, op=MPI.SUM),
-                lambda: self.comm.Iallgather(mine, padded),
-            ],
-            done,
-        )
+        return _Work([scatter, gather], done)
 
     def broadcast(self, tensor: Tensor, src: int) -> _Work:
         buf = _Staged(tensor, typed=False, load=True)
         return _Work([lambda: self.comm.Ibcast(buf.array, root=src)], buf.finish)
+
+    def barrier(self) -> _Work:
+        return _Work([self.comm.Ibarrier], lambda: None)
 
     def split(self, partition: list[list[int]], timeout: timedelta) -> MPIGroup:
         rank = self.rank()
