@@ -21,17 +21,7 @@ from mpi4py import MPI  # noqa: E402
 
 import onebit  # noqa: E402
 from onebit import comm  # noqa: E402
-from _problem import run_problem  # noqa: E402
-
-OPTIMIZERS = [
-    ("OnebitAdam", dict(lr=0.01, freeze_step=2)),
-    ("OnebitLamb", dict(lr=0.01, freeze_step=2)),
-    ("CompAMS", dict(lr=0.01, compressor="topk", ratio=0.3)),
-    ("QAdam", dict(lr=0.01)),
-    ("Birder", dict(lr=0.01, seed=1)),
-    ("SoftSignSGD", dict(lr=0.01)),
-]
-
+from _problem import OPTIMIZERS, run_problem  # noqa: E402
 
 def _inputs(rank: int, step: int, n: int = 1001) -> torch.Tensor:
     return torch.randn(n, generator=torch.Generator().manual_seed(100 * step + rank))

@@ -8,6 +8,16 @@ import torch
 
 DIM, BATCH = 37, 16
 
+# Every library optimizer with settings that reach its compressed stage within a few steps.
+OPTIMIZERS = [
+    ("OnebitAdam", dict(lr=0.01, freeze_step=2)),
+    ("OnebitLamb", dict(lr=0.01, freeze_step=2)),
+    ("CompAMS", dict(lr=0.01, compressor="topk", ratio=0.3)),
+    ("QAdam", dict(lr=0.01)),
+    ("Birder", dict(lr=0.01, seed=1)),
+    ("SoftSignSGD", dict(lr=0.01)),
+]
+
 
 def flag_bytes(world: int) -> int:
     """Bytes of the per-step non-finite agreement: a ring all-reduce of one fp32 flag."""

@@ -7,18 +7,8 @@ import torch
 
 import onebit
 from _harness import run_ranks
-from _problem import digest, grads, initial_params
+from _problem import OPTIMIZERS, digest, grads, initial_params
 from onebit.launch import RankFailure
-
-OPTIMIZERS = [
-    ("OnebitAdam", dict(lr=0.01, freeze_step=2)),
-    ("OnebitLamb", dict(lr=0.01, freeze_step=2)),
-    ("CompAMS", dict(lr=0.01, compressor="topk", ratio=0.3)),
-    ("QAdam", dict(lr=0.01)),
-    ("Birder", dict(lr=0.01, seed=1)),
-    ("SoftSignSGD", dict(lr=0.01)),
-]
-
 
 def _loop(rank, world, name, kwargs, poison_step, poison_rank, skip_step=None, steps=7):
     """Step on the least-squares gradients; at ``poison_step`` rank ``poison_rank`` gets a NaN/Inf gradient;
