@@ -7,6 +7,7 @@ import torch
 
 from _harness import run_ranks
 from _oracle import SimulatedCompressedAllReduce, chunks
+import onebit
 from onebit import comm, compress
 
 
@@ -194,3 +195,7 @@ def test_bad_input_messages():
         comm.CompressedAllReduce("sign", timeout=-1)
     with pytest.raises(TypeError, match="error_feedback must be a bool, got 'yes'"):
         comm.CompressedAllGather("topk", error_feedback="yes")
+    with pytest.raises(TypeError, match="group must be a process group, an MPIGroup or one of .* got 3"):
+        comm.CompressedAllReduce("sign", 3)
+    with pytest.raises(ValueError, match=r"group must be .* one of \('torch', 'mpi'\), got 'nccl'"):
+        onebit.OnebitAdam([torch.nn.Parameter(torch.ones(3))], group="nccl")

@@ -142,6 +142,8 @@ def resolve_group(group: Group) -> Any:
 
             return world_group()
         raise ValueError(f"group must be a process group, an MPIGroup or one of {BACKENDS}, got {group!r}")
+    if group is not None and not isinstance(group, dist.ProcessGroup) and not hasattr(group, "backend"):
+        raise TypeError(f"group must be a process group, an MPIGroup or one of {BACKENDS}, got {group!r}")
     return group
 
 

@@ -1,14 +1,15 @@
 """The MPI transport: the 1-bit Adam paper's original backend (section 6), over mpi4py.
 
 Every collective runs non-blocking on host buffers (``Ialltoall``, ``Iallgather``,
-``Ireduce_scatter_block``, ``Iallreduce``, ``Ibcast``, ``Ibarrier``) and is polled against the caller's
-timeout, so a dead or stalled peer gives a :class:`~onebit.comm.CollectiveError`, not a
-hang. CPU tensors are handed to MPI without a copy; CUDA tensors are staged through host
-memory (one copy each way), which works with any MPI build, CUDA-aware or not.
+``Iallreduce``, ``Ibcast``, ``Ibarrier``) and is polled against the caller's timeout, so a
+dead or stalled peer gives a :class:`~onebit.comm.CollectiveError`, not a hang. CPU tensors
+are handed to MPI without a copy; CUDA tensors are staged through host memory (one copy
+each way), which works with any MPI build, CUDA-aware or not.
 
-Launch with ``mpirun -np N python train.py`` and pass ``group="mpi"`` (``COMM_WORLD``) or an
-:class:`MPIGroup` of another communicator to any optimizer or collective of onebit;
-``torch.distributed`` need not be initialised.
+Launch with ``mpirun -np N python -m mpi4py train.py`` (an uncaught error then aborts the
+job: MPI cannot cancel a collective a timed-out rank abandoned) and pass ``group="mpi"``
+(``COMM_WORLD``) or an :class:`MPIGroup` of another communicator to any optimizer or
+collective of onebit; ``torch.distributed`` need not be initialised.
 """
 
 from __future__ import annotations
