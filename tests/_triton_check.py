@@ -17,7 +17,7 @@ from onebit.ops import _triton
 SIZES = [1, 7, 8, 9, 63, 1001, 4096, 4103, 12_345]
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
+def _bits_of(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32) if t.dtype == torch.float32 else t
 
 
@@ -43,11 +43,11 @@ def check(device: str) -> int:
         fused_c, fused_packed = c.clone(), torch.empty_like(ref_packed)
         _triton.pack_signs_update(fused_c, scale, fused_packed)
         assert torch.equal(fused_packed, ref_packed), f"pack_signs_update bytes n={n}"
-        assert torch.equal(_bits(fused_c), _bits(ref_c)), f"pack_signs_update error n={n}"
+        assert torch.equal(_bits_of(fused_c), _bits_of(ref_c)), f"pack_signs_update error n={n}"
 
         out = torch.empty(n, device=device)
         _triton.unpack_signs(ref_packed, n, scale, out)
-        assert torch.equal(_bits(out), _bits(ref_unpacked)), f"unpack_signs n={n}"
+        assert torch.equal(_bits_of(out), _bits_of(ref_unpacked)), f"unpack_signs n={n}"
 
         for world in (1, 2, 3, 5):
             rows = [ops.pack_signs(torch.randn(n, generator=g).to(device)) for _ in range(world)]
@@ -58,7 +58,7 @@ def check(device: str) -> int:
                     ref = ops.average_signs(rows, scales, n, base.clone(), accumulate=accumulate)
                 fused = base.clone()
                 _triton.average_signs(torch.stack(rows), torch.cat(scales), n, fused, accumulate)
-                assert torch.equal(_bits(fused), _bits(ref)), f"average_signs n={n} world={world} acc={accumulate}"
+                assert torch.equal(_bits_of(fused), _bits_of(ref)), f"average_signs n={n} world={world} acc={accumulate}"
                 checked += 1
         # Slots of one received buffer (the all-to-all layout): a strided view, no copy.
         slot = ref_packed.numel() + 5
@@ -69,7 +69,46 @@ def check(device: str) -> int:
             ref = ops.average_signs(views, scales, n, torch.empty(n, device=device))
         fused = torch.empty(n, device=device)
         _triton.average_signs(buffer.view(3, slot), torch.cat(scales), n, fused, False)
-        assert torch.equal(_bits(fused), _bits(ref)), f"average_signs strided n={n}"
+        assert torch.equal(_bits_of(fused), _bits_of(ref)), f"average_signs strided n={n}"
+        checked += 4
+    return checked
+
+
+def check_dispatch() -> int:
+    """The public ops, routed to the Triton kernels as for CUDA tensors (here: CPU tensors in
+    the interpreter), against the reference: the glue around the kernels (allocation,
+    strided receive slots, scales gathered on the device)."""
+    from onebit.ops import _bits, _cpu
+
+    _triton.available = lambda t: True
+    _bits._fast_cpu = lambda t: False
+    _cpu.pack_signs_update = _cpu.average_signs = None
+    checked = 0
+    for n in SIZES:
+        g = torch.Generator().manual_seed(n)
+        x, e = torch.randn(n, generator=g), torch.randn(n, generator=g)
+        fast_e, ref_e = e.clone(), e.clone()
+        packed, scale = ops.ef_sign_compress_(fast_e, x)
+        with ops.reference_kernels():
+            ref_packed, ref_scale = ops.ef_sign_compress_(ref_e, x)
+        assert torch.equal(packed, ref_packed) and torch.equal(scale, ref_scale), f"ef_sign_compress_ n={n}"
+        assert torch.equal(_bits_of(fast_e), _bits_of(ref_e)), f"ef_sign_compress_ error n={n}"
+        slot = packed.numel() + 3
+        received = torch.zeros(3 * slot, dtype=torch.uint8)
+        for r in range(3):
+            received[r * slot : r * slot + packed.numel()] = ops.pack_signs(torch.randn(n, generator=g))
+        views = [received[r * slot : r * slot + packed.numel()] for r in range(3)]
+        scales = [torch.rand(1, generator=g) for _ in range(3)]
+        base = torch.randn(n, generator=g)
+        fast = ops.average_signs(views, scales, n, base.clone(), accumulate=True)
+        with ops.reference_kernels():
+            ref = ops.average_signs(views, scales, n, base.clone(), accumulate=True)
+        assert torch.equal(_bits_of(fast), _bits_of(ref)), f"average_signs n={n}"
+        with ops.reference_kernels():
+            ref_unpacked = ops.unpack_signs(ref_packed, n, scale)
+            ref_signs = ops.pack_signs(x.bfloat16())
+        assert torch.equal(_bits_of(ops.unpack_signs(packed, n, scale)), _bits_of(ref_unpacked)), f"unpack n={n}"
+        assert torch.equal(ops.pack_signs(x.bfloat16()), ref_signs), f"pack_signs bf16 n={n}"
         checked += 4
     return checked
 
@@ -79,6 +118,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     print(f"triton kernels bit-identical to the reference: {check(args.device)} cases on {args.device}")
+    if args.device == "cpu":
+        print(f"dispatch through the public ops bit-identical: {check_dispatch()} cases")
 
 
 if __name__ == "__main__":

@@ -30,10 +30,6 @@ def _numba_ok(t: Tensor) -> bool:
     return _cpu.pack_signs_update is not None and not _bits._FORCE_REFERENCE and t.device.type == "cpu"
 
 
-def _triton_ok(t: Tensor) -> bool:
-    return not _bits._FORCE_REFERENCE and _triton.available(t)
-
-
 def _rows(packed: Sequence[Tensor], nbytes: int) -> Tensor:
     """The ranks' packed bytes as one ``(w, stride)`` tensor: a strided view when they are
     evenly spaced slices of one buffer (the received all-to-all slots), else a copy."""
@@ -70,13 +66,14 @@ def ef_sign_compress_(
     if n == 0:
         return pack_signs(c, out=packed_out), torch.zeros(1, dtype=torch.float32, device=c.device)
     scale = l2_norm(c).mul_(1.0 / math.sqrt(n)).reshape(1)
-    if _numba_ok(c) or _triton_ok(c):
+    if _numba_ok(c):
+        packed = packed_out if packed_out is not None else torch.empty(packed_numel(n), dtype=torch.uint8)
+        _cpu.pack_signs_update(c.numpy(), np.float32(scale.item()), packed.numpy())
+        return packed, scale
+    if _bits._fast_gpu(c):
         packed = packed_out if packed_out is not None else torch.empty(packed_numel(n), dtype=torch.uint8,
                                                                        device=c.device)
-        if c.device.type == "cpu":
-            _cpu.pack_signs_update(c.numpy(), np.float32(scale.item()), packed.numpy())
-        else:
-            _triton.pack_signs_update(c, scale, packed)
+        _triton.pack_signs_update(c, scale, packed)  # the scale stays on the device: no sync
         return packed, scale
     packed = pack_signs(c, out=packed_out)
     if workspace is None:
@@ -98,7 +95,7 @@ def average_signs(
         values = np.array([float(s.reshape(-1)[0]) for s in scales], dtype=np.float32)
         _cpu.average_signs(_rows(packed, packed_numel(numel)).numpy(), values, numel, out.numpy(), accumulate)
         return out
-    if numel and _triton_ok(out):
+    if numel and _bits._fast_gpu(out):
         rows = _rows(packed, packed_numel(numel))
         _triton.average_signs(rows, torch.cat([s.reshape(1) for s in scales]), numel, out, accumulate)
         return out
