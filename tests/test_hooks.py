@@ -207,3 +207,26 @@ def test_overflow_on_one_rank_skips_everywhere_and_keeps_errors_finite(kind):
         assert digests == res[0][0], "replicas differ"
         assert digests[3] == digests[2], "the overflow step changed the parameters"
         assert digests[4] != digests[3] and finite
+
+
+def _low_precision_worker(rank, world, kind, dtype):
+    model, teacher = _model().to(dtype), _teacher().to(dtype)
+    ddp, _ = _ddp(kind, model)
+    opt = _make_opt(kind, ddp.parameters(), 0.05)
+    gen = torch.Generator().manual_seed(100 + rank)
+    for _ in range(6):
+        x = torch.randn(32, 16, generator=gen).to(dtype)
+        loss = torch.nn.functional.mse_loss(ddp(x), teacher(x).detach())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return _digest(model), [p.dtype for p in model.parameters()], all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("kind", ["sign", "birder"])
+def test_hooks_on_bf16_buckets(kind):
+    """bf16 models: DDP's buckets are bf16; the hooks compress them and hand back bf16, and
+    the replicas stay bit-identical (compression starts at iteration 2 of the 6)."""
+    res = run_ranks(_low_precision_worker, 2, kind, torch.bfloat16)
+    assert res[0][0] == res[1][0]
+    assert all(d == torch.bfloat16 for d in res[0][1]) and res[0][2]
