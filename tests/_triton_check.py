@@ -13,12 +13,9 @@ import torch
 
 from onebit import ops
 from onebit.ops import _triton
+from _fused_check import bits, check_fused_ops
 
 SIZES = [1, 7, 8, 9, 63, 1001, 4096, 4103, 12_345]
-
-
-def _bits_of(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int32) if t.dtype == torch.float32 else t
 
 
 def check(device: str) -> int:
@@ -43,11 +40,11 @@ def check(device: str) -> int:
         fused_c, fused_packed = c.clone(), torch.empty_like(ref_packed)
         _triton.pack_signs_update(fused_c, scale, fused_packed)
         assert torch.equal(fused_packed, ref_packed), f"pack_signs_update bytes n={n}"
-        assert torch.equal(_bits_of(fused_c), _bits_of(ref_c)), f"pack_signs_update error n={n}"
+        assert torch.equal(bits(fused_c), bits(ref_c)), f"pack_signs_update error n={n}"
 
         out = torch.empty(n, device=device)
         _triton.unpack_signs(ref_packed, n, scale, out)
-        assert torch.equal(_bits_of(out), _bits_of(ref_unpacked)), f"unpack_signs n={n}"
+        assert torch.equal(bits(out), bits(ref_unpacked)), f"unpack_signs n={n}"
 
         for world in (1, 2, 3, 5):
             rows = [ops.pack_signs(torch.randn(n, generator=g).to(device)) for _ in range(world)]
@@ -58,7 +55,7 @@ def check(device: str) -> int:
                     ref = ops.average_signs(rows, scales, n, base.clone(), accumulate=accumulate)
                 fused = base.clone()
                 _triton.average_signs(torch.stack(rows), torch.cat(scales), n, fused, accumulate)
-                assert torch.equal(_bits_of(fused), _bits_of(ref)), f"average_signs n={n} world={world} acc={accumulate}"
+                assert torch.equal(bits(fused), bits(ref)), f"average_signs n={n} world={world} acc={accumulate}"
                 checked += 1
         # Slots of one received buffer (the all-to-all layout): a strided view, no copy.
         slot = ref_packed.numel() + 5
@@ -69,7 +66,7 @@ def check(device: str) -> int:
             ref = ops.average_signs(views, scales, n, torch.empty(n, device=device))
         fused = torch.empty(n, device=device)
         _triton.average_signs(buffer.view(3, slot), torch.cat(scales), n, fused, False)
-        assert torch.equal(_bits_of(fused), _bits_of(ref)), f"average_signs strided n={n}"
+        assert torch.equal(bits(fused), bits(ref)), f"average_signs strided n={n}"
         checked += 4
     return checked
 
@@ -85,31 +82,13 @@ def check_dispatch() -> int:
     _cpu.pack_signs_update = _cpu.average_signs = None
     checked = 0
     for n in SIZES:
-        g = torch.Generator().manual_seed(n)
-        x, e = torch.randn(n, generator=g), torch.randn(n, generator=g)
-        fast_e, ref_e = e.clone(), e.clone()
-        packed, scale = ops.ef_sign_compress_(fast_e, x)
+        x, packed, scale = check_fused_ops(n, 3, torch.Generator().manual_seed(n), True, f"n={n}")
         with ops.reference_kernels():
-            ref_packed, ref_scale = ops.ef_sign_compress_(ref_e, x)
-        assert torch.equal(packed, ref_packed) and torch.equal(scale, ref_scale), f"ef_sign_compress_ n={n}"
-        assert torch.equal(_bits_of(fast_e), _bits_of(ref_e)), f"ef_sign_compress_ error n={n}"
-        slot = packed.numel() + 3
-        received = torch.zeros(3 * slot, dtype=torch.uint8)
-        for r in range(3):
-            received[r * slot : r * slot + packed.numel()] = ops.pack_signs(torch.randn(n, generator=g))
-        views = [received[r * slot : r * slot + packed.numel()] for r in range(3)]
-        scales = [torch.rand(1, generator=g) for _ in range(3)]
-        base = torch.randn(n, generator=g)
-        fast = ops.average_signs(views, scales, n, base.clone(), accumulate=True)
-        with ops.reference_kernels():
-            ref = ops.average_signs(views, scales, n, base.clone(), accumulate=True)
-        assert torch.equal(_bits_of(fast), _bits_of(ref)), f"average_signs n={n}"
-        with ops.reference_kernels():
-            ref_unpacked = ops.unpack_signs(ref_packed, n, scale)
+            ref_unpacked = ops.unpack_signs(packed, n, scale)
             ref_signs = ops.pack_signs(x.bfloat16())
-        assert torch.equal(_bits_of(ops.unpack_signs(packed, n, scale)), _bits_of(ref_unpacked)), f"unpack n={n}"
+        assert torch.equal(bits(ops.unpack_signs(packed, n, scale)), bits(ref_unpacked)), f"unpack n={n}"
         assert torch.equal(ops.pack_signs(x.bfloat16()), ref_signs), f"pack_signs bf16 n={n}"
-        checked += 4
+        checked += 5  # compress, average (payloads and slots), unpack, pack
     return checked
 
 

@@ -5,6 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from _fused_check import check_fused_ops
 from onebit import ops
 
 lengths = st.integers(min_value=0, max_value=300)
@@ -79,27 +80,4 @@ def test_bad_inputs():
 @settings(max_examples=30, deadline=None)
 @given(n=st.integers(0, 200), world=st.integers(1, 11), seed=st.integers(0, 2**16), accumulate=st.booleans())
 def test_fused_kernels_bit_identical_to_reference(n, world, seed, accumulate):
-    g = torch.Generator().manual_seed(seed)
-    x, e = torch.randn(n, generator=g), torch.randn(n, generator=g)
-    fast_e, ref_e = e.clone(), e.clone()
-    packed, scale = ops.ef_sign_compress_(fast_e, x)
-    with ops.reference_kernels():
-        ref_packed, ref_scale = ops.ef_sign_compress_(ref_e, x)
-    assert torch.equal(packed, ref_packed) and torch.equal(scale, ref_scale) and torch.equal(fast_e, ref_e)
-    payloads = [ops.pack_signs(torch.randn(n, generator=g)) for _ in range(world)]
-    scales = [torch.rand(1, generator=g) for _ in range(world)]
-    base = torch.randn(n, generator=g)
-    fast, ref = base.clone(), base.clone()
-    ops.average_signs(payloads, scales, n, fast, accumulate=accumulate)
-    with ops.reference_kernels():
-        ops.average_signs(payloads, scales, n, ref, accumulate=accumulate)
-    assert torch.equal(fast.view(torch.int32), ref.view(torch.int32))
-    # The same payloads as slots of one received buffer (read in place, as a strided view).
-    slot = ops.packed_numel(n) + 3
-    received = torch.zeros(world * slot, dtype=torch.uint8)
-    for r, payload in enumerate(payloads):
-        received[r * slot : r * slot + payload.numel()] = payload
-    views = [received[r * slot : r * slot + ops.packed_numel(n)] for r in range(world)]
-    strided = base.clone()
-    ops.average_signs(views, scales, n, strided, accumulate=accumulate)
-    assert torch.equal(strided.view(torch.int32), ref.view(torch.int32))
+    check_fused_ops(n, world, torch.Generator().manual_seed(seed), accumulate)

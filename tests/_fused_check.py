@@ -1,0 +1,40 @@
+"""The fused ops' fast paths against the torch reference, through the public ``onebit.ops``
+functions: shared by test_ops.py (numba on CPU) and _triton_check.py (Triton's dispatch)."""
+
+from __future__ import annotations
+
+import torch
+
+from onebit import ops
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """fp32 values as their bit patterns (so -0.0 != 0.0 and NaN payloads count)."""
+    return t.view(torch.int32) if t.dtype == torch.float32 else t
+
+
+def check_fused_ops(n: int, world: int, g: torch.Generator, accumulate: bool,
+                    where: str = "") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``ef_sign_compress_`` and ``average_signs`` (separate payloads, and the same payloads as
+    slots of one received buffer) equal the reference bit for bit; returns ``(x, packed, scale)``."""
+    x, e = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    fast_e, ref_e = e.clone(), e.clone()
+    packed, scale = ops.ef_sign_compress_(fast_e, x)
+    with ops.reference_kernels():
+        ref_packed, ref_scale = ops.ef_sign_compress_(ref_e, x)
+    assert torch.equal(packed, ref_packed) and torch.equal(scale, ref_scale), f"ef_sign_compress_ {where}"
+    assert torch.equal(bits(fast_e), bits(ref_e)), f"ef_sign_compress_ error {where}"
+    payloads = [ops.pack_signs(torch.randn(n, generator=g)) for _ in range(world)]
+    scales = [torch.rand(1, generator=g) for _ in range(world)]
+    base = torch.randn(n, generator=g)
+    slot = ops.packed_numel(n) + 3
+    received = torch.zeros(world * slot, dtype=torch.uint8)
+    for r, payload in enumerate(payloads):
+        received[r * slot : r * slot + payload.numel()] = payload
+    views = [received[r * slot : r * slot + ops.packed_numel(n)] for r in range(world)]
+    with ops.reference_kernels():
+        ref = ops.average_signs(payloads, scales, n, base.clone(), accumulate=accumulate)
+    for rows in (payloads, views):  # views: read in place, as a strided view
+        fast = ops.average_signs(rows, scales, n, base.clone(), accumulate=accumulate)
+        assert torch.equal(bits(fast), bits(ref)), f"average_signs {where}"
+    return x, packed, scale
