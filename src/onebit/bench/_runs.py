@@ -122,7 +122,7 @@ def _metered(hook, count, op: str):
 
 def _ddp_run(name: str, model: nn.Module, cfg, per_node: int | None) -> Run:
     ddp = DistributedDataParallel(model)
-    hierarchical = {"hierarchical": cfg.hierarchical, "ranks_per_node": per_node}
+    exchange = {"hierarchical": cfg.hierarchical, "ranks_per_node": per_node}
     state: Any = None
     if name == "ddp_allreduce":
         ddp.register_comm_hook(None, _metered(default_hooks.allreduce_hook, _allreduce_bytes, "ddp_allreduce"))
@@ -133,10 +133,10 @@ def _ddp_run(name: str, model: nn.Module, cfg, per_node: int | None) -> Run:
                                             start_powerSGD_iter=_HOOK_START)
         ddp.register_comm_hook(state, _metered(powerSGD_hook.powerSGD_hook, _powersgd_bytes, "ddp_powersgd"))
     elif name == "ddp_ef_sign":
-        state = hooks.ErrorFeedbackState(start_iter=_HOOK_START, **hierarchical)
+        state = hooks.ErrorFeedbackState(start_iter=_HOOK_START, **exchange)
         ddp.register_comm_hook(state, hooks.error_feedback_hook)
     else:
-        state = hooks.BirderState(seed=cfg.seed, start_iter=_HOOK_START, **hierarchical)
+        state = hooks.BirderState(seed=cfg.seed, start_iter=_HOOK_START, **exchange)
         ddp.register_comm_hook(state, hooks.birder_hook)
     if name == "ddp_birder":
         # Birder's step is x <- x (1 - lr wd) - lr u_bar: plain SGD on the hook's output.
@@ -166,20 +166,21 @@ def build_run(name: str, model: nn.Module, cfg, per_node: int | None) -> Run:
         return _ddp_run(name, model, cfg, per_node)
     params = model.parameters()
     group = cfg.backend
-    hierarchical = {"hierarchical": cfg.hierarchical, "ranks_per_node": per_node, "group": group}
+    # What the optimizers with a choice of flat or hierarchical exchange share.
+    exchange = {"hierarchical": cfg.hierarchical, "ranks_per_node": per_node, "group": group}
     if name == "adam":
         for p in model.parameters():
             comm.broadcast(p.data, 0, group)
         opt: torch.optim.Optimizer = _AllReduceAdam(params, lr=cfg.lr, group=group)
     elif name == "onebit_adam":
         opt = OnebitAdam(params, lr=cfg.lr, freeze_step=cfg.freeze_step, bias_correction=cfg.bias_correction,
-                         **hierarchical)
+                         **exchange)
     elif name == "onebit_adam_naive":
-        opt = OnebitAdamNaive(params, lr=cfg.lr, bias_correction=cfg.bias_correction, **hierarchical)
+        opt = OnebitAdamNaive(params, lr=cfg.lr, bias_correction=cfg.bias_correction, **exchange)
     elif name in ("lamb", "onebit_lamb"):
         # "lamb" is 1-bit LAMB that never leaves its warm-up: exact LAMB on all-reduced gradients.
         freeze = cfg.freeze_step if name == "onebit_lamb" else cfg.steps + 1
-        opt = OnebitLamb(params, lr=cfg.lr, freeze_step=freeze, **hierarchical)
+        opt = OnebitLamb(params, lr=cfg.lr, freeze_step=freeze, **exchange)
     elif name in ("amsgrad", "comp_ams", "comp_ams_block_sign"):
         compressor = {"amsgrad": "none", "comp_ams": "topk", "comp_ams_block_sign": "block_sign"}[name]
         opt = CompAMS(params, lr=cfg.lr, compressor=compressor, ratio=cfg.topk_ratio,
@@ -189,7 +190,7 @@ def build_run(name: str, model: nn.Module, cfg, per_node: int | None) -> Run:
     elif name == "softsign_sgd":
         opt = SoftSignSGD(params, lr=cfg.lr, group=group)
     else:
-        opt = Birder(params, lr=cfg.lr, seed=cfg.seed, **hierarchical)
+        opt = Birder(params, lr=cfg.lr, seed=cfg.seed, **exchange)
     if name == "adam":
         return Run(model, opt, lambda: "warmup", lambda: None)
     return Run(model, opt, lambda: opt.stats["stage"], lambda: opt.stats["freeze_step"])

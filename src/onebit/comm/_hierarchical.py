@@ -45,7 +45,7 @@ def resolve_ranks_per_node(ranks_per_node: int | None, world_size: int) -> int |
     return ranks_per_node
 
 
-def _subgroups(group: Any, per_node: int, timeout: timedelta) -> tuple[Any, Any]:
+def _subgroups(group: Group, per_node: int, timeout: timedelta) -> tuple[Any, Any]:
     """(this rank's node group, this rank's inter-node group of equal local index)."""
     key = (group, per_node)
     if key not in _SUBGROUPS:
