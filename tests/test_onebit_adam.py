@@ -31,8 +31,9 @@ def _adam_reference(world, steps, lr, betas, eps, weight_decay):
     return [p.detach() for p in params]
 
 
-def _algorithm1(world, steps, freeze, lr, b1, b2, eps):
-    """Algorithm 1 with n simulated workers, one process, fused momentum, no bias correction."""
+def _algorithm1(world, steps, freeze, lr, b1, b2, eps, bias_correction=False, clip=False):
+    """Algorithm 1 with n simulated workers, one process, fused momentum; the paper's form
+    without bias correction or step clip, or onebit's defaults with both."""
     params = [p.clone() for p in _params()]
     sizes = [p.numel() for p in params]
     m = torch.zeros(sum(sizes))
@@ -41,13 +42,18 @@ def _algorithm1(world, steps, freeze, lr, b1, b2, eps):
     for step in range(1, steps + 1):
         gs = [torch.cat(_grads(params, r, step)) for r in range(world)]
         x = torch.cat(params)
+        bc1 = 1 - b1**step if bias_correction else 1.0
         if step <= freeze:  # line 2: original Adam, eq. (1), on the averaged gradient
             g = sum(gs) / world
             m = b1 * m + (1 - b1) * g
             v = b2 * v + (1 - b2) * g * g
-        else:  # lines 5-13
+            denom = (v / (1 - b2**step if bias_correction else 1.0)).sqrt() + eps
+        else:  # lines 5-13, the variance frozen at step `freeze`
             m = car([b1 * m + (1 - b1) * g for g in gs])
-        x = x - lr * m / (v.sqrt() + eps)
+            if clip:  # Adam's largest step, Kingma & Ba section 2.1
+                bound = max(1.0, (1 - b1) / math.sqrt(1 - b2)) * bc1 * denom
+                m = torch.maximum(torch.minimum(m, bound), -bound)
+        x = x - lr / bc1 * m / denom
         params = list(torch.split(x, sizes))
     return params
 
@@ -71,11 +77,12 @@ def test_warmup_equals_adamw_on_averaged_gradient(world):
         assert res[0]["stats"][-1]["bytes_sent"] == 2 * (world - 1) * 4 * (DIM + 1 + 2) // world + flag_bytes(world)
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_compression_stage_matches_algorithm_1_and_replicas_agree(world):
+@pytest.mark.parametrize("world,defaults", [(2, False), (3, False), (2, True), (3, True)])
+def test_compression_stage_matches_algorithm_1_and_replicas_agree(world, defaults):
     kw = dict(lr=0.02, betas=(0.9, 0.99), eps=1e-8)
-    res = run_ranks(_train, world, 14, dict(kw, freeze_step=5))
-    expect = _algorithm1(world, 14, 5, 0.02, 0.9, 0.99, 1e-8)
+    paper = {} if defaults else dict(bias_correction=False, clip_update=False)
+    res = run_ranks(_train, world, 14, dict(kw, freeze_step=5, **paper))
+    expect = _algorithm1(world, 14, 5, 0.02, 0.9, 0.99, 1e-8, bias_correction=defaults, clip=defaults)
     for r in res:
         assert r["digests"] == res[0]["digests"], "replicas diverged"
         for got, want in zip(r["params"], expect):
@@ -88,7 +95,7 @@ def test_compression_stage_matches_algorithm_1_and_replicas_agree(world):
 
 
 def test_compression_stage_world_1_matches_algorithm_1():
-    kw = dict(lr=0.02, betas=(0.9, 0.99), eps=1e-8, freeze_step=3)
+    kw = dict(lr=0.02, betas=(0.9, 0.99), eps=1e-8, freeze_step=3, bias_correction=False, clip_update=False)
     got = _train(0, 1, 10, kw)["params"]
     for g, w in zip(got, _algorithm1(1, 10, 3, 0.02, 0.9, 0.99, 1e-8)):
         assert torch.allclose(g, w, rtol=1e-4, atol=1e-6)

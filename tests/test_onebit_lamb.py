@@ -1,5 +1,7 @@
 """1-bit LAMB: warm-up == plain LAMB eq. (1), compression == plain Algorithm 1 + A.5, replicas, resume."""
 
+import math
+
 import pytest
 import torch
 
@@ -26,8 +28,9 @@ def _trust(x, u, cmin, cmax):
     return 1.0 if xn == 0 or un == 0 else float(torch.clamp(xn / un, cmin, cmax))
 
 
-def _plain(world, steps, freeze, lr, b1, b2, eps, wd, o=OPTS):
-    """LAMB eq. (1) for `freeze` steps, then Algorithm 1 with momentum fusion and scaling (A.5)."""
+def _plain(world, steps, freeze, lr, b1, b2, eps, wd, o=OPTS, clip=False):
+    """LAMB eq. (1) for `freeze` steps, then Algorithm 1 with momentum fusion and scaling (A.5);
+    with `clip`, each value's step |m / (sqrt(v_frozen) + eps)| at most Adam's largest, (1 - b1) / sqrt(1 - b2)."""
     xs = [p.clone() for p in initial_params()]
     m = [torch.zeros_like(x) for x in xs]
     v = [torch.zeros_like(x) for x in xs]
@@ -55,6 +58,9 @@ def _plain(world, steps, freeze, lr, b1, b2, eps, wd, o=OPTS):
                      for i in range(world)]
             fused = car(local)
             new_m = [part / scale[l] for l, part in enumerate(torch.split(fused, SIZES))]
+            if clip:
+                bounds = [max(1.0, (1 - b1) / math.sqrt(1 - b2)) * (vf.sqrt() + eps) for vf in v_frozen]
+                new_m = [torch.maximum(torch.minimum(mm, bd), -bd) for mm, bd in zip(new_m, bounds)]
             for l in range(len(xs)):
                 g = (new_m[l] - b1 * m[l]) / (1 - b1)
                 v[l] = b2 * v[l] + (1 - b2) * g * g
@@ -81,11 +87,12 @@ def test_warmup_equals_plain_lamb():
     assert res[0]["digests"] == res[1]["digests"]
 
 
-def test_compression_matches_algorithm_1_ratios_bounded_replicas_identical():
+@pytest.mark.parametrize("clip", [False, True])
+def test_compression_matches_algorithm_1_ratios_bounded_replicas_identical(clip):
     world = 3
-    kw = dict(lr=0.01, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0, freeze_step=5)
+    kw = dict(lr=0.01, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0, freeze_step=5, clip_update=clip)
     res = run_ranks(_train, world, 16, kw)
-    expect, ratios = _plain(world, 16, 5, 0.01, 0.9, 0.99, 1e-8, 0.0)
+    expect, ratios = _plain(world, 16, 5, 0.01, 0.9, 0.99, 1e-8, 0.0, clip=clip)
     for r in res:
         assert r["digests"] == res[0]["digests"]
         _close(r["params"], expect, 1e-4)

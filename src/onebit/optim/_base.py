@@ -22,7 +22,7 @@ from torch.optim import Optimizer
 from .. import comm
 from ..comm import _dist
 
-__all__ = ["FlatState", "OnebitOptimizer", "ReplicaDivergence", "check_adam_args", "check_betas", "check_nonneg", "check_positive"]
+__all__ = ["FlatState", "OnebitOptimizer", "ReplicaDivergence", "check_adam_args", "check_betas", "check_bool", "check_nonneg", "check_positive"]
 
 _log = logging.getLogger("onebit.optim")
 
@@ -37,6 +37,12 @@ def check_positive(name: str, value: object, *, allow_zero: bool = False) -> flo
 
 def check_nonneg(name: str, value: object) -> float:
     return check_positive(name, value, allow_zero=True)
+
+
+def check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"Invalid {name} value: {value!r} (expected a bool)")
+    return value
 
 
 def check_betas(betas: object) -> tuple[float, float]:

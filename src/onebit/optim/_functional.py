@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["adam_denominator", "apply_update_", "onebit_adam"]
+__all__ = ["adam_denominator", "adam_step_bound", "apply_update_", "clip_to_adam_step_", "onebit_adam"]
 
 Exchange = Callable[[Tensor], object]
 
@@ -22,6 +22,29 @@ def adam_denominator(exp_avg_sq: Tensor, *, eps: float, bias_correction2: float,
     """``sqrt(v / bias_correction2) + eps`` -- the preconditioner of eq. (1)."""
     out = torch.sqrt(exp_avg_sq, out=out)
     return out.div_(math.sqrt(bias_correction2)).add_(eps)
+
+
+def adam_step_bound(beta1: float, beta2: float) -> float:
+    """The largest step, in units of the learning rate, that Adam itself takes on a value:
+    ``(1 - beta1) / sqrt(1 - beta2)`` when that exceeds 1, else 1 (Kingma & Ba, section 2.1);
+    3.16 at the default betas."""
+    return max(1.0, (1.0 - beta1) / math.sqrt(1.0 - beta2))
+
+
+def clip_to_adam_step_(exp_avg: Tensor, denom: Tensor, beta1: float, beta2: float, bias_correction1: float = 1.0) -> None:
+    """Clip, in place, each value of the averaged momentum so that its step
+    ``exp_avg / (bias_correction1 * denom)`` is at most :func:`adam_step_bound`.
+
+    Not in the papers; why it is needed: the 1-bit exchange gives every value of a chunk a
+    magnitude of about the chunk's scale, whatever its own momentum. Divided by a frozen
+    ``sqrt(v)`` that is tiny (a rarely seen embedding row, a logit that stopped receiving
+    gradient), that is a step of ``lr * scale / sqrt(v)`` -- thousands of times what Adam
+    would take. Error feedback cancels it only on average, and a row moved by hundreds
+    diverges the model when it is next looked up. Values whose step is within Adam's own
+    bound, which uncompressed Adam never exceeds, are untouched.
+    """
+    limit = denom * (adam_step_bound(beta1, beta2) * bias_correction1)
+    torch.clamp(exp_avg, min=limit.neg(), max=limit, out=exp_avg)
 
 
 def apply_update_(
@@ -65,6 +88,7 @@ def onebit_adam(
     weight_decays: Sequence[float],
     eps: float,
     bias_correction: bool,
+    clip_update: bool = True,
 ) -> list[bool]:
     """One step of 1-bit Adam over all parameters; returns which parameters were updated.
 
@@ -78,7 +102,8 @@ def onebit_adam(
     exact Adam, eq. (1), on every parameter that has a gradient on some rank.
     Compression (Algorithm 1 lines 6-13): ``m <- beta1 m + (1 - beta1) g_local`` for the
     parameters with a local gradient, ``exchange(exp_avg)`` replaces the fused momentum by
-    its error-compensated 1-bit average, and ``x <- x - lr m / frozen_denom``.
+    its error-compensated 1-bit average, with ``clip_update`` clipped to Adam's largest
+    step (:func:`clip_to_adam_step_`), and ``x <- x - lr m / frozen_denom``.
     With ``bias_correction`` the momentum is divided by ``1 - beta1^t`` and the variance by
     ``1 - beta2^t`` (frozen at the freeze step in ``frozen_denom``), as ``torch.optim.AdamW``.
     """
@@ -106,6 +131,8 @@ def onebit_adam(
         bc1 = 1.0 - beta1**step if bias_correction else 1.0
         if compressed:
             denom = frozen_denom[lo:hi]
+            if clip_update:
+                clip_to_adam_step_(exp_avg[lo:hi], denom, beta1, beta2, bc1)
         else:
             bc2 = 1.0 - beta2**step if bias_correction else 1.0
             denom = adam_denominator(exp_avg_sq[lo:hi], eps=eps, bias_correction2=bc2)

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from .. import comm
-from ._base import OnebitOptimizer, check_adam_args, check_betas
+from ._base import OnebitOptimizer, check_adam_args, check_betas, check_bool
 from ._freeze import TwoStage
 from ._functional import adam_denominator, onebit_adam
 
@@ -24,6 +24,7 @@ class _AdamFamily(OnebitOptimizer):
     """Argument checks and the flat gradient buffer shared by the Adam variants."""
 
     _flat_names = ("exp_avg", "exp_avg_sq")
+    clip_update = False  # only OnebitAdam's compression stage clips
 
     def __init__(
         self,
@@ -41,9 +42,7 @@ class _AdamFamily(OnebitOptimizer):
         check_replicas_every: int,
     ) -> None:
         check_adam_args(lr, betas, eps, weight_decay)
-        if not isinstance(bias_correction, bool):
-            raise TypeError(f"Invalid bias_correction value: {bias_correction!r} (expected a bool)")
-        self.bias_correction = bias_correction
+        self.bias_correction = check_bool("bias_correction", bias_correction)
         self.eps = float(eps)
         defaults = {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay}
         super().__init__(
@@ -83,6 +82,7 @@ class _AdamFamily(OnebitOptimizer):
             weight_decays=self._hyper("weight_decay"),
             eps=self.eps,
             bias_correction=self.bias_correction,
+            clip_update=self.clip_update,
         )
 
 
@@ -90,9 +90,13 @@ class OnebitAdam(TwoStage, _AdamFamily):
     """1-bit Adam (Algorithm 1 of Tang et al., 2021). Use it WITHOUT DDP.
 
     * Warm-up (steps ``1 .. freeze_step``): gradients are averaged with a full-precision
-      all-reduce and exact Adam, eq. (1), runs. With ``bias_correction=True`` this is
-      ``torch.optim.AdamW`` (decoupled weight decay: ``x <- x - lr * wd * x``); the paper's
-      default, ``False``, drops the bias correction as BERT training does.
+      all-reduce and exact Adam, eq. (1), runs. With ``bias_correction=True`` (the default)
+      this is ``torch.optim.AdamW`` (decoupled weight decay: ``x <- x - lr * wd * x``) and the
+      variance is frozen bias-corrected. ``False`` is the paper's BERT setting (and
+      DeepSpeed's): safe only when the freeze comes after ``1 - beta2^T`` is near 1 (thousands
+      of steps); frozen earlier, the raw variance is too small and every compressed step too
+      large (a short run diverged to NaN on the byte-LM task of ``onebit bench convergence``),
+      so freezing with ``1 - beta2^T < 0.5`` warns.
     * Compression (after the freeze): the variance is frozen as a preconditioner; each
       rank updates its momentum with its local gradient; the momentum of all parameters,
       one fused flat buffer, is exchanged by :class:`onebit.comm.CompressedAllReduce` with
@@ -117,6 +121,10 @@ class OnebitAdam(TwoStage, _AdamFamily):
         max_freeze_step: "auto" freezes at this step at the latest (``None``: no limit).
         compressor: compressor of the momentum exchange (``"sign"``; ``"identity"`` gives the
             paper's "1-bit Adam (32-bits)" ablation).
+        clip_update: clip each value's compressed step to Adam's own largest step,
+            ``lr (1 - beta1) / sqrt(1 - beta2)`` (:func:`onebit.optim.clip_to_adam_step_`; not in
+            the paper). Without it, values whose frozen variance is tiny take steps of
+            ``lr * scale / sqrt(v)`` from the 1-bit exchange.
         hierarchical, ranks_per_node: exchange with Birder's Hierarchical-1-bit-All-Reduce
             (:func:`onebit.comm.compressed_allreduce`: ``True``, ``False`` or ``"auto"``).
         timeout: per-collective timeout in seconds (default 300).
@@ -137,7 +145,7 @@ class OnebitAdam(TwoStage, _AdamFamily):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         freeze_step: int | str = "auto",
-        bias_correction: bool = False,
+        bias_correction: bool = True,
         group: comm.Group = None,
         *,
         freeze_threshold: float = 0.96,
@@ -145,6 +153,7 @@ class OnebitAdam(TwoStage, _AdamFamily):
         min_freeze_step: int = 0,
         max_freeze_step: int | None = None,
         compressor: str = "sign",
+        clip_update: bool = True,
         hierarchical: bool | str = False,
         ranks_per_node: int | None = None,
         timeout: float | timedelta | None = None,
@@ -152,6 +161,7 @@ class OnebitAdam(TwoStage, _AdamFamily):
         on_nonfinite: str = "skip",
         check_replicas_every: int = 0,
     ) -> None:
+        self.clip_update = check_bool("clip_update", clip_update)
         self._init_two_stage(
             freeze_step,
             check_betas(betas)[1],
@@ -177,30 +187,16 @@ class OnebitAdam(TwoStage, _AdamFamily):
             compressor, self.process_group, hierarchical=hierarchical, ranks_per_node=ranks_per_node, timeout=self.timeout
         )
         self._denom: Tensor | None = None
-        self._unused: Tensor | None = None
 
     def _on_freeze(self) -> None:
         """Freeze the variance (Algorithm 1 line 2)."""
         self._denom = self._frozen_denominator()
-        if self._unused is not None:
-            _log.info(
-                "%s: %d values had a zero gradient through the warm-up; their momentum is held at zero",
-                type(self).__name__,
-                int(self._unused.sum()),
-            )
-
-    def _exchange_momentum(self, m: Tensor) -> None:
-        self.allreduce(m, out=m)
-        if self._unused is not None:
-            # 1-bit compression gives every value a magnitude; where v_frozen == 0 (the value
-            # never had a gradient, e.g. an embedding row never looked up) that step would be
-            # lr * scale / eps. DeepSpeed asks users for an ``exp_avg_mask``; v == 0 is that mask.
-            m.masked_fill_(self._unused, 0.0)
+        if not self.bias_correction:
+            self._warn_early_freeze()
 
     def _frozen_denominator(self) -> Tensor:
         v = self.flat.buffers["exp_avg_sq"]
-        unused = v == 0
-        self._unused = unused if bool(unused.any()) else None
+        self._mask_unused(v)
         beta2s = self._hyper("betas")
         denom = torch.empty_like(v)
         for (lo, hi), (_, beta2) in zip(self.flat.offsets, beta2s):
@@ -243,7 +239,7 @@ class OnebitAdamNaive(_AdamFamily):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
-        bias_correction: bool = False,
+        bias_correction: bool = True,
         group: comm.Group = None,
         *,
         compressor: str = "sign",

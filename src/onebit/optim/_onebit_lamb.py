@@ -12,9 +12,9 @@ import torch
 from torch import Tensor
 
 from .. import comm
-from ._base import OnebitOptimizer, check_adam_args, check_nonneg
+from ._base import OnebitOptimizer, check_adam_args, check_bool, check_nonneg
 from ._freeze import TwoStage
-from ._functional import apply_update_
+from ._functional import apply_update_, clip_to_adam_step_
 
 __all__ = ["OnebitLamb", "lamb_coefficient", "onebit_lamb"]
 
@@ -55,6 +55,7 @@ def onebit_lamb(
     factor_max: float,
     factor_min: float,
     factor_threshold: float,
+    clip_update: bool = True,
 ) -> Tensor:
     """One step of 1-bit LAMB over all parameters; returns each tensor's coefficient ``c_t``.
 
@@ -68,7 +69,8 @@ def onebit_lamb(
     ``exchange(exp_avg)`` replaces the fused momentum (A.5.1) by its 1-bit average; unscale;
     ``g = (m_t - b1 m_{t-1}) / (1 - b1)``; fresh ``v``; ``r = max(v_frozen / v)`` clipped to
     ``(1 +- r_threshold) r_prev`` then ``[r_min, r_max]``; ``c = r c_avg``;
-    ``x <- x - lr c (m / (sqrt(v_frozen) + eps) + wd x)``.
+    ``x <- x - lr c (m / (sqrt(v_frozen) + eps) + wd x)``. With ``clip_update`` the averaged
+    momentum is first clipped to Adam's largest step (:func:`clip_to_adam_step_`).
     """
     coeffs = []
     if not compressed:
@@ -96,6 +98,9 @@ def onebit_lamb(
         b1, b2 = betas[i]
         m, v, v_frozen = exp_avg[lo:hi], exp_avg_sq[lo:hi], frozen_exp_avg_sq[lo:hi]
         m.div_(momentum_scale[i])
+        denom = v_frozen.sqrt().add_(eps)
+        if clip_update:
+            clip_to_adam_step_(m, denom, b1, b2)
         g = (m - b1 * last_exp_avg[lo:hi]) / (1.0 - b1)
         v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
         prev = ratio[i].clone()
@@ -110,7 +115,7 @@ def onebit_lamb(
         r = r.clamp(factor_min, factor_max)
         ratio[i] = r
         c = r * coeff_avg[i]
-        update = m / (v_frozen.sqrt() + eps)
+        update = m / denom
         if weight_decays[i]:
             update.add_(p.detach().reshape(-1).float(), alpha=weight_decays[i])
         apply_update_(p, update, None, lr=lrs[i], weight_decay=0.0, step_size=lrs[i] * c)
@@ -130,7 +135,18 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
       similar scale.
     * Compression: see :func:`onebit_lamb` -- one :class:`onebit.comm.CompressedAllReduce`
       of the fused momentum (a view over all layers, A.5.1), fresh variance from the
-      reconstructed gradient, clipped scaling ratios.
+      reconstructed gradient, clipped scaling ratios. Values whose frozen variance is zero
+      (never a gradient in the warm-up) keep a zero momentum, as in :class:`onebit.OnebitAdam`;
+      with ``clip_update`` (default) each value's step is clipped to Adam's own largest step
+      (:func:`onebit.optim.clip_to_adam_step_`, not in the paper).
+
+    Where this differs from DeepSpeed 0.19.6's ``OnebitLamb``, each decided on the byte-LM
+    task of ``onebit bench convergence`` (README, "1-bit LAMB: decisions"): the ratio is the
+    paper's ``max(v_frozen / v)`` (DeepSpeed: of ``sqrt(v) + eps``), clipped to the previous
+    ratio's band and then to ``[r_min, r_max]`` as line 18-19 (DeepSpeed: the other order);
+    values without a fresh variance are left out of the max (DeepSpeed: ``eps`` makes them
+    ``r_max``); no weight-decay blend of the ratio (not in the paper). None of these
+    changed whether the run diverged; the zero-variance mask and the step clip did.
 
     Names follow DeepSpeed's ``OnebitLamb``: ``max_coeff``/``min_coeff`` are ``c_max``/``c_min``,
     ``coeff_beta`` is ``beta_3``, ``factor_max``/``factor_min``/``factor_threshold`` are
@@ -163,6 +179,7 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
         min_freeze_step: int = 0,
         max_freeze_step: int | None = None,
         compressor: str = "sign",
+        clip_update: bool = True,
         hierarchical: bool | str = False,
         ranks_per_node: int | None = None,
         timeout: float | timedelta | None = None,
@@ -195,6 +212,7 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
         )
         self.eps = float(eps)
         self.options = {
+            "clip_update": check_bool("clip_update", clip_update),
             "coeff_beta": float(coeff_beta),
             "max_coeff": float(max_coeff),
             "min_coeff": float(min_coeff),
@@ -225,6 +243,7 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
         """Line 3 and A.5.2: store v_Tw (c_avg stops moving), derive the momentum scale coefficients."""
         b = self.flat.buffers
         b["frozen_exp_avg_sq"].copy_(b["exp_avg_sq"])
+        self._mask_unused(b["frozen_exp_avg_sq"])
         scales = [float(b["exp_avg"][lo:hi].norm()) / math.sqrt(hi - lo) for lo, hi in self.flat.offsets]
         positive = [s for s in scales if s > 0]
         united = sum(positive) / len(positive) if positive else 1.0
@@ -251,7 +270,7 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
             coeff_avg=self.coeff_avg,
             ratio=self.ratio,
             momentum_scale=self.momentum_scale,
-            exchange=(lambda m: self.allreduce(m, out=m)) if compressed else self._allreduce,
+            exchange=self._exchange_momentum if compressed else self._allreduce,
             compressed=compressed,
             lrs=self._hyper("lr"),
             betas=self._hyper("betas"),
@@ -273,6 +292,8 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
 
     def _load_extra_state(self, state: Mapping[str, Any], same_world: bool) -> None:
         self._load_two_stage_state(state)
+        if self._frozen_at is not None:
+            self._mask_unused(self.flat.buffers["frozen_exp_avg_sq"])
         as_vector = {"dtype": torch.float64, "device": self.flat.device, "copy": True}
         self.coeff_avg = state["coeff_avg"].to(**as_vector)
         self.ratio = state["ratio"].to(**as_vector)
