@@ -19,9 +19,10 @@ OPTIMIZERS = [
 ]
 
 
-def flag_bytes(world: int) -> int:
-    """Bytes of the per-step non-finite agreement: a ring all-reduce of one fp32 flag."""
-    return 2 * (world - 1) * 4 // world
+def flag_bytes(world: int, tensors: int = 2) -> int:
+    """Bytes of the per-step agreement: a ring all-reduce of one fp32 non-finite flag plus one
+    has-a-gradient flag per parameter tensor (the test problem has two)."""
+    return 2 * (world - 1) * 4 * (1 + tensors) // world
 
 
 def data(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -73,8 +73,8 @@ def test_warmup_equals_adamw_on_averaged_gradient(world):
             assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
         assert r["stats"][-1]["stage"] == "warmup"
         assert r["digests"] == res[0]["digests"]
-    if world > 1:  # warm-up sends the fp32 gradients (plus one flag per tensor) by ring all-reduce
-        assert res[0]["stats"][-1]["bytes_sent"] == 2 * (world - 1) * 4 * (DIM + 1 + 2) // world + flag_bytes(world)
+    if world > 1:  # warm-up sends the fp32 gradients by ring all-reduce, plus the agreement flags
+        assert res[0]["stats"][-1]["bytes_sent"] == 2 * (world - 1) * 4 * (DIM + 1) // world + flag_bytes(world)
 
 
 @pytest.mark.parametrize("world,defaults", [(2, False), (3, False), (2, True), (3, True)])

@@ -324,6 +324,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     from .bench import bench_comm, bench_kernels
 
+    if args.world_size is None:
+        args.world_size = 3 if args.what == "convergence" else 2
+    if args.what == "convergence":
+        return _bench_convergence(args)
     if args.what == "kernels":
         torch.set_num_threads(args.threads)
         results = bench_kernels(args.numel, args.repeat, args.device)
@@ -347,6 +351,48 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                       f"{r.seconds / r.ideal_seconds:.2f}x" if r.ideal_seconds else "-"] for r in results]
             print(f"onebit bench comm: {numel} fp32 values, {world} ranks ({args.backend}), median of {args.repeat}")
             print(_table(rows))
+    return 0
+
+
+def _convergence_rows(results: list[dict[str, Any]]) -> list[list[str]]:
+    rows = [["task", "lr", "optimizer", "final loss", "held-out", "gap", "non-finite at", "MB sent/rank", "freeze"]]
+    for r in results:
+        rows.append([
+            r["task"], f"{r['lr']:g}", r["label"], f"{r['final_loss']:.4f}", f"{r['heldout_loss']:.4f}",
+            "-" if r["gap_pct"] is None else f"{r['gap_pct']:+.1f}%",
+            str(r["first_nonfinite_step"] or "-"), f"{r['bytes_sent_per_rank'] / 1e6:.2f}",
+            str(r["freeze_step"] or "-"),
+        ])
+    return rows
+
+
+def _names(text: str, known: tuple[str, ...], flag: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise SystemExit(f"onebit: {flag}: unknown {unknown or names}; available: {', '.join(known)}")
+    return names
+
+
+def _bench_convergence(args: argparse.Namespace) -> int:
+    from .bench._convergence import CONVERGENCE_TASKS, FAMILIES, run_convergence
+    from .bench._plot import plot_convergence
+
+    tasks = _names(args.tasks, CONVERGENCE_TASKS, "--tasks")
+    families = _names(args.families, tuple(FAMILIES), "--families")
+    out = Path(args.out)
+    print(f"onebit bench convergence: {len(tasks)} tasks x {len(families)} optimizer families, "
+          f"{args.world_size} gloo ranks, {args.steps} steps, batch {args.batch_size}/rank")
+    results = run_convergence(out, tasks, families, steps=args.steps, batch=args.batch_size,
+                              world=args.world_size, progress=not args.quiet)
+    text = _table(_convergence_rows(results))
+    print(text)
+    (out / "table.txt").write_text(text + "\n")
+    try:
+        print(f"loss plot: {plot_convergence(results, out / 'loss.png')}")
+    except ImportError as exc:
+        print(f"no loss plot: {exc}")
+    print(f"summary: {out}/summary.json")
     return 0
 
 
@@ -419,17 +465,27 @@ def build_parser() -> argparse.ArgumentParser:
     _training_flags(compare, 300, "runs/compare")
     compare.set_defaults(func=_cmd_compare)
 
-    bench = sub.add_parser("bench", help="microbenchmarks: bit kernels or collectives")
-    bench.add_argument("what", choices=("kernels", "comm"))
+    bench = sub.add_parser("bench", help="benchmarks: bit kernels, collectives, or the convergence matrix")
+    bench.add_argument("what", choices=("kernels", "comm", "convergence"))
     bench.add_argument("--numel", type=_positive_int, default=10_500_000, help="fp32 values (default 10.5M)")
     bench.add_argument("--sizes", dest="numel_list", type=lambda t: [_positive_int(x) for x in t.split(",")],
                        default=None, help="comma-separated sizes for 'comm' (instead of --numel)")
     bench.add_argument("--repeat", type=_positive_int, default=10)
-    bench.add_argument("--world-size", type=_positive_int, default=2, help="ranks for 'comm' (default 2)")
+    bench.add_argument("--world-size", type=_positive_int, default=None,
+                       help="ranks (default: 2 for 'comm', 3 for 'convergence')")
     bench.add_argument("--threads", type=_positive_int, default=1, help="torch threads for 'kernels' (default 1)")
     bench.add_argument("--device", default="cpu", help="device for 'kernels' (default cpu)")
     bench.add_argument("--backend", choices=("torch", "mpi"), default="torch",
                        help="'comm' over spawned gloo ranks (default) or, under mpirun, over MPI")
+    conv = bench.add_argument_group("convergence (every optimizer vs its uncompressed counterpart)")
+    conv.add_argument("--tasks", default="byte_mlp,gpt,bert,digits,sparse_embed,frozen_unused",
+                      help="comma-separated tasks (default: all six)")
+    conv.add_argument("--families", default="adamw,lamb,amsgrad,softsign_sgd",
+                      help="comma-separated counterparts, each with its compressed optimizers (default: all)")
+    conv.add_argument("--steps", type=_positive_int, default=300, help="steps per run (default 300)")
+    conv.add_argument("--batch-size", type=_positive_int, default=32, help="samples per rank per step (default 32)")
+    conv.add_argument("--out", default="runs/convergence", help="output directory (default runs/convergence)")
+    conv.add_argument("--quiet", action="store_true", help="no per-run progress lines")
     _cluster_flags(bench)
     bench.set_defaults(func=_cmd_bench)
 

@@ -5,11 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["plot_losses"]
+__all__ = ["ema", "plot_convergence", "plot_losses"]
 
 
-def plot_losses(runs: dict[str, list[dict[str, Any]]], path: Path, title: str = "") -> Path:
-    """Write ``path`` with one line per run; raises ImportError naming the extra if matplotlib is missing."""
+def ema(values: list[float], alpha: float = 0.05) -> list[float]:
+    """Exponential moving average (bias-corrected from the first value), for curves a person reads."""
+    out, acc = [], None
+    for v in values:
+        acc = v if acc is None else (1 - alpha) * acc + alpha * v
+        out.append(acc)
+    return out
+
+
+def _pyplot():
     try:
         import matplotlib
 
@@ -17,6 +25,51 @@ def plot_losses(runs: dict[str, list[dict[str, Any]]], path: Path, title: str = 
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise ImportError("the loss plot needs matplotlib: pip install 'onebit[plot]'") from exc
+    return plt
+
+
+def plot_convergence(results: list[dict[str, Any]], path: Path) -> Path:
+    """One panel per task and counterpart (at its first learning rate): every run's training
+    loss, smoothed, over its faint raw curve; freeze steps marked."""
+    plt = _pyplot()
+    tasks = list(dict.fromkeys(r["task"] for r in results))
+    families = list(dict.fromkeys(r["family"] for r in results))
+    fig, axes = plt.subplots(len(tasks), len(families), figsize=(4.2 * len(families), 3.0 * len(tasks)),
+                             squeeze=False)
+    for i, task in enumerate(tasks):
+        for j, family in enumerate(families):
+            ax = axes[i][j]
+            cells = [r for r in results if r["task"] == task and r["family"] == family]
+            if not cells:
+                ax.set_visible(False)
+                continue
+            lr = cells[0]["lr"]
+            for r in cells:
+                if r["lr"] != lr:
+                    continue
+                steps = range(1, len(r["losses"]) + 1)
+                (line,) = ax.plot(steps, ema(r["losses"]), lw=1.2, label=r["label"])
+                ax.plot(steps, r["losses"], lw=0.5, alpha=0.2, color=line.get_color())
+                if r["freeze_step"]:
+                    ax.axvline(r["freeze_step"], color=line.get_color(), ls=":", lw=0.8)
+            finite = [v for r in cells if r["lr"] == lr for v in r["losses"][len(r["losses"]) // 10:]
+                      if v == v and abs(v) != float("inf")]
+            if finite:
+                ax.set_ylim(min(finite) * 0.95, max(finite) * 1.05)
+            ax.set_title(f"{task}: {family} family, lr {lr:g}", fontsize=9)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=6)
+    fig.supxlabel("step (dotted: freeze)")
+    fig.supylabel("training loss (smoothed over raw)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def plot_losses(runs: dict[str, list[dict[str, Any]]], path: Path, title: str = "") -> Path:
+    """Write ``path`` with one line per run; raises ImportError naming the extra if matplotlib is missing."""
+    plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for name, records in runs.items():
         loss = [r["loss"] for r in records]

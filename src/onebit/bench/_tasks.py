@@ -21,25 +21,50 @@ TASKS = ("mlp", "gpt", "bert", "digits")
 MASK = 256  # the masked-LM's [MASK] token, after the 256 byte values
 
 
-class ByteCorpus:
-    """The bytes of the standard library's ``.py`` files (sorted, capped), split train/held-out."""
+def _english_bytes() -> bytes:
+    """English prose shipped with every CPython: the documentation topics behind ``help()``."""
+    from pydoc_data import topics
 
-    def __init__(self, max_bytes: int = 4_000_000, holdout: float = 0.1) -> None:
-        root = Path(sysconfig.get_paths()["stdlib"])
-        chunks, total = [], 0
-        for path in sorted(root.rglob("*.py")):
-            if "test" in path.parts or "site-packages" in path.parts:
-                continue
-            data = path.read_bytes()
-            chunks.append(data)
-            total += len(data)
-            if total >= max_bytes:
-                break
-        if total == 0:
-            raise RuntimeError(f"no Python sources found under {root}")
-        data = torch.frombuffer(bytearray(b"".join(chunks)[:max_bytes]), dtype=torch.uint8).long()
+    text = "\n\n".join(topics.topics[key] for key in sorted(topics.topics))
+    if not text:
+        raise RuntimeError("pydoc_data.topics holds no text")
+    return text.encode("utf-8")
+
+
+def _python_bytes(max_bytes: int) -> bytes:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chunks, total = [], 0
+    for path in sorted(root.rglob("*.py")):
+        if "test" in path.parts or "site-packages" in path.parts:
+            continue
+        data = path.read_bytes()
+        chunks.append(data)
+        total += len(data)
+        if total >= max_bytes:
+            break
+    if total == 0:
+        raise RuntimeError(f"no Python sources found under {root}")
+    return b"".join(chunks)
+
+
+class ByteCorpus:
+    """Real text present on every machine, split train/held-out: the standard library's
+    ``.py`` files (``"python"``, sorted, capped) or its English documentation (``"english"``,
+    the ``help()`` topics, about 0.7 MB, with the UTF-8 multi-byte characters that make some
+    byte values rare)."""
+
+    def __init__(self, max_bytes: int = 4_000_000, holdout: float = 0.1, text: str = "python") -> None:
+        if text not in ("python", "english"):
+            raise ValueError(f"text must be 'python' or 'english', got {text!r}")
+        raw = _english_bytes() if text == "english" else _python_bytes(max_bytes)
+        data = torch.frombuffer(bytearray(raw[:max_bytes]), dtype=torch.uint8).long()
         split = int(len(data) * (1 - holdout))
         self.train, self.heldout = data[:split], data[split:]
+
+    def shard(self, rank: int, world: int) -> None:
+        """Keep only this rank's contiguous 1/world of the training bytes (non-identical data per rank)."""
+        size = len(self.train) // world
+        self.train = self.train[rank * size : (rank + 1) * size]
 
     def windows(self, length: int, size: int, generator: torch.Generator, heldout: bool = False) -> Tensor:
         """``size`` random windows of ``length`` consecutive bytes, as int64."""
@@ -56,16 +81,17 @@ class ByteCorpus:
 class ByteMLP(nn.Module):
     """Next-byte predictor: embed ``context`` bytes, two hidden layers, 256 logits."""
 
-    def __init__(self, context: int = 16, embed: int = 32, hidden: int = 512) -> None:
+    def __init__(self, context: int = 16, embed: int = 32, hidden: int = 512, hidden2: int | None = None) -> None:
         super().__init__()
         self.context = context
+        hidden2 = hidden if hidden2 is None else hidden2
         self.embed = nn.Embedding(256, embed)
         self.net = nn.Sequential(
             nn.Linear(context * embed, hidden),
             nn.GELU(),
-            nn.Linear(hidden, hidden),
+            nn.Linear(hidden, hidden2),
             nn.GELU(),
-            nn.Linear(hidden, 256),
+            nn.Linear(hidden2, 256),
         )
 
     def forward(self, x: Tensor) -> Tensor:

@@ -277,6 +277,7 @@ def birder_hook(state: BirderState, bucket: dist.GradBucket) -> torch.futures.Fu
         update = soft_sign_direction(
             [(0, grad.numel())],
             grad=grad.float(),
+            active=[True],
             exp_avg=entry["exp_avg"],
             exp_avg_abs=entry["exp_avg_abs"],
             max_exp_avg_abs=None,

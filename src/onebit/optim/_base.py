@@ -89,17 +89,13 @@ class FlatState:
         flat = self.buffers[name]
         return [flat[lo:hi].view(p.shape) for p, (lo, hi) in zip(self.params, self.offsets)]
 
-    def gather_grads(self, out: Tensor) -> list[bool]:
-        """Copy every gradient (cast to fp32) into ``out``; zeros and False where a grad is None."""
-        has_grad = []
+    def gather_grads(self, out: Tensor) -> None:
+        """Copy every gradient (cast to fp32) into ``out``; zeros where a grad is None."""
         for p, (lo, hi) in zip(self.params, self.offsets):
             if p.grad is None:
                 out[lo:hi].zero_()
-                has_grad.append(False)
             else:
                 out[lo:hi].copy_(p.grad.reshape(-1))
-                has_grad.append(True)
-        return has_grad
 
 
 class ReplicaDivergence(RuntimeError):
@@ -114,6 +110,13 @@ class OnebitOptimizer(Optimizer):
     (``"skip"``: a non-finite gradient on any rank makes every rank skip the step, counted
     in ``stats["skipped_steps"]``; ``"raise"``: ``FloatingPointError`` on every rank) and
     ``check_replicas_every`` (K > 0: :meth:`check_replicas` after every K-th step).
+
+    Missing gradients, one rule for every optimizer: a parameter whose ``.grad`` is ``None``
+    on every rank (frozen, or unused this step) is not updated -- no step, no weight decay,
+    its moments untouched -- as in ``torch.optim``. A parameter with a gradient on some ranks
+    only counts as a zero gradient on the others (the average DDP would form). Which
+    parameters have a gradient somewhere travels with the non-finite agreement (one flag
+    per parameter in its all-reduce), so every rank takes the same decision.
     Subclasses implement :meth:`_step` and list their flat buffers in ``_flat_names``.
     """
 
@@ -164,6 +167,7 @@ class OnebitOptimizer(Optimizer):
                     comm.broadcast(p.data, 0, self.process_group, self.timeout)
         self.flat = FlatState(params)
         self._step_count = 0
+        self._active: list[bool] = [True] * len(params)
         self._skipped = 0
         self._bytes_total = 0
         self._bytes_last = 0
@@ -278,16 +282,23 @@ class OnebitOptimizer(Optimizer):
         scale = getattr(self, "grad_scale", None)
         if scale is not None and grads:
             torch._foreach_mul_(grads, scale.double().reciprocal().float().to(grads[0].device))
-        flag = torch.zeros(1, dtype=torch.float32, device=self.flat.device)
+        # flag[0]: some gradient here is not finite; flag[1 + i]: parameter i has a gradient here.
+        flag = torch.zeros(1 + len(self.flat.params), dtype=torch.float32, device=self.flat.device)
         if grads:
             peaks = torch.stack([g.detach().abs().amax().float() if g.numel() else flag[0] for g in grads])
             flag[0] = (~torch.isfinite(peaks)).any()
+        if len(grads) == len(self.flat.params):
+            flag[1:] = 1.0  # the common case, without a host-to-device copy
+        else:
+            flag[1:] = torch.tensor([p.grad is not None for p in self.flat.params], dtype=torch.float32)
         found_inf = getattr(self, "found_inf", None)
         if found_inf is not None:
-            flag = torch.maximum(flag, found_inf.reshape(1).to(flag))
+            flag[0] = torch.maximum(flag[0], found_inf.reshape(()).to(flag))
         if self.world_size > 1:
             _dist.all_reduce_max(flag, self.process_group, self.timeout)
-        if not flag.item():
+        values = flag.tolist()
+        self._active = [v > 0 for v in values[1:]]
+        if not values[0]:
             return False
         if self.on_nonfinite == "raise":
             local = [i for i, p in enumerate(self.flat.params) if p.grad is not None and not torch.isfinite(p.grad).all()]

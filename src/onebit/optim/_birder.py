@@ -39,6 +39,7 @@ def soft_sign_direction(
     offsets: Sequence[tuple[int, int]],
     *,
     grad: Tensor,
+    active: Sequence[bool],
     exp_avg: Tensor,
     exp_avg_abs: Tensor,
     max_exp_avg_abs: Tensor | None,
@@ -49,7 +50,9 @@ def soft_sign_direction(
 ) -> Tensor:
     """``m = b m + (1-b) g``, ``b^ = b b^ + (1-b)|g|`` (lines 5-6), ``b = max(b_prev, b^)`` when
     ``use_max`` else ``b^`` (line 7), and ``out = m / (b + eps)``, each element in ``[-1, 1]``."""
-    for (lo, hi), beta in zip(offsets, betas):
+    for (lo, hi), beta, on in zip(offsets, betas, active):
+        if not on:  # no gradient on any rank: moments untouched
+            continue
         g = grad[lo:hi]
         exp_avg[lo:hi].mul_(beta).add_(g, alpha=1.0 - beta)
         exp_avg_abs[lo:hi].mul_(beta).add_(g.abs(), alpha=1.0 - beta)
@@ -64,9 +67,10 @@ def soft_sign_direction(
     return torch.div(exp_avg, out, out=out)
 
 
-def _apply(params, offsets, update: Tensor, lrs, weight_decays) -> None:
-    for p, (lo, hi), lr, wd in zip(params, offsets, lrs, weight_decays):
-        apply_update_(p, update[lo:hi], None, lr=lr, weight_decay=wd, step_size=lr)
+def _apply(params, offsets, update: Tensor, lrs, weight_decays, active) -> None:
+    for p, (lo, hi), lr, wd, on in zip(params, offsets, lrs, weight_decays, active):
+        if on:
+            apply_update_(p, update[lo:hi], None, lr=lr, weight_decay=wd, step_size=lr)
 
 
 def birder(
@@ -74,6 +78,7 @@ def birder(
     offsets: Sequence[tuple[int, int]],
     *,
     grad: Tensor,
+    active: Sequence[bool],
     exp_avg: Tensor,
     exp_avg_abs: Tensor,
     max_exp_avg_abs: Tensor | None,
@@ -92,6 +97,7 @@ def birder(
     soft_sign_direction(
         offsets,
         grad=grad,
+        active=active,
         exp_avg=exp_avg,
         exp_avg_abs=exp_avg_abs,
         max_exp_avg_abs=max_exp_avg_abs,
@@ -100,7 +106,7 @@ def birder(
         eps=eps,
         out=update,
     )
-    _apply(params, offsets, exchange(update), lrs, weight_decays)
+    _apply(params, offsets, exchange(update), lrs, weight_decays, active)
 
 
 def soft_sign_sgd(
@@ -108,6 +114,7 @@ def soft_sign_sgd(
     offsets: Sequence[tuple[int, int]],
     *,
     grad: Tensor,
+    active: Sequence[bool],
     exp_avg: Tensor,
     exp_avg_abs: Tensor,
     update: Tensor,
@@ -122,6 +129,7 @@ def soft_sign_sgd(
     soft_sign_direction(
         offsets,
         grad=exchange(grad),
+        active=active,
         exp_avg=exp_avg,
         exp_avg_abs=exp_avg_abs,
         max_exp_avg_abs=None,
@@ -130,7 +138,7 @@ def soft_sign_sgd(
         eps=eps,
         out=update,
     )
-    _apply(params, offsets, update, lrs, weight_decays)
+    _apply(params, offsets, update, lrs, weight_decays, active)
 
 
 class _SoftSign(OnebitOptimizer):
@@ -184,8 +192,9 @@ class Birder(_SoftSign):
         compressor: the quantiser of the exchange; ``"identity"`` sends fp32 and gives the
             average of the workers' ``m / (b + eps)`` (SoftSignSGD at world size 1).
 
-    Every parameter is updated every step (a ``+-1`` code cannot say "no update"); a
-    parameter without ``.grad`` on a rank counts as a zero gradient there.
+    A ``+-1`` code cannot say "no update", so a parameter's code is exchanged every step;
+    missing gradients follow :class:`onebit.optim.OnebitOptimizer`'s rule (a parameter
+    without a gradient on any rank ignores its code: it is not updated).
     """
 
     def __init__(
@@ -233,6 +242,7 @@ class Birder(_SoftSign):
             self.flat.params,
             self.flat.offsets,
             grad=self._grad,
+            active=self._active,
             exp_avg=b["exp_avg"],
             exp_avg_abs=b["exp_avg_abs"],
             max_exp_avg_abs=b.get("max_exp_avg_abs"),
@@ -290,6 +300,7 @@ class SoftSignSGD(_SoftSign):
             self.flat.params,
             self.flat.offsets,
             grad=self._grad,
+            active=self._active,
             exp_avg=b["exp_avg"],
             exp_avg_abs=b["exp_avg_abs"],
             update=self._update,

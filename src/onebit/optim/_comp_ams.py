@@ -25,6 +25,7 @@ def comp_ams(
     offsets: Sequence[tuple[int, int]],
     *,
     grad: Tensor,
+    active: Sequence[bool],
     exp_avg: Tensor,
     exp_avg_sq: Tensor,
     max_exp_avg_sq: Tensor,
@@ -44,7 +45,9 @@ def comp_ams(
     ``v^ / (1 - b2^t)``, as ``torch.optim.AdamW(amsgrad=True)``); decoupled weight decay.
     """
     g_all = exchange(grad)
-    for p, (lo, hi), lr, (b1, b2), wd in zip(params, offsets, lrs, betas, weight_decays):
+    for p, (lo, hi), lr, (b1, b2), wd, on in zip(params, offsets, lrs, betas, weight_decays, active):
+        if not on:  # no gradient on any rank: not updated
+            continue
         g = g_all[lo:hi]
         m, v, vmax = exp_avg[lo:hi], exp_avg_sq[lo:hi], max_exp_avg_sq[lo:hi]
         m.mul_(b1).add_(g, alpha=1.0 - b1)
@@ -103,7 +106,7 @@ class CompAMS(_GradientExchange):
         bias_correction: divide ``m`` and ``v^`` by ``1 - beta^t`` (off in the paper).
 
     The all-gather volume grows with the world size: each rank receives ``w - 1``
-    payloads. A parameter without ``.grad`` contributes a zero gradient on that rank.
+    payloads. Missing gradients follow :class:`onebit.optim.OnebitOptimizer`'s rule.
     """
 
     _flat_names = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
@@ -162,6 +165,7 @@ class CompAMS(_GradientExchange):
             self.flat.params,
             self.flat.offsets,
             grad=self._grad,
+            active=self._active,
             exp_avg=b["exp_avg"],
             exp_avg_sq=b["exp_avg_sq"],
             max_exp_avg_sq=b["max_exp_avg_sq"],
@@ -221,12 +225,16 @@ class QAdam(_GradientExchange):
         g_all = self._grad
         self.flat.gather_grads(g_all)
         m_all, v_all = self.flat.buffers["exp_avg"], self.flat.buffers["exp_avg_sq"]
-        for (lo, hi), (b1, b2) in zip(self.flat.offsets, self._hyper("betas")):
+        for (lo, hi), (b1, b2), on in zip(self.flat.offsets, self._hyper("betas"), self._active):
+            if not on:
+                continue
             g = g_all[lo:hi]
             m_all[lo:hi].mul_(b1).add_(g, alpha=1.0 - b1)
             v_all[lo:hi].mul_(b2).addcmul_(g, g, value=1.0 - b2)
         # a = m / sqrt(v + eps) overwrites the gradient buffer, then is averaged in place.
         torch.div(m_all, v_all.add(self.eps).sqrt_(), out=g_all)
         a_bar = self._average(g_all)
-        for p, (lo, hi), lr, wd in zip(self.flat.params, self.flat.offsets, self._hyper("lr"), self._hyper("weight_decay")):
-            apply_update_(p, a_bar[lo:hi], None, lr=lr, weight_decay=wd, step_size=lr)
+        for p, (lo, hi), lr, wd, on in zip(self.flat.params, self.flat.offsets, self._hyper("lr"),
+                                           self._hyper("weight_decay"), self._active):
+            if on:
+                apply_update_(p, a_bar[lo:hi], None, lr=lr, weight_decay=wd, step_size=lr)

@@ -76,7 +76,7 @@ def onebit_adam(
     offsets: Sequence[tuple[int, int]],
     *,
     grad: Tensor,
-    has_grad: Sequence[bool],
+    active: Sequence[bool],
     exp_avg: Tensor,
     exp_avg_sq: Tensor,
     frozen_denom: Tensor | None,
@@ -89,29 +89,23 @@ def onebit_adam(
     eps: float,
     bias_correction: bool,
     clip_update: bool = True,
-) -> list[bool]:
-    """One step of 1-bit Adam over all parameters; returns which parameters were updated.
+) -> None:
+    """One step of 1-bit Adam over all parameters.
 
-    ``grad`` holds the local gradients at ``offsets`` followed by one participation flag
-    per parameter (1.0 where the parameter has a gradient on this rank, as ``has_grad``).
-    A parameter is updated where its flag is positive after ``exchange``; when every
-    parameter has a local gradient that is known without reading the flags back from the
-    device, so the usual step has no host synchronisation.
+    ``grad`` holds the local gradients at ``offsets`` (zeros where a parameter has none);
+    ``active[i]`` says whether parameter ``i`` has a gradient on some rank: the others keep
+    their value and moments.
 
-    Warm-up (``compressed=False``): ``exchange(grad)`` averages gradients and flags, then
-    exact Adam, eq. (1), on every parameter that has a gradient on some rank.
-    Compression (Algorithm 1 lines 6-13): ``m <- beta1 m + (1 - beta1) g_local`` for the
-    parameters with a local gradient, ``exchange(exp_avg)`` replaces the fused momentum by
-    its error-compensated 1-bit average, with ``clip_update`` clipped to Adam's largest
-    step (:func:`clip_to_adam_step_`), and ``x <- x - lr m / frozen_denom``.
+    Warm-up (``compressed=False``): ``exchange(grad)`` averages the gradients, then exact
+    Adam, eq. (1). Compression (Algorithm 1 lines 6-13): ``m <- beta1 m + (1 - beta1) g_local``,
+    ``exchange(exp_avg)`` replaces the fused momentum by its error-compensated 1-bit average,
+    with ``clip_update`` clipped to Adam's largest step (:func:`clip_to_adam_step_`), and
+    ``x <- x - lr m / frozen_denom``.
     With ``bias_correction`` the momentum is divided by ``1 - beta1^t`` and the variance by
     ``1 - beta2^t`` (frozen at the freeze step in ``frozen_denom``), as ``torch.optim.AdamW``.
     """
-    n = len(params)
-    flags = grad[grad.numel() - n :]
     if not compressed:
         exchange(grad)
-    active = [True] * n if all(has_grad) else (flags > 0).tolist()
     for i, (lo, hi) in enumerate(offsets):
         if not active[i]:
             continue
@@ -137,4 +131,3 @@ def onebit_adam(
             bc2 = 1.0 - beta2**step if bias_correction else 1.0
             denom = adam_denominator(exp_avg_sq[lo:hi], eps=eps, bias_correction2=bc2)
         apply_update_(p, exp_avg[lo:hi], denom, lr=lrs[i], weight_decay=weight_decays[i], step_size=lrs[i] / bc1)
-    return active

@@ -53,24 +53,14 @@ class _AdamFamily(OnebitOptimizer):
         for p in self.flat.params:
             if not p.is_contiguous():
                 raise ValueError(f"parameters must be contiguous, got one of shape {tuple(p.shape)} with strides {p.stride()}")
-        n = len(self.flat.params)
-        # Local gradients, then one participation flag per parameter (averaged with them).
-        self._grad = torch.zeros(self.flat.numel + n, dtype=torch.float32, device=self.flat.device)
-
-    def _collect(self) -> None:
-        self._has_grad = self.flat.gather_grads(self._grad)
-        flags = self._grad[self.flat.numel :]
-        if all(self._has_grad):
-            flags.fill_(1.0)  # the common case, without a host-to-device copy
-        else:
-            flags.copy_(torch.tensor(self._has_grad, dtype=torch.float32))
+        self._grad = torch.zeros(self.flat.numel, dtype=torch.float32, device=self.flat.device)
 
     def _run(self, *, exchange, compressed: bool, frozen_denom: Tensor | None) -> None:
         onebit_adam(
             self.flat.params,
             self.flat.offsets,
             grad=self._grad,
-            has_grad=self._has_grad,
+            active=self._active,
             exp_avg=self.flat.buffers["exp_avg"],
             exp_avg_sq=self.flat.buffers["exp_avg_sq"],
             frozen_denom=frozen_denom,
@@ -205,7 +195,7 @@ class OnebitAdam(TwoStage, _AdamFamily):
         return denom
 
     def _step(self) -> None:
-        self._collect()
+        self.flat.gather_grads(self._grad)
         if self._frozen_at is None:
             self._run(exchange=self._allreduce, compressed=False, frozen_denom=None)
             self._after_warmup_step(self.flat.buffers["exp_avg_sq"])
@@ -268,12 +258,10 @@ class OnebitAdamNaive(_AdamFamily):
         )
 
     def _exchange_gradient(self, buffer: Tensor) -> None:
-        # Only the gradient is compressed; the participation flags stay local.
-        grads = buffer[: self.flat.numel]
-        self.allreduce(grads, out=grads)
+        self.allreduce(buffer, out=buffer)
 
     def _step(self) -> None:
-        self._collect()
+        self.flat.gather_grads(self._grad)
         self._run(exchange=self._exchange_gradient, compressed=False, frozen_denom=None)
 
     def _extra_state(self) -> dict[str, Any]:

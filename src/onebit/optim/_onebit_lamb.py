@@ -36,6 +36,7 @@ def onebit_lamb(
     offsets: Sequence[tuple[int, int]],
     *,
     grad: Tensor,
+    active: Sequence[bool],
     exp_avg: Tensor,
     exp_avg_sq: Tensor,
     frozen_exp_avg_sq: Tensor,
@@ -57,7 +58,8 @@ def onebit_lamb(
     factor_threshold: float,
     clip_update: bool = True,
 ) -> Tensor:
-    """One step of 1-bit LAMB over all parameters; returns each tensor's coefficient ``c_t``.
+    """One step of 1-bit LAMB over all parameters; returns each tensor's coefficient ``c_t``
+    (0 for a parameter without a gradient on any rank, ``active[i]`` false: it is not updated).
 
     ``coeff_avg``, ``ratio`` and ``momentum_scale`` are float64 vectors (one entry per
     tensor) on the parameters' device, updated in place; every per-layer quantity stays on
@@ -73,9 +75,13 @@ def onebit_lamb(
     momentum is first clipped to Adam's largest step (:func:`clip_to_adam_step_`).
     """
     coeffs = []
+    no_step = torch.zeros((), dtype=torch.float64, device=grad.device)
     if not compressed:
         exchange(grad)
         for i, (p, (lo, hi)) in enumerate(zip(params, offsets)):
+            if not active[i]:
+                coeffs.append(no_step)
+                continue
             b1, b2 = betas[i]
             g, m, v = grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi]
             m.mul_(b1).add_(g, alpha=1.0 - b1)
@@ -92,10 +98,16 @@ def onebit_lamb(
     last_exp_avg.copy_(exp_avg)
     for i, (lo, hi) in enumerate(offsets):
         b1 = betas[i][0]
-        exp_avg[lo:hi].mul_(b1).add_(grad[lo:hi], alpha=1.0 - b1).mul_(momentum_scale[i])
+        if active[i]:
+            exp_avg[lo:hi].mul_(b1).add_(grad[lo:hi], alpha=1.0 - b1)
+        exp_avg[lo:hi].mul_(momentum_scale[i])
     exchange(exp_avg)
     for i, (p, (lo, hi)) in enumerate(zip(params, offsets)):
         b1, b2 = betas[i]
+        if not active[i]:
+            exp_avg[lo:hi].div_(momentum_scale[i])
+            coeffs.append(no_step)
+            continue
         m, v, v_frozen = exp_avg[lo:hi], exp_avg_sq[lo:hi], frozen_exp_avg_sq[lo:hi]
         m.div_(momentum_scale[i])
         denom = v_frozen.sqrt().add_(eps)
@@ -263,6 +275,7 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
             self.flat.params,
             self.flat.offsets,
             grad=self._grad,
+            active=self._active,
             exp_avg=b["exp_avg"],
             exp_avg_sq=b["exp_avg_sq"],
             frozen_exp_avg_sq=b["frozen_exp_avg_sq"],

@@ -1,0 +1,283 @@
+"""``onebit bench convergence``: every optimizer against its uncompressed counterpart on real tasks.
+
+Each task runs in one spawned job of ``world`` gloo ranks that trains every cell of the
+matrix in turn (same seed, same initial weights, same batches per rank). Each rank reads
+its own contiguous shard of the training data. A cell is (task, learning rate, optimizer,
+freeze point); its compressed optimizers are compared with their counterparts at the same
+learning rate:
+
+==================  =====================================================================
+counterpart         compressed
+==================  =====================================================================
+AdamW               1-bit Adam, freeze at 10/20/40% of the steps
+LAMB                1-bit LAMB, freeze at 10/20/40%
+AMSGrad             Comp-AMS Top-k 1% and Block-Sign, each with and without error feedback
+SoftSignSGD         Birder
+==================  =====================================================================
+
+The counterparts are the same optimizers with an exact fp32 exchange (1-bit Adam/LAMB that
+never freeze, Comp-AMS with ``compressor="none"``): the gap measures compression alone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .. import comm
+from ..launch import spawn
+from ..optim import Birder, CompAMS, OnebitAdam, OnebitLamb, ReplicaDivergence, SoftSignSGD
+from ._tasks import ByteCorpus, ByteMLP, ByteTransformer, DigitsCNN
+
+__all__ = ["CONVERGENCE_TASKS", "FAMILIES", "Cell", "convergence_cells", "run_convergence"]
+
+CONVERGENCE_TASKS = ("byte_mlp", "gpt", "bert", "digits", "sparse_embed", "frozen_unused")
+FREEZE_FRACTIONS = (0.1, 0.2, 0.4)
+
+# counterpart -> (its two learning rates, the compressed optimizers compared with it)
+FAMILIES: dict[str, tuple[tuple[float, float], tuple[str, ...]]] = {
+    "adamw": ((1e-3, 3e-3), ("onebit_adam",)),
+    "lamb": ((3e-3, 1e-2), ("onebit_lamb",)),
+    "amsgrad": ((1e-3, 3e-3), ("comp_ams_topk", "comp_ams_topk_no_ef", "comp_ams_block_sign",
+                               "comp_ams_block_sign_no_ef")),
+    "softsign_sgd": ((1e-3, 3e-3), ("birder",)),
+}
+_TWO_STAGE = ("onebit_adam", "onebit_lamb")
+_NEVER = 10**9  # a freeze step no run reaches: the two-stage optimizers' exact warm-up throughout
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One run of the matrix."""
+
+    task: str
+    family: str
+    optimizer: str
+    lr: float
+    freeze_fraction: float | None = None  # two-stage optimizers only
+
+    @property
+    def label(self) -> str:
+        return self.optimizer if self.freeze_fraction is None else f"{self.optimizer}@{self.freeze_fraction:.0%}"
+
+
+def convergence_cells(tasks: tuple[str, ...], families: tuple[str, ...]) -> list[Cell]:
+    """The matrix: for each task, family and learning rate, the counterpart then its compressed peers."""
+    cells = []
+    for task in tasks:
+        for family in families:
+            lrs, compressed = FAMILIES[family]
+            for lr in lrs:
+                cells.append(Cell(task, family, family, lr))
+                for name in compressed:
+                    fractions = FREEZE_FRACTIONS if name in _TWO_STAGE else (None,)
+                    cells.extend(Cell(task, family, name, lr, f) for f in fractions)
+    return cells
+
+
+# ------------------------------------------------------------------------------------ tasks
+class SparseEmbeddingLM(nn.Module):
+    """Next byte from the byte *bigrams* before it: an ``Embedding(65536, 16)`` of which English
+    text looks up about 3% of the rows, most of those rarely -- the embedding tables of
+    recommenders and large-vocabulary models in miniature."""
+
+    def __init__(self, context: int = 4, embed: int = 16, hidden: int = 256) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(256 * 256, embed)
+        self.net = nn.Sequential(nn.Linear(context * embed, hidden), nn.GELU(), nn.Linear(hidden, 256))
+
+    def forward(self, x: Tensor) -> Tensor:
+        bigrams = x[:, :-1] * 256 + x[:, 1:]
+        return self.net(self.embed(bigrams).flatten(1))
+
+
+class FrozenUnusedMLP(nn.Module):
+    """A byte MLP with a frozen (``requires_grad=False``) embedding, two alternative hidden
+    blocks of which each batch uses one (picked at random per rank and step, so a block has
+    no gradient on some ranks, or on all of them, at some steps), and a head that is never
+    used -- what fine-tuning with frozen layers, mixture-of-experts routing and auxiliary
+    heads leave in ``model.parameters()``."""
+
+    def __init__(self, context: int = 8, embed: int = 32, hidden: int = 256) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(256, embed)
+        self.embed.weight.requires_grad_(False)
+        self.inp = nn.Linear(context * embed, hidden)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.GELU(), nn.Linear(hidden, hidden)) for _ in range(2))
+        self.head = nn.Linear(hidden, 256)
+        self.unused_head = nn.Linear(hidden, 16)
+
+    def forward(self, x: Tensor, branch: int = 0) -> Tensor:
+        h = self.inp(self.embed(x).flatten(1))
+        return self.head(nn.functional.gelu(self.blocks[branch](h)))
+
+
+class ConvergenceTask:
+    """A model, this rank's training batches and the shared held-out loss of one task."""
+
+    def __init__(self, name: str, rank: int, world: int) -> None:
+        if name not in CONVERGENCE_TASKS:
+            raise ValueError(f"unknown task {name!r}; available: {', '.join(CONVERGENCE_TASKS)}")
+        self.name = name
+        if name == "digits":
+            try:
+                from sklearn.datasets import load_digits
+            except ImportError as exc:
+                raise ImportError("the digits task needs scikit-learn: pip install 'onebit[vision]'") from exc
+            images, labels = load_digits(return_X_y=True)
+            x = torch.tensor(images, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0
+            y = torch.tensor(labels, dtype=torch.long)
+            order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+            cut = int(0.8 * len(y))
+            shard = order[:cut].chunk(world)[rank]
+            self.train_xy, self.heldout_xy = (x[shard], y[shard]), (x[order[cut:]], y[order[cut:]])
+        else:
+            text = "python" if name in ("gpt", "frozen_unused") else "english"
+            self.corpus = ByteCorpus(text=text)
+            self.corpus.shard(rank, world)
+        self.context = {"byte_mlp": 4, "gpt": 16, "bert": 16, "sparse_embed": 5, "frozen_unused": 8}.get(name, 0)
+
+    def model(self) -> nn.Module:
+        if self.name == "byte_mlp":  # the 271k-parameter model of the issue that found the divergences
+            return ByteMLP(context=4, embed=32, hidden=512, hidden2=256)
+        if self.name in ("gpt", "bert"):
+            return ByteTransformer(self.context, d_model=64, layers=2, heads=4, causal=self.name == "gpt")
+        if self.name == "digits":
+            return DigitsCNN(width=16)
+        if self.name == "sparse_embed":
+            return SparseEmbeddingLM()
+        return FrozenUnusedMLP(context=self.context)
+
+    def loss(self, model: nn.Module, size: int, gen: torch.Generator, heldout: bool = False) -> Tensor:
+        if self.name == "digits":
+            x, y = self.heldout_xy if heldout else self.train_xy
+            idx = torch.randint(0, len(y), (size,), generator=gen)
+            return nn.functional.cross_entropy(model(x[idx]), y[idx])
+        if self.name == "bert":
+            w = self.corpus.windows(self.context, size, gen, heldout)
+            chosen = torch.rand(w.shape, generator=gen) < 0.15
+            x = torch.where(chosen, torch.full_like(w, 256), w)  # [MASK]
+            out = model(x)
+            return nn.functional.cross_entropy(out[chosen], w[chosen])
+        if self.name == "gpt":
+            w = self.corpus.windows(self.context + 1, size, gen, heldout)
+            out = model(w[:, :-1])
+            return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), w[:, 1:].reshape(-1))
+        x, y = self.corpus.batch(self.context, size, gen, heldout)
+        if self.name == "frozen_unused":
+            branch = int(torch.randint(0, 2, (), generator=gen))
+            return nn.functional.cross_entropy(model(x, branch), y)
+        return nn.functional.cross_entropy(model(x), y)
+
+
+# ------------------------------------------------------------------------------------ runs
+def build_optimizer(cell: Cell, params: list[nn.Parameter], steps: int, seed: int) -> torch.optim.Optimizer:
+    """The optimizer of ``cell`` with its default arguments (only ``lr`` and the freeze step set)."""
+    name, lr = cell.optimizer, cell.lr
+    freeze = _NEVER if cell.freeze_fraction is None else max(1, round(cell.freeze_fraction * steps))
+    makers: dict[str, Callable[[], torch.optim.Optimizer]] = {
+        "adamw": lambda: OnebitAdam(params, lr=lr, freeze_step=_NEVER),
+        "onebit_adam": lambda: OnebitAdam(params, lr=lr, freeze_step=freeze),
+        "lamb": lambda: OnebitLamb(params, lr=lr, freeze_step=_NEVER),
+        "onebit_lamb": lambda: OnebitLamb(params, lr=lr, freeze_step=freeze),
+        "amsgrad": lambda: CompAMS(params, lr=lr, compressor="none"),
+        "comp_ams_topk": lambda: CompAMS(params, lr=lr, compressor="topk"),
+        "comp_ams_topk_no_ef": lambda: CompAMS(params, lr=lr, compressor="topk", error_feedback=False),
+        "comp_ams_block_sign": lambda: CompAMS(params, lr=lr, compressor="block_sign"),
+        "comp_ams_block_sign_no_ef": lambda: CompAMS(params, lr=lr, compressor="block_sign", error_feedback=False),
+        "softsign_sgd": lambda: SoftSignSGD(params, lr=lr),
+        "birder": lambda: Birder(params, lr=lr, seed=seed),
+    }
+    return makers[name]()
+
+
+def _train_cell(task: ConvergenceTask, cell: Cell, steps: int, batch: int, seed: int, rank: int) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = task.model()
+    opt = build_optimizer(cell, list(model.parameters()), steps, seed)
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    losses: list[float] = []
+    nonfinite = None
+    for step in range(1, steps + 1):
+        loss = task.loss(model, batch, gen)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        # The mean over ranks (a 4-byte all-reduce outside the optimizer's meter) keeps every
+        # rank's decision to stop at the first non-finite loss the same.
+        mean = comm.all_reduce_mean(loss.detach().reshape(1)).item()
+        losses.append(mean)
+        if not math.isfinite(mean):
+            nonfinite = step
+            break
+    try:
+        opt.check_replicas()
+        replicas = "identical"
+    except ReplicaDivergence as exc:
+        replicas = str(exc)
+    heldout = float("nan")
+    if nonfinite is None:
+        with torch.no_grad():
+            eval_gen = torch.Generator().manual_seed(12345)
+            heldout = sum(task.loss(model, 256, eval_gen, heldout=True).item() for _ in range(8)) / 8
+    stats = opt.stats
+    tail = losses[-max(1, steps // 10):]
+    return {
+        **asdict(cell),
+        "label": cell.label,
+        "final_loss": sum(tail) / len(tail) if nonfinite is None else float("nan"),
+        "heldout_loss": heldout,
+        "first_nonfinite_step": nonfinite,
+        "skipped_steps": stats["skipped_steps"],
+        "replicas": replicas,
+        "bytes_sent_per_rank": stats["bytes_sent_total"],
+        "freeze_step": stats["freeze_step"],
+        "losses": losses,
+    }
+
+
+def _task_main(rank: int, world: int, name: str, cells: list[Cell], steps: int, batch: int, seed: int,
+               progress: bool) -> list[dict[str, Any]]:
+    task = ConvergenceTask(name, rank, world)
+    results = []
+    for i, cell in enumerate(cells):
+        results.append(_train_cell(task, cell, steps, batch, seed, rank))
+        if progress and rank == 0:
+            r = results[-1]
+            print(f"  [{name} {i + 1}/{len(cells)}] {cell.label} lr={cell.lr:g}: held-out {r['heldout_loss']:.4f}"
+                  + (f", non-finite at step {r['first_nonfinite_step']}" if r["first_nonfinite_step"] else ""),
+                  flush=True)
+    return results
+
+
+def _gaps(results: list[dict[str, Any]]) -> None:
+    """Add each cell's held-out gap (%) to its counterpart at the same task and learning rate."""
+    base = {(r["task"], r["family"], r["lr"]): r for r in results if r["optimizer"] == r["family"]}
+    for r in results:
+        ref = base.get((r["task"], r["family"], r["lr"]))
+        ok = ref is not None and math.isfinite(ref["heldout_loss"]) and math.isfinite(r["heldout_loss"])
+        r["gap_pct"] = 100.0 * (r["heldout_loss"] / ref["heldout_loss"] - 1.0) if ok else None
+
+
+def run_convergence(out: Path, tasks: tuple[str, ...] = CONVERGENCE_TASKS,
+                    families: tuple[str, ...] = tuple(FAMILIES), steps: int = 300, batch: int = 32,
+                    world: int = 3, seed: int = 0, progress: bool = True) -> list[dict[str, Any]]:
+    """Run the matrix; write ``summary.json`` (every cell, with its loss curve) into ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    results: list[dict[str, Any]] = []
+    for name in tasks:
+        cells = convergence_cells((name,), families)
+        if progress:
+            print(f"task {name}: {len(cells)} runs of {steps} steps on {world} ranks", flush=True)
+        results += spawn(_task_main, world, name, cells, steps, batch, seed, progress, timeout=None)[0]
+    _gaps(results)
+    summary = {"steps": steps, "batch_per_rank": batch, "world_size": world, "seed": seed, "cells": results}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return results
