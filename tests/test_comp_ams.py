@@ -33,6 +33,11 @@ def _block_sign_per_tensor(v):
     return torch.cat([torch.where(torch.signbit(p), -1.0, 1.0) * p.abs().mean() for p in parts])
 
 
+def _block_sign_64(v):
+    """Definition 2 with blocks of 64 consecutive values of the fused gradient (the last shorter)."""
+    return torch.cat([torch.where(torch.signbit(p), -1.0, 1.0) * p.abs().mean() for p in torch.split(v, 64)])
+
+
 def _algorithm2(world, steps, compress, ef, lr, b1, b2, eps):
     x = torch.cat(initial_params())
     m, v, vhat = torch.zeros_like(x), torch.zeros_like(x), torch.zeros_like(x)
@@ -104,10 +109,11 @@ def test_none_equals_amsgrad_on_averaged_gradient():
     "kwargs,compress,ef",
     [
         (dict(compressor="topk", ratio=0.2), lambda v: _topk(v, 0.2), True),
-        (dict(compressor="block_sign", error_feedback=False), _block_sign_per_tensor, False),
-        (dict(compressor="block_sign"), _block_sign_per_tensor, True),
+        (dict(compressor="block_sign", block="tensor", error_feedback=False), _block_sign_per_tensor, False),
+        (dict(compressor="block_sign", block="tensor"), _block_sign_per_tensor, True),
+        (dict(compressor="block_sign"), _block_sign_64, True),
     ],
-    ids=["topk-ef", "block_sign-noef", "block_sign-ef"],
+    ids=["topk-ef", "block_sign-noef", "block_sign-ef", "block_sign-64-ef"],
 )
 def test_matches_algorithm_2_with_identical_replicas(kwargs, compress, ef):
     world = 3
@@ -117,11 +123,12 @@ def test_matches_algorithm_2_with_identical_replicas(kwargs, compress, ef):
         assert r["digests"] == res[0]["digests"]
         _close(r["params"], expect, 1e-4)
     # all-gather of compact payloads: own payload to each of the w - 1 peers
-    comp = (
-        onebit.compress.get("topk", ratio=0.2)
-        if kwargs["compressor"] == "topk"
-        else onebit.compress.get("block_sign", block_sizes=SIZES)
-    )
+    if kwargs["compressor"] == "topk":
+        comp = onebit.compress.get("topk", ratio=0.2)
+    elif kwargs.get("block") == "tensor":
+        comp = onebit.compress.get("block_sign", block_sizes=SIZES)
+    else:
+        comp = onebit.compress.get("block_sign", block_size=64)
     assert res[0]["sent"][-1] == (world - 1) * comp.wire_bytes(DIM + 1) + flag_bytes(world)
 
 

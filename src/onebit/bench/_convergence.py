@@ -11,7 +11,8 @@ counterpart         compressed
 ==================  =====================================================================
 AdamW               1-bit Adam, freeze at 10/20/40% of the steps
 LAMB                1-bit LAMB, freeze at 10/20/40%
-AMSGrad             Comp-AMS Top-k 1% and Block-Sign, each with and without error feedback
+AMSGrad             Comp-AMS Top-k 1% and Block-Sign, each with and without error feedback;
+                    Block-Sign with one block per layer (the paper's layout)
 SoftSignSGD         Birder
 ==================  =====================================================================
 
@@ -46,7 +47,7 @@ FAMILIES: dict[str, tuple[tuple[float, float], tuple[str, ...]]] = {
     "adamw": ((1e-3, 3e-3), ("onebit_adam",)),
     "lamb": ((3e-3, 1e-2), ("onebit_lamb",)),
     "amsgrad": ((1e-3, 3e-3), ("comp_ams_topk", "comp_ams_topk_no_ef", "comp_ams_block_sign",
-                               "comp_ams_block_sign_no_ef")),
+                               "comp_ams_block_sign_no_ef", "comp_ams_block_sign_layers")),
     "softsign_sgd": ((1e-3, 3e-3), ("birder",)),
 }
 _TWO_STAGE = ("onebit_adam", "onebit_lamb")
@@ -192,6 +193,8 @@ def build_optimizer(cell: Cell, params: list[nn.Parameter], steps: int, seed: in
         "comp_ams_topk_no_ef": lambda: CompAMS(params, lr=lr, compressor="topk", error_feedback=False),
         "comp_ams_block_sign": lambda: CompAMS(params, lr=lr, compressor="block_sign"),
         "comp_ams_block_sign_no_ef": lambda: CompAMS(params, lr=lr, compressor="block_sign", error_feedback=False),
+        # the paper's layout, one block per layer: the evidence for the default block size
+        "comp_ams_block_sign_layers": lambda: CompAMS(params, lr=lr, compressor="block_sign", block="tensor"),
         "softsign_sgd": lambda: SoftSignSGD(params, lr=lr),
         "birder": lambda: Birder(params, lr=lr, seed=seed),
     }

@@ -101,8 +101,12 @@ class CompAMS(_GradientExchange):
         compressor: ``"topk"`` (Definition 1, ``k = ceil(ratio * d)`` over the whole fused
             gradient), ``"block_sign"`` (Definition 2) or ``"none"``.
         ratio: Top-k's kept fraction, in ``(0, 1]``.
-        block: Block-Sign blocks: ``"tensor"`` (one block per parameter tensor -- "blocks
-            are the network layers") or an int block size.
+        block: Block-Sign blocks: an int block size (default 64: 1.5 bits per value with the
+            fp32 scales, 21x less than fp32) or ``"tensor"``, one block per parameter tensor
+            (the paper's "blocks are the network layers", 1 bit per value). Per-tensor blocks
+            give every value of a layer the same magnitude, which erases Adam's per-value
+            scale: on the byte-LM task of ``onebit bench convergence`` they ended +38% above
+            AMSGrad where 64-value blocks ended +5% (README, "Comp-AMS Block-Sign").
         bias_correction: divide ``m`` and ``v^`` by ``1 - beta^t`` (off in the paper).
 
     The all-gather volume grows with the world size: each rank receives ``w - 1``
@@ -120,7 +124,7 @@ class CompAMS(_GradientExchange):
         weight_decay: float = 0.0,
         compressor: str = "topk",
         ratio: float = 0.01,
-        block: str | int = "tensor",
+        block: str | int = 64,
         error_feedback: bool = True,
         group: comm.Group = None,
         *,
@@ -150,7 +154,7 @@ class CompAMS(_GradientExchange):
             check_replicas_every=check_replicas_every,
         )
         if compressor == "block_sign":
-            sizes = [p.numel() for p in self.flat.params]
+            sizes = [p.numel() for p in self.flat.params if p.numel()]  # a zero-size tensor is no block
             chosen: Compressor | None = (
                 BlockSignCompressor(block_sizes=sizes) if block == "tensor" else BlockSignCompressor(block_size=block)
             )
