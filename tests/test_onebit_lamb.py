@@ -59,7 +59,9 @@ def _plain(world, steps, freeze, lr, b1, b2, eps, wd, o=OPTS, clip=False):
             fused = car(local)
             new_m = [part / scale[l] for l, part in enumerate(torch.split(fused, SIZES))]
             if clip:
-                bounds = [max(1.0, (1 - b1) / math.sqrt(1 - b2)) * (vf.sqrt() + eps) for vf in v_frozen]
+                # the step bias-corrected Adam could take; the LAMB variance is frozen uncorrected
+                bound = max(1.0, (1 - b1) / math.sqrt(1 - b2)) / math.sqrt(1 - b2**freeze)
+                bounds = [bound * (vf.sqrt() + eps) for vf in v_frozen]
                 new_m = [torch.maximum(torch.minimum(mm, bd), -bd) for mm, bd in zip(new_m, bounds)]
             for l in range(len(xs)):
                 g = (new_m[l] - b1 * m[l]) / (1 - b1)

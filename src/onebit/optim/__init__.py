@@ -4,7 +4,7 @@ from ._base import OnebitOptimizer, ReplicaDivergence
 from ._birder import Birder, SoftSignSGD, birder, soft_sign_sgd
 from ._comp_ams import CompAMS, QAdam, comp_ams
 from ._freeze import FreezeSchedule
-from ._functional import onebit_adam
+from ._functional import adam_step_bound, clip_to_adam_step_, onebit_adam
 from ._onebit_adam import OnebitAdam, OnebitAdamNaive
 from ._onebit_lamb import OnebitLamb, onebit_lamb
 
@@ -19,7 +19,9 @@ __all__ = [
     "QAdam",
     "ReplicaDivergence",
     "SoftSignSGD",
+    "adam_step_bound",
     "birder",
+    "clip_to_adam_step_",
     "comp_ams",
     "onebit_adam",
     "onebit_lamb",

@@ -31,9 +31,13 @@ def adam_step_bound(beta1: float, beta2: float) -> float:
     return max(1.0, (1.0 - beta1) / math.sqrt(1.0 - beta2))
 
 
-def clip_to_adam_step_(exp_avg: Tensor, denom: Tensor, beta1: float, beta2: float, bias_correction1: float = 1.0) -> None:
-    """Clip, in place, each value of the averaged momentum so that its step
-    ``exp_avg / (bias_correction1 * denom)`` is at most :func:`adam_step_bound`.
+def clip_to_adam_step_(exp_avg: Tensor, denom: Tensor, beta1: float, beta2: float, bias_correction1: float = 1.0,
+                       bias_correction2: float = 1.0) -> None:
+    """Clip, in place, each value of the averaged momentum so that its bias-corrected step
+    ``(exp_avg / bias_correction1) / (denom / sqrt(bias_correction2))`` is at most
+    :func:`adam_step_bound`. ``denom`` is ``sqrt(v) + eps`` as the update uses it; pass the
+    corrections it does not already contain (``bias_correction2 = 1 - beta2^T`` for a
+    variance frozen uncorrected at step ``T``).
 
     Not in the papers; why it is needed: the 1-bit exchange gives every value of a chunk a
     magnitude of about the chunk's scale, whatever its own momentum. Divided by a frozen
@@ -43,7 +47,7 @@ def clip_to_adam_step_(exp_avg: Tensor, denom: Tensor, beta1: float, beta2: floa
     diverges the model when it is next looked up. Values whose step is within Adam's own
     bound, which uncompressed Adam never exceeds, are untouched.
     """
-    limit = denom * (adam_step_bound(beta1, beta2) * bias_correction1)
+    limit = denom * (adam_step_bound(beta1, beta2) * bias_correction1 / math.sqrt(bias_correction2))
     torch.clamp(exp_avg, min=limit.neg(), max=limit, out=exp_avg)
 
 
@@ -89,10 +93,13 @@ def onebit_adam(
     eps: float,
     bias_correction: bool,
     clip_update: bool = True,
+    frozen_at: int = 0,
 ) -> None:
     """One step of 1-bit Adam over all parameters.
 
     ``grad`` holds the local gradients at ``offsets`` (zeros where a parameter has none);
+    ``frozen_at`` is the step the variance was frozen (the compression stage's clip needs it
+    without ``bias_correction``);
     ``active[i]`` says whether parameter ``i`` has a gradient on some rank: the others keep
     their value and moments.
 
@@ -126,7 +133,8 @@ def onebit_adam(
         if compressed:
             denom = frozen_denom[lo:hi]
             if clip_update:
-                clip_to_adam_step_(exp_avg[lo:hi], denom, beta1, beta2, bc1)
+                bc2 = 1.0 if bias_correction else 1.0 - beta2**frozen_at
+                clip_to_adam_step_(exp_avg[lo:hi], denom, beta1, beta2, bc1, bc2)
         else:
             bc2 = 1.0 - beta2**step if bias_correction else 1.0
             denom = adam_denominator(exp_avg_sq[lo:hi], eps=eps, bias_correction2=bc2)

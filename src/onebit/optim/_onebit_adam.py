@@ -25,6 +25,7 @@ class _AdamFamily(OnebitOptimizer):
 
     _flat_names = ("exp_avg", "exp_avg_sq")
     clip_update = False  # only OnebitAdam's compression stage clips
+    _frozen_at: int | None = None  # OnebitAdamNaive never freezes
 
     def __init__(
         self,
@@ -73,6 +74,7 @@ class _AdamFamily(OnebitOptimizer):
             eps=self.eps,
             bias_correction=self.bias_correction,
             clip_update=self.clip_update,
+            frozen_at=self._frozen_at or 0,
         )
 
 

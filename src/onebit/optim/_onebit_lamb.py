@@ -57,6 +57,7 @@ def onebit_lamb(
     factor_min: float,
     factor_threshold: float,
     clip_update: bool = True,
+    frozen_at: int = 0,
 ) -> Tensor:
     """One step of 1-bit LAMB over all parameters; returns each tensor's coefficient ``c_t``
     (0 for a parameter without a gradient on any rank, ``active[i]`` false: it is not updated).
@@ -111,8 +112,8 @@ def onebit_lamb(
         m, v, v_frozen = exp_avg[lo:hi], exp_avg_sq[lo:hi], frozen_exp_avg_sq[lo:hi]
         m.div_(momentum_scale[i])
         denom = v_frozen.sqrt().add_(eps)
-        if clip_update:
-            clip_to_adam_step_(m, denom, b1, b2)
+        if clip_update:  # the warm-up's variance has no bias correction: frozen at step frozen_at
+            clip_to_adam_step_(m, denom, b1, b2, bias_correction2=1.0 - b2**frozen_at)
         g = (m - b1 * last_exp_avg[lo:hi]) / (1.0 - b1)
         v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
         prev = ratio[i].clone()
@@ -289,6 +290,7 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
             betas=self._hyper("betas"),
             weight_decays=self._hyper("weight_decay"),
             eps=self.eps,
+            frozen_at=self._frozen_at or 0,
             **self.options,
         )
         if not compressed:
