@@ -190,3 +190,13 @@ def test_bad_arguments():
             cls([{"params": p, "lr": -1.0}])
         with pytest.raises(ValueError, match="Invalid beta parameter at index 1: 1.5"):
             cls([{"params": p, "betas": (0.9, 1.5)}])
+
+
+@pytest.mark.parametrize("block", ["tensor", 64])
+def test_block_sign_with_a_zero_size_parameter(block):
+    w, empty = torch.ones(10, requires_grad=True), torch.zeros(0, requires_grad=True)
+    opt = onebit.CompAMS([w, empty], lr=0.1, compressor="block_sign", block=block)
+    for _ in range(3):
+        w.grad, empty.grad = torch.linspace(-1, 1, 10), torch.zeros(0)
+        opt.step()
+    assert torch.isfinite(w).all() and not torch.equal(w, torch.ones(10))

@@ -2,7 +2,7 @@
 
 A parameter whose gradient is None on every rank is not updated (value and moments, no
 weight decay), as in torch.optim; one with a gradient on some ranks only is updated
-identically everywhere (replicas stay bit-identical).
+identically everywhere (replicas stay bit-identical). A zero-size parameter simply works.
 """
 
 import pytest
@@ -19,12 +19,14 @@ def _run(rank, world, name, kw, steps):
     w, b = (p.clone().requires_grad_() for p in initial_params())
     frozen = torch.randn(5)  # requires_grad=False, passed in as model.parameters() would
     sometimes = torch.randn(4, requires_grad=True)
-    opt = getattr(onebit, name)([w, b, frozen, sometimes], weight_decay=0.01, **kw)
+    empty = torch.zeros(0, 3, requires_grad=True)
+    opt = getattr(onebit, name)([w, b, frozen, empty, sometimes], weight_decay=0.01, **kw)
     frozen0 = frozen.clone()
     untouched_when_unused = []
     for step in range(1, steps + 1):
         for p, g in zip((w, b), grads([w.detach(), b.detach()], rank, step)):
             p.grad = g
+        empty.grad = torch.zeros(0, 3)
         # step % 3 == 0: no rank has a gradient; == 1: rank 0 only; == 2: every rank
         if step % 3 == 1 and rank == 0 or step % 3 == 2:
             sometimes.grad = torch.full((4,), 0.1 * (rank + 1))

@@ -375,24 +375,29 @@ def _names(text: str, known: tuple[str, ...], flag: str) -> tuple[str, ...]:
 
 
 def _bench_convergence(args: argparse.Namespace) -> int:
-    from .bench._convergence import CONVERGENCE_TASKS, FAMILIES, run_convergence
+    from .bench._convergence import CONVERGENCE_TASKS, FAMILIES, markdown_table, read_deepspeed, run_convergence
     from .bench._plot import plot_convergence
 
-    tasks = _names(args.tasks, CONVERGENCE_TASKS, "--tasks")
-    families = _names(args.families, tuple(FAMILIES), "--families")
     out = Path(args.out)
-    print(f"onebit bench convergence: {len(tasks)} tasks x {len(families)} optimizer families, "
-          f"{args.world_size} gloo ranks, {args.steps} steps, batch {args.batch_size}/rank")
-    results = run_convergence(out, tasks, families, steps=args.steps, batch=args.batch_size,
-                              world=args.world_size, progress=not args.quiet)
+    if args.report_only:
+        results = json.loads((out / "summary.json").read_text())["cells"]
+    else:
+        tasks = _names(args.tasks, CONVERGENCE_TASKS, "--tasks")
+        families = _names(args.families, tuple(FAMILIES), "--families")
+        print(f"onebit bench convergence: {len(tasks)} tasks x {len(families)} optimizer families, "
+              f"{args.world_size} gloo ranks, {args.steps} steps, batch {args.batch_size}/rank")
+        results = run_convergence(out, tasks, families, steps=args.steps, batch=args.batch_size,
+                                  world=args.world_size, progress=not args.quiet)
     text = _table(_convergence_rows(results))
     print(text)
     (out / "table.txt").write_text(text + "\n")
+    # DeepSpeed's cells, from benchmarks/deepspeed_convergence.py run into the same directory
+    (out / "table.md").write_text(markdown_table(results, read_deepspeed(out / "deepspeed.jsonl")) + "\n")
     try:
         print(f"loss plot: {plot_convergence(results, out / 'loss.png')}")
     except ImportError as exc:
         print(f"no loss plot: {exc}")
-    print(f"summary: {out}/summary.json")
+    print(f"summary: {out}/summary.json, tables: {out}/table.txt, {out}/table.md")
     return 0
 
 
@@ -486,6 +491,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--batch-size", type=_positive_int, default=32, help="samples per rank per step (default 32)")
     conv.add_argument("--out", default="runs/convergence", help="output directory (default runs/convergence)")
     conv.add_argument("--quiet", action="store_true", help="no per-run progress lines")
+    conv.add_argument("--report-only", action="store_true",
+                      help="re-render the tables and plot from --out's summary.json without training")
     _cluster_flags(bench)
     bench.set_defaults(func=_cmd_bench)
 

@@ -37,7 +37,8 @@ from ..launch import spawn
 from ..optim import Birder, CompAMS, OnebitAdam, OnebitLamb, ReplicaDivergence, SoftSignSGD
 from ._tasks import ByteCorpus, ByteMLP, ByteTransformer, DigitsCNN
 
-__all__ = ["CONVERGENCE_TASKS", "FAMILIES", "Cell", "convergence_cells", "run_convergence"]
+__all__ = ["CONVERGENCE_TASKS", "FAMILIES", "Cell", "convergence_cells", "markdown_table", "read_deepspeed",
+           "run_convergence"]
 
 CONVERGENCE_TASKS = ("byte_mlp", "gpt", "bert", "digits", "sparse_embed", "frozen_unused")
 FREEZE_FRACTIONS = (0.1, 0.2, 0.4)
@@ -284,3 +285,55 @@ def run_convergence(out: Path, tasks: tuple[str, ...] = CONVERGENCE_TASKS,
     summary = {"steps": steps, "batch_per_rank": batch, "world_size": world, "seed": seed, "cells": results}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return results
+
+
+def read_deepspeed(path: Path) -> list[dict[str, Any]]:
+    """DeepSpeed's cells from ``benchmarks/deepspeed_convergence.py`` (one JSON object per line), if present."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def markdown_table(results: list[dict[str, Any]], deepspeed: list[dict[str, Any]] = ()) -> str:
+    """One row per task and learning-rate choice (each family's first or second learning rate,
+    see :data:`FAMILIES`): each counterpart's held-out loss and each compressed optimizer's gap
+    to it (``NaN@step`` where the loss went non-finite); DeepSpeed's cells, where run, after
+    onebit's at the same freeze."""
+    ds_family = {ds: family for family, (_, names) in FAMILIES.items() for name, ds in _DS_NAMES.items()
+                 if name in names}
+    rows = list(results) + [dict(d, family=ds_family[d["optimizer"]], freeze_fraction=0.2) for d in deepspeed]
+    columns: list[tuple[str, str, float | None]] = []
+    for family in dict.fromkeys(r["family"] for r in results):
+        columns.append((family, family, None))
+        for name in FAMILIES[family][1]:
+            for f in FREEZE_FRACTIONS if name in _TWO_STAGE else (None,):
+                columns.append((family, name, f))
+            if name in _DS_NAMES and any(d["optimizer"] == _DS_NAMES[name] for d in deepspeed):
+                columns.append((family, _DS_NAMES[name], 0.2))
+
+    def find(task: str, lr: float, name: str, f: float | None) -> dict[str, Any] | None:
+        return next((r for r in rows if (r["task"], r["lr"], r["optimizer"], r.get("freeze_fraction"))
+                     == (task, lr, name, f)), None)
+
+    def fmt(cell: dict[str, Any] | None, base: dict[str, Any] | None) -> str:
+        if cell is None:
+            return ""
+        if cell.get("first_nonfinite_step"):
+            return f"**NaN@{cell['first_nonfinite_step']}**"
+        if cell is base or base is None or not math.isfinite(base["heldout_loss"]):
+            return f"{cell['heldout_loss']:.3f}"
+        return f"{100 * (cell['heldout_loss'] / base['heldout_loss'] - 1):+.1f}%"
+
+    header = ["task", "lr"] + [name if f is None else f"{name}@{f:.0%}" for _, name, f in columns]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for task in dict.fromkeys(r["task"] for r in results):
+        for k in (0, 1):
+            cells = []
+            for family, name, f in columns:
+                lr = FAMILIES[family][0][k]
+                cells.append(fmt(find(task, lr, name, f), find(task, lr, family, None)))
+            lines.append(f"| {task} | {'low' if k == 0 else 'high'} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+_DS_NAMES = {"onebit_adam": "deepspeed_OneBitAdam", "onebit_lamb": "deepspeed_OneBitLamb"}

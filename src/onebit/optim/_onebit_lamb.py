@@ -257,7 +257,8 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
         b = self.flat.buffers
         b["frozen_exp_avg_sq"].copy_(b["exp_avg_sq"])
         self._mask_unused(b["frozen_exp_avg_sq"])
-        scales = [float(b["exp_avg"][lo:hi].norm()) / math.sqrt(hi - lo) for lo, hi in self.flat.offsets]
+        scales = [float(b["exp_avg"][lo:hi].norm()) / math.sqrt(hi - lo) if hi > lo else 0.0
+                  for lo, hi in self.flat.offsets]
         positive = [s for s in scales if s > 0]
         united = sum(positive) / len(positive) if positive else 1.0
         self.momentum_scale = torch.tensor([united / s if s > 0 else 1.0 for s in scales], dtype=torch.float64,
