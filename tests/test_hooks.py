@@ -230,3 +230,32 @@ def test_hooks_on_bf16_buckets(kind):
     res = run_ranks(_low_precision_worker, 2, kind, torch.bfloat16)
     assert res[0][0] == res[1][0]
     assert all(d == torch.bfloat16 for d in res[0][1]) and res[0][2]
+
+
+def _loss_scale_worker(rank, world, init_scale):
+    model, teacher = _model(), _teacher()
+    ddp = DDP(model, bucket_cap_mb=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, enabled=init_scale is not None)
+    ddp.register_comm_hook(BirderState(seed=4, grad_scaler=scaler), birder_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(5):  # iterations 0-1 exchange exactly, 2-4 compress
+        x = torch.randn(16, 16, generator=gen)
+        opt.zero_grad()
+        scaler.scale(torch.nn.functional.mse_loss(ddp(x), teacher(x).detach())).backward()
+        scaler.step(opt)
+        scaler.update()
+    return _digest(model)
+
+
+def test_birder_hook_step_does_not_depend_on_the_loss_scale():
+    """With its GradScaler, the hook's step is Birder's +-lr whatever the loss scale: a run at
+    scale 2**16 ends bit-identical to one without loss scaling (powers of two are exact)."""
+    unscaled = run_ranks(_loss_scale_worker, 2, None)
+    scaled = run_ranks(_loss_scale_worker, 2, 2.0**16)
+    assert scaled == unscaled and scaled[0] == scaled[1]
+
+
+def test_birder_state_rejects_a_grad_scaler_of_another_type():
+    with pytest.raises(TypeError, match="grad_scaler must be a torch.amp.GradScaler or None, got float"):
+        BirderState(grad_scaler=2.0**16)

@@ -153,11 +153,14 @@ class _HookState:
         """Everything but the process group, which cannot be pickled (as ``PowerSGDState``)."""
         _log.warning("the process group is not pickled; the unpickled state uses the default group")
         slots = [s for cls in type(self).__mro__ for s in getattr(cls, "__slots__", ())]
-        options = {s: getattr(self, s) for s in slots if s not in ("process_group", "_buckets", "_saved", "_restore_iters")}
+        skip = ("process_group", "_buckets", "_saved", "_restore_iters", "grad_scaler")
+        options = {s: getattr(self, s) for s in slots if s not in skip}
         return {**options, "state": self.state_dict()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.process_group = None
+        if "grad_scaler" in [s for cls in type(self).__mro__ for s in getattr(cls, "__slots__", ())]:
+            self.grad_scaler = None
         for slot, value in state.items():
             if slot != "state":
                 setattr(self, slot, value)
@@ -230,9 +233,15 @@ class BirderState(_HookState):
 
     Rank ``r``'s quantiser for bucket ``i`` draws from a generator seeded
     ``seed + r * 2**32 + i * 2**48``; ``beta``/``eps`` as :class:`onebit.Birder`.
+
+    ``grad_scaler``: the ``torch.amp.GradScaler`` of a mixed-precision loop. The hook then
+    unscales the bucket before it enters ``m`` and ``b`` and multiplies its ``+-1`` output
+    by the scale, so that ``scaler.unscale_`` / ``scaler.step`` hand the optimizer exactly
+    ``u_bar``: without it the step would shrink by the loss scale (65536x by default). It is
+    not pickled with the state (pass it again after loading).
     """
 
-    __slots__ = ("beta", "eps", "seed", "rank")
+    __slots__ = ("beta", "eps", "seed", "rank", "grad_scaler")
 
     def __init__(
         self,
@@ -245,8 +254,12 @@ class BirderState(_HookState):
         hierarchical: bool | str = False,
         ranks_per_node: int | None = None,
         timeout: float | timedelta | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         super().__init__(process_group, start_iter, hierarchical, ranks_per_node, timeout)
+        if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
+            raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {type(grad_scaler).__name__}")
+        self.grad_scaler = grad_scaler
         self.beta = check_beta(beta)
         self.eps = check_positive("epsilon", eps)
         self.seed = check_seed(seed)
@@ -273,10 +286,12 @@ def birder_hook(state: BirderState, bucket: dist.GradBucket) -> torch.futures.Fu
     """
     grad = bucket.buffer()
     entry = state._bucket(bucket.index(), grad) if state._compressing(grad) else None
+    # The loss scale of a GradScaler loop: out of the moments, back onto the +-1 output.
+    scale = 1.0 if state.grad_scaler is None or not state.grad_scaler.is_enabled() else state.grad_scaler.get_scale()
     if entry is not None:
         update = soft_sign_direction(
             [(0, grad.numel())],
-            grad=grad.float(),
+            grad=grad.float().div_(scale),
             active=[True],
             exp_avg=entry["exp_avg"],
             exp_avg_abs=entry["exp_avg_abs"],
@@ -286,9 +301,9 @@ def birder_hook(state: BirderState, bucket: dist.GradBucket) -> torch.futures.Fu
             eps=state.eps,
             out=torch.empty(grad.numel(), dtype=torch.float32, device=grad.device),
         )
-        grad.copy_(entry["allreduce"](update, out=update))
+        grad.copy_(entry["allreduce"](update, out=update).mul_(scale))
     else:
         comm.all_reduce_mean(grad, state.process_group, state.timeout)
-        grad.div_(grad.abs().add_(state.eps))
+        grad.div_(grad.abs().add_(state.eps * scale)).mul_(scale)
     state._advance(bucket)
     return _finished(grad)
