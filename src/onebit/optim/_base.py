@@ -8,6 +8,7 @@ views into them -- the whole model's momentum is one tensor for one collective.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import zlib
@@ -141,7 +142,15 @@ class OnebitOptimizer(Optimizer):
         self.check_replicas_every = check_replicas_every
         super().__init__(params, defaults)
         # Param groups may override the defaults: validate what each group will use.
-        for g in self.param_groups:
+        # A constructor option that is not per-group (eps, say) given in a group would be ignored: refuse it.
+        global_only = set(inspect.signature(type(self).__init__).parameters) - set(defaults) - {"self", "params"}
+        for i, g in enumerate(self.param_groups):
+            ignored = sorted(global_only & set(g))
+            if ignored:
+                raise ValueError(
+                    f"param group {i} sets {ignored}, which {type(self).__name__} takes only for all "
+                    f"parameters (per-group options: {sorted(defaults)})"
+                )
             if "lr" in g:
                 check_nonneg("learning rate", g["lr"])
             if "betas" in g:
@@ -160,11 +169,21 @@ class OnebitOptimizer(Optimizer):
             raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
         if any(not p.is_floating_point() for p in params):
             raise TypeError("all parameters must be floating-point tensors")
+        wide = [tuple(p.shape) for p in params if p.dtype == torch.float64]
+        if wide:
+            # The state and the math are fp32: an fp64 parameter would be rounded to fp32 every step.
+            raise TypeError(f"float64 parameters are not supported (state and updates are fp32), got shapes {wide}; "
+                            "use float32, bfloat16 or float16 parameters")
         self._check_same_parameters_everywhere(params)
         if broadcast_parameters:
             with torch.no_grad():
                 for p in params:
-                    comm.broadcast(p.data, 0, self.process_group, self.timeout)
+                    if p.is_contiguous():
+                        comm.broadcast(p.data, 0, self.process_group, self.timeout)
+                    else:  # channels_last and other layouts travel in logical order
+                        buf = p.data.contiguous()
+                        comm.broadcast(buf, 0, self.process_group, self.timeout)
+                        p.data.copy_(buf)
         self.flat = FlatState(params)
         self._step_count = 0
         self._active: list[bool] = [True] * len(params)
@@ -175,6 +194,17 @@ class OnebitOptimizer(Optimizer):
         for name in self._flat_names:
             self.flat.new(name)
         self._link_state()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Only during construction: the fused flat state and the collectives are sized for the
+        parameters given then, and every rank must add the same ones at the same step."""
+        if hasattr(self, "flat"):
+            raise ValueError(
+                f"{type(self).__name__} cannot add a param group after construction (its flat state and "
+                "collectives are sized for the parameters it was built with); pass every group to the "
+                "constructor, with lr=0 for groups that start later"
+            )
+        super().add_param_group(param_group)
 
     # ------------------------------------------------------------------ helpers
     def _check_same_parameters_everywhere(self, params: list[Tensor]) -> None:

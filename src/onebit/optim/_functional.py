@@ -57,11 +57,15 @@ def apply_update_(
 ) -> None:
     """``x <- x (1 - lr wd) - step_size * numer [/ denom]`` (decoupled weight decay, as AdamW).
 
-    ``numer``/``denom`` are flat fp32; low-precision parameters are updated in fp32 and
-    rounded once. ``step_size`` may be a 0-d tensor on the parameter's device (1-bit
+    ``numer``/``denom`` are flat fp32 in the parameter's logical (row-major) order;
+    low-precision and non-contiguous (e.g. ``channels_last``) parameters are updated in fp32
+    and written back once. ``step_size`` may be a 0-d tensor on the parameter's device (1-bit
     LAMB's layer-wise coefficient), which keeps the step free of host synchronisation.
     """
-    x = param.view(-1) if param.dtype == torch.float32 else param.detach().reshape(-1).float()
+    # fp32 and contiguous: update in place; otherwise (low precision, channels_last or another
+    # layout) on an fp32 copy in logical order, written back once.
+    in_place = param.dtype == torch.float32 and param.is_contiguous()
+    x = param.view(-1) if in_place else param.detach().reshape(-1).float()
     if weight_decay:
         x.mul_(1.0 - lr * weight_decay)
     if isinstance(step_size, Tensor):
@@ -71,8 +75,8 @@ def apply_update_(
         x.add_(numer, alpha=-step_size)
     else:
         x.addcdiv_(numer, denom, value=-step_size)
-    if param.dtype != torch.float32:
-        param.copy_(x.view_as(param))
+    if not in_place:
+        param.copy_(x.view(param.shape))
 
 
 def onebit_adam(

@@ -51,9 +51,6 @@ class _AdamFamily(OnebitOptimizer):
             on_nonfinite=on_nonfinite,
             check_replicas_every=check_replicas_every,
         )
-        for p in self.flat.params:
-            if not p.is_contiguous():
-                raise ValueError(f"parameters must be contiguous, got one of shape {tuple(p.shape)} with strides {p.stride()}")
         self._grad = torch.zeros(self.flat.numel, dtype=torch.float32, device=self.flat.device)
 
     def _run(self, *, exchange, compressed: bool, frozen_denom: Tensor | None) -> None:

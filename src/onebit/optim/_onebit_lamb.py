@@ -25,7 +25,7 @@ def lamb_coefficient(param: Tensor, update: Tensor, *, min_coeff: float, max_coe
 
     A 0-d float64 tensor on the parameter's device: no host synchronisation per layer.
     """
-    x_norm = param.detach().float().norm().double()
+    x_norm = param.detach().reshape(-1).float().norm().double()  # logical order, whatever the layout
     u_norm = update.norm().double()
     ratio = (x_norm / u_norm).clamp(min_coeff, max_coeff)
     return torch.where((x_norm == 0) | (u_norm == 0), torch.ones_like(ratio), ratio)

@@ -1,0 +1,52 @@
+"""channels_last and other non-contiguous parameters work in every optimizer and give exactly
+what the same values in contiguous parameters give (the math runs in logical order)."""
+
+import pytest
+import torch
+
+import onebit
+from _harness import run_ranks
+from _problem import OPTIMIZERS
+
+
+def _run(rank, world, name, kw, layout):
+    gen = torch.Generator().manual_seed(7)
+    conv = torch.randn(4, 3, 2, 2, generator=gen)
+    mat = torch.randn(5, 6, generator=gen)
+    if layout == "strided":
+        conv = conv.to(memory_format=torch.channels_last)
+        mat = mat.t().contiguous().t()  # a transposed layout: strides (1, 5)
+    params = [conv.requires_grad_(), mat.requires_grad_()]
+    assert (not params[0].is_contiguous()) == (layout == "strided")
+    opt = getattr(onebit, name)(params, weight_decay=0.01, **kw)
+    data = torch.Generator().manual_seed(100 + rank)
+    for _ in range(6):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=data).to(memory_format=torch.contiguous_format)
+        opt.step()
+    sd = opt.state_dict()["onebit"]["flat"]
+    return [p.detach().contiguous() for p in params], {k: v.clone() for k, v in sd.items()}, opt.stats["stage"]
+
+
+@pytest.mark.parametrize("name,kw", OPTIMIZERS, ids=[n for n, _ in OPTIMIZERS])
+def test_channels_last_and_transposed_parameters_equal_contiguous_ones(name, kw):
+    strided = run_ranks(_run, 2, name, kw, "strided")
+    plain = run_ranks(_run, 2, name, kw, "contiguous")
+    for (ps, ss, stage), (pc, sc, _) in zip(strided, plain):
+        assert all(torch.equal(a, b) for a, b in zip(ps, pc))
+        assert all(torch.equal(ss[k], sc[k]) for k in sc)
+        assert all(torch.equal(a, b) for a, b in zip(ps, strided[0][0]))  # replicas
+        assert stage == ("warmup" if name == "SoftSignSGD" else "compressed")
+
+
+@pytest.mark.parametrize("name,kw", OPTIMIZERS, ids=[n for n, _ in OPTIMIZERS])
+def test_options_that_would_be_ignored_are_refused(name, kw):
+    make = getattr(onebit, name)
+    w, v = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    with pytest.raises(ValueError, match=r"param group 1 sets \['eps'\], which .* takes only for all parameters"):
+        make([{"params": [w]}, {"params": [v], "eps": 1e-6}], **kw)
+    with pytest.raises(TypeError, match=r"float64 parameters are not supported .* shapes \[\(2,\)\]"):
+        make([w, torch.nn.Parameter(torch.ones(2, dtype=torch.float64))], **kw)
+    opt = make([{"params": [w], "name": "trunk"}], **kw)  # keys the optimizer does not know are the user's
+    with pytest.raises(ValueError, match="cannot add a param group after construction"):
+        opt.add_param_group({"params": [v]})
