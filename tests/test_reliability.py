@@ -170,7 +170,7 @@ def test_checkpoints_resume_exactly_and_across_world_sizes(name, kwargs, caplog)
     opt = getattr(onebit, name)(params, **kwargs)
     with caplog.at_level("WARNING"):
         opt.load_state_dict(state)
-    assert "saved on world size 2, loaded on 1" in caplog.text
+    assert "saved on world size 2 by rank 0, loaded on world size 1 by rank 0" in caplog.text
     for p, g in zip(params, grads([p.detach() for p in params], 0, 8)):
         p.grad = g
     opt.step()

@@ -346,9 +346,10 @@ class OnebitOptimizer(Optimizer):
         return comm.all_reduce_mean(buffer, self.process_group, self.timeout)
 
     @staticmethod
-    def _restore_collective(collective: Any, state: Mapping[str, Any], same_world: bool) -> None:
-        """Restore a compressed collective's errors, or restart them at zero after a world-size change."""
-        if same_world:
+    def _restore_collective(collective: Any, state: Mapping[str, Any], own_state: bool) -> None:
+        """Restore a compressed collective's errors (and random state), or restart them -- at zero,
+        freshly seeded -- when ``state`` is another rank's or from another world size."""
+        if own_state:
             collective.load_state_dict(state)
         else:
             collective.reset()
@@ -356,8 +357,9 @@ class OnebitOptimizer(Optimizer):
     def _extra_state(self) -> dict[str, Any]:
         return {}
 
-    def _load_extra_state(self, state: Mapping[str, Any], same_world: bool) -> None:
-        """Restore :meth:`_extra_state`; ``same_world`` is False after a world-size change."""
+    def _load_extra_state(self, state: Mapping[str, Any], own_state: bool) -> None:
+        """Restore :meth:`_extra_state`; ``own_state`` is False when the state was saved by another
+        rank or on another world size (the per-rank buffers then restart)."""
 
     def state_dict(self) -> dict[str, Any]:
         """Param groups plus everything needed to resume bit-exactly (loads with ``weights_only=True``)."""
@@ -365,6 +367,7 @@ class OnebitOptimizer(Optimizer):
         sd["state"] = {}  # the per-parameter views are saved once, as the flat buffers below
         sd["onebit"] = {
             "world_size": self.world_size,
+            "rank": self.rank,
             "step": self._step_count,
             "bytes_sent_total": self._bytes_total,
             "flat": {name: buf.clone() for name, buf in self.flat.buffers.items()},
@@ -373,7 +376,8 @@ class OnebitOptimizer(Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`; on another world size the error buffers restart at zero (warning)."""
+        """Restore :meth:`state_dict`; a state saved by another rank or on another world size
+        restarts the per-rank error buffers and random state (with a warning)."""
         if not isinstance(state_dict, Mapping) or "onebit" not in state_dict:
             raise ValueError(
                 f"not a {type(self).__name__} state_dict: missing the 'onebit' entry "
@@ -400,16 +404,18 @@ class OnebitOptimizer(Optimizer):
         self._link_state()
         self._step_count = int(extra["step"])
         self._bytes_total = int(extra["bytes_sent_total"])
-        same_world = int(extra["world_size"]) == self.world_size
-        if not same_world:
+        # Worker/server errors (and Birder's random state) belong to the rank that saved them.
+        saved_rank = int(extra.get("rank", self.rank))  # checkpoints of earlier versions have no rank
+        own_state = int(extra["world_size"]) == self.world_size and saved_rank == self.rank
+        if not own_state:
             _log.warning(
-                "%s state saved on world size %d, loaded on %d: error-feedback buffers re-created as zeros",
-                type(self).__name__,
-                extra["world_size"],
-                self.world_size,
+                "%s state saved on world size %d by rank %d, loaded on world size %d by rank %d: per-rank "
+                "error-feedback buffers re-created as zeros, random state reseeded for this rank; save and "
+                "load one state_dict per rank to resume exactly",
+                type(self).__name__, extra["world_size"], saved_rank, self.world_size, self.rank,
             )
         try:
-            self._load_extra_state(extra, same_world)
+            self._load_extra_state(extra, own_state)
         except KeyError as exc:
             raise ValueError(
                 f"incomplete {type(self).__name__} state_dict: missing {exc.args[0]!r} "

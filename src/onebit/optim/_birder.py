@@ -259,8 +259,8 @@ class Birder(_SoftSign):
     def _extra_state(self) -> dict[str, Any]:
         return {"allreduce": self.allreduce.state_dict()}
 
-    def _load_extra_state(self, state: Mapping[str, Any], same_world: bool) -> None:
-        self._restore_collective(self.allreduce, state["allreduce"], same_world)
+    def _load_extra_state(self, state: Mapping[str, Any], own_state: bool) -> None:
+        self._restore_collective(self.allreduce, state["allreduce"], own_state)
 
 
 class SoftSignSGD(_SoftSign):

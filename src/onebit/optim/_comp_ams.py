@@ -76,9 +76,9 @@ class _GradientExchange(OnebitOptimizer):
     def _extra_state(self) -> dict[str, Any]:
         return {} if self.exchange is None else {"exchange": self.exchange.state_dict()}
 
-    def _load_extra_state(self, state: Mapping[str, Any], same_world: bool) -> None:
+    def _load_extra_state(self, state: Mapping[str, Any], own_state: bool) -> None:
         if self.exchange is not None:
-            self._restore_collective(self.exchange, state["exchange"], same_world)
+            self._restore_collective(self.exchange, state["exchange"], own_state)
 
 
 def _check_common(lr: float, betas: object, eps: float, weight_decay: float, error_feedback: object) -> None:

@@ -204,10 +204,10 @@ class OnebitAdam(TwoStage, _AdamFamily):
     def _extra_state(self) -> dict[str, Any]:
         return {**self._two_stage_state(), "allreduce": self.allreduce.state_dict()}
 
-    def _load_extra_state(self, state: Mapping[str, Any], same_world: bool) -> None:
+    def _load_extra_state(self, state: Mapping[str, Any], own_state: bool) -> None:
         self._load_two_stage_state(state)
         self._denom = None if self._frozen_at is None else self._frozen_denominator()
-        self._restore_collective(self.allreduce, state["allreduce"], same_world)
+        self._restore_collective(self.allreduce, state["allreduce"], own_state)
 
 
 class OnebitAdamNaive(_AdamFamily):
@@ -266,5 +266,5 @@ class OnebitAdamNaive(_AdamFamily):
     def _extra_state(self) -> dict[str, Any]:
         return {"allreduce": self.allreduce.state_dict()}
 
-    def _load_extra_state(self, state: Mapping[str, Any], same_world: bool) -> None:
-        self._restore_collective(self.allreduce, state["allreduce"], same_world)
+    def _load_extra_state(self, state: Mapping[str, Any], own_state: bool) -> None:
+        self._restore_collective(self.allreduce, state["allreduce"], own_state)

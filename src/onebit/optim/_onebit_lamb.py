@@ -306,7 +306,7 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
             "allreduce": self.allreduce.state_dict(),
         }
 
-    def _load_extra_state(self, state: Mapping[str, Any], same_world: bool) -> None:
+    def _load_extra_state(self, state: Mapping[str, Any], own_state: bool) -> None:
         self._load_two_stage_state(state)
         if self._frozen_at is not None:
             self._mask_unused(self.flat.buffers["frozen_exp_avg_sq"])
@@ -314,4 +314,4 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
         self.coeff_avg = state["coeff_avg"].to(**as_vector)
         self.ratio = state["ratio"].to(**as_vector)
         self.momentum_scale = state["momentum_scale"].to(**as_vector)
-        self._restore_collective(self.allreduce, state["allreduce"], same_world)
+        self._restore_collective(self.allreduce, state["allreduce"], own_state)
