@@ -31,9 +31,10 @@ def _adam_reference(world, steps, lr, betas, eps, weight_decay):
     return [p.detach() for p in params]
 
 
-def _algorithm1(world, steps, freeze, lr, b1, b2, eps, bias_correction=False, clip=False):
+def _algorithm1(world, steps, freeze, lr, b1, b2, eps, bias_correction=False, clip=None):
     """Algorithm 1 with n simulated workers, one process, fused momentum; the paper's form
-    without bias correction or step clip, or onebit's defaults with both."""
+    without bias correction or step clip, or onebit's with both (clip: the multiple of
+    Adam's largest step)."""
     params = [p.clone() for p in _params()]
     sizes = [p.numel() for p in params]
     m = torch.zeros(sum(sizes))
@@ -50,8 +51,8 @@ def _algorithm1(world, steps, freeze, lr, b1, b2, eps, bias_correction=False, cl
             denom = (v / (1 - b2**step if bias_correction else 1.0)).sqrt() + eps
         else:  # lines 5-13, the variance frozen at step `freeze`
             m = car([b1 * m + (1 - b1) * g for g in gs])
-            if clip:  # Adam's largest step, Kingma & Ba section 2.1
-                bound = max(1.0, (1 - b1) / math.sqrt(1 - b2)) * bc1 * denom
+            if clip is not None:  # Adam's largest step, Kingma & Ba section 2.1
+                bound = clip * max(1.0, (1 - b1) / math.sqrt(1 - b2)) * bc1 * denom
                 m = torch.maximum(torch.minimum(m, bound), -bound)
         x = x - lr / bc1 * m / denom
         params = list(torch.split(x, sizes))
@@ -80,9 +81,10 @@ def test_warmup_equals_adamw_on_averaged_gradient(world):
 @pytest.mark.parametrize("world,defaults", [(2, False), (3, False), (2, True), (3, True)])
 def test_compression_stage_matches_algorithm_1_and_replicas_agree(world, defaults):
     kw = dict(lr=0.02, betas=(0.9, 0.99), eps=1e-8)
-    paper = {} if defaults else dict(bias_correction=False, clip_update=False)
-    res = run_ranks(_train, world, 14, dict(kw, freeze_step=5, **paper))
-    expect = _algorithm1(world, 14, 5, 0.02, 0.9, 0.99, 1e-8, bias_correction=defaults, clip=defaults)
+    # onebit's form, with a clip tight enough to bind on this problem; or the paper's
+    ours = dict(clip_update=0.3) if defaults else dict(bias_correction=False, clip_update=None)
+    res = run_ranks(_train, world, 14, dict(kw, freeze_step=5, **ours))
+    expect = _algorithm1(world, 14, 5, 0.02, 0.9, 0.99, 1e-8, bias_correction=defaults, clip=ours["clip_update"])
     for r in res:
         assert r["digests"] == res[0]["digests"], "replicas diverged"
         for got, want in zip(r["params"], expect):
@@ -95,7 +97,7 @@ def test_compression_stage_matches_algorithm_1_and_replicas_agree(world, default
 
 
 def test_compression_stage_world_1_matches_algorithm_1():
-    kw = dict(lr=0.02, betas=(0.9, 0.99), eps=1e-8, freeze_step=3, bias_correction=False, clip_update=False)
+    kw = dict(lr=0.02, betas=(0.9, 0.99), eps=1e-8, freeze_step=3, bias_correction=False, clip_update=None)
     got = _train(0, 1, 10, kw)["params"]
     for g, w in zip(got, _algorithm1(1, 10, 3, 0.02, 0.9, 0.99, 1e-8)):
         assert torch.allclose(g, w, rtol=1e-4, atol=1e-6)
@@ -211,6 +213,8 @@ def test_bad_arguments():
         (dict(freeze_window=0), ValueError, "Invalid freeze_window value: 0"),
         (dict(min_freeze_step=10, max_freeze_step=5), ValueError, "Invalid max_freeze_step value: 5"),
         (dict(bias_correction="yes"), TypeError, "Invalid bias_correction value: 'yes'"),
+        (dict(clip_update=0), ValueError, "Invalid clip_update value: 0 (expected None or a positive number)"),
+        (dict(clip_update=True), ValueError, "Invalid clip_update value: True"),
         (dict(compressor="bogus"), ValueError, "unknown compressor 'bogus'"),
         (dict(timeout=0), ValueError, "timeout must be positive, got 0"),
     ]

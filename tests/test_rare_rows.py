@@ -41,27 +41,30 @@ def _run(rank, world, name, kw):
 @pytest.mark.parametrize("name", ["OnebitAdam", "OnebitLamb"])
 def test_rare_and_never_seen_rows_stay_put_under_1bit_exchange(name):
     default = run_ranks(_run, 2, name, {})
-    paper = run_ranks(_run, 2, name, {"clip_update": False})
+    paper = run_ranks(_run, 2, name, {"clip_update": None})
     for r in default:
         assert r["finite"]
         assert r["never"] == 0.0  # zero frozen variance: momentum held at zero
-        # each compressed step is at most Adam's largest step; LAMB's variance is frozen without
-        # bias correction and its coefficient is at most max_coeff = 10
-        bound = 1.0 if name == "OnebitAdam" else 10 / math.sqrt(1 - 0.999**FREEZE)
+        # each compressed step is at most 10x Adam's largest step (the default clip); LAMB's
+        # variance is frozen without bias correction and its coefficient is at most max_coeff = 10
+        bound = 10.0 if name == "OnebitAdam" else 10 * 10 / math.sqrt(1 - 0.999**FREEZE)
         assert r["rare"] < (STEPS - FREEZE) * LR * adam_step_bound(0.9, 0.999) * bound
     # without the clip the same row takes steps of lr * scale / sqrt(v): the mechanism is real
     assert all(r["rare"] > 100 * d["rare"] for r, d in zip(paper, default))
 
 
-def test_clip_to_adam_step_bounds_only_values_beyond_adams_largest_step():
+def test_clip_to_adam_step_bounds_only_values_beyond_a_multiple_of_adams_largest_step():
     denom = torch.tensor([1.0, 1.0, 1e-6, 2.0])
     m = torch.tensor([0.5, -10.0, 1e-3, -1.0])
-    clip_to_adam_step_(m, denom, 0.9, 0.999, bias_correction1=0.5)
+    clip_to_adam_step_(m, denom, 0.9, 0.999, bias_correction1=0.5, factor=1.0)
     bound = 0.1 / math.sqrt(0.001) * 0.5  # Kingma & Ba: (1 - b1) / sqrt(1 - b2), times 1 - b1^t
     assert torch.equal(m, torch.tensor([0.5, -bound, bound * 1e-6, -1.0]))
     m = torch.tensor([4.0, 40.0])  # denominators of a variance frozen uncorrected: 1 - b2^T = 0.01
-    clip_to_adam_step_(m, torch.ones(2), 0.9, 0.999, bias_correction2=0.01)
+    clip_to_adam_step_(m, torch.ones(2), 0.9, 0.999, bias_correction2=0.01, factor=1.0)
     assert torch.allclose(m, torch.tensor([4.0, 0.1 / math.sqrt(0.001) / 0.1]))
+    m = torch.tensor([30.0, -40.0])  # the default margin: 10x Adam's largest step
+    clip_to_adam_step_(m, torch.ones(2), 0.9, 0.999)
+    assert torch.allclose(m, torch.tensor([30.0, -10 * 0.1 / math.sqrt(0.001)]))
     assert adam_step_bound(0.9, 0.999) == pytest.approx(3.1623, abs=1e-4)
     assert adam_step_bound(0.9, 0.9) == 1.0  # (1 - b1) <= sqrt(1 - b2): Adam's step is at most lr
 

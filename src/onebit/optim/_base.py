@@ -23,7 +23,7 @@ from torch.optim import Optimizer
 from .. import comm
 from ..comm import _dist
 
-__all__ = ["FlatState", "OnebitOptimizer", "ReplicaDivergence", "check_adam_args", "check_betas", "check_bool", "check_nonneg", "check_positive"]
+__all__ = ["FlatState", "OnebitOptimizer", "ReplicaDivergence", "check_adam_args", "check_betas", "check_bool", "check_clip", "check_nonneg", "check_positive"]
 
 _log = logging.getLogger("onebit.optim")
 
@@ -44,6 +44,15 @@ def check_bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"Invalid {name} value: {value!r} (expected a bool)")
     return value
+
+
+def check_clip(value: object) -> float | None:
+    """``clip_update``: ``None`` or a positive multiple of Adam's largest step."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"Invalid clip_update value: {value!r} (expected None or a positive number)")
+    return float(value)
 
 
 def check_betas(betas: object) -> tuple[float, float]:

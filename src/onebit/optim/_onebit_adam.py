@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from .. import comm
-from ._base import OnebitOptimizer, check_adam_args, check_betas, check_bool
+from ._base import OnebitOptimizer, check_adam_args, check_betas, check_bool, check_clip
 from ._freeze import TwoStage
 from ._functional import adam_denominator, onebit_adam
 
@@ -24,7 +24,7 @@ class _AdamFamily(OnebitOptimizer):
     """Argument checks and the flat gradient buffer shared by the Adam variants."""
 
     _flat_names = ("exp_avg", "exp_avg_sq")
-    clip_update = False  # only OnebitAdam's compression stage clips
+    clip_update: float | None = None  # only OnebitAdam's compression stage clips
     _frozen_at: int | None = None  # OnebitAdamNaive never freezes
 
     def __init__(
@@ -110,10 +110,10 @@ class OnebitAdam(TwoStage, _AdamFamily):
         max_freeze_step: "auto" freezes at this step at the latest (``None``: no limit).
         compressor: compressor of the momentum exchange (``"sign"``; ``"identity"`` gives the
             paper's "1-bit Adam (32-bits)" ablation).
-        clip_update: clip each value's compressed step to Adam's own largest step,
-            ``lr (1 - beta1) / sqrt(1 - beta2)`` (:func:`onebit.optim.clip_to_adam_step_`; not in
-            the paper). Without it, values whose frozen variance is tiny take steps of
-            ``lr * scale / sqrt(v)`` from the 1-bit exchange.
+        clip_update: clip each value's compressed step to this many times Adam's own largest
+            step, ``lr (1 - beta1) / sqrt(1 - beta2)`` (:func:`onebit.optim.clip_to_adam_step_`;
+            not in the paper; ``None``: no clip). Without it, values whose frozen variance is
+            tiny take steps of ``lr * scale / sqrt(v)`` from the 1-bit exchange.
         hierarchical, ranks_per_node: exchange with Birder's Hierarchical-1-bit-All-Reduce
             (:func:`onebit.comm.compressed_allreduce`: ``True``, ``False`` or ``"auto"``).
         timeout: per-collective timeout in seconds (default 300).
@@ -142,7 +142,7 @@ class OnebitAdam(TwoStage, _AdamFamily):
         min_freeze_step: int = 0,
         max_freeze_step: int | None = None,
         compressor: str = "sign",
-        clip_update: bool = True,
+        clip_update: float | None = 10.0,
         hierarchical: bool | str = False,
         ranks_per_node: int | None = None,
         timeout: float | timedelta | None = None,
@@ -150,7 +150,7 @@ class OnebitAdam(TwoStage, _AdamFamily):
         on_nonfinite: str = "skip",
         check_replicas_every: int = 0,
     ) -> None:
-        self.clip_update = check_bool("clip_update", clip_update)
+        self.clip_update = check_clip(clip_update)
         self._init_two_stage(
             freeze_step,
             check_betas(betas)[1],

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from .. import comm
-from ._base import OnebitOptimizer, check_adam_args, check_bool, check_nonneg
+from ._base import OnebitOptimizer, check_adam_args, check_clip, check_nonneg
 from ._freeze import TwoStage
 from ._functional import apply_update_, clip_to_adam_step_
 
@@ -56,7 +56,7 @@ def onebit_lamb(
     factor_max: float,
     factor_min: float,
     factor_threshold: float,
-    clip_update: bool = True,
+    clip_update: float | None = 10.0,
     frozen_at: int = 0,
 ) -> Tensor:
     """One step of 1-bit LAMB over all parameters; returns each tensor's coefficient ``c_t``
@@ -72,8 +72,9 @@ def onebit_lamb(
     ``exchange(exp_avg)`` replaces the fused momentum (A.5.1) by its 1-bit average; unscale;
     ``g = (m_t - b1 m_{t-1}) / (1 - b1)``; fresh ``v``; ``r = max(v_frozen / v)`` clipped to
     ``(1 +- r_threshold) r_prev`` then ``[r_min, r_max]``; ``c = r c_avg``;
-    ``x <- x - lr c (m / (sqrt(v_frozen) + eps) + wd x)``. With ``clip_update`` the averaged
-    momentum is first clipped to Adam's largest step (:func:`clip_to_adam_step_`).
+    ``x <- x - lr c (m / (sqrt(v_frozen) + eps) + wd x)``. Unless ``clip_update`` is None the
+    averaged momentum is first clipped to ``clip_update`` times Adam's largest step
+    (:func:`clip_to_adam_step_`).
     """
     coeffs = []
     no_step = torch.zeros((), dtype=torch.float64, device=grad.device)
@@ -112,8 +113,8 @@ def onebit_lamb(
         m, v, v_frozen = exp_avg[lo:hi], exp_avg_sq[lo:hi], frozen_exp_avg_sq[lo:hi]
         m.div_(momentum_scale[i])
         denom = v_frozen.sqrt().add_(eps)
-        if clip_update:  # the warm-up's variance has no bias correction: frozen at step frozen_at
-            clip_to_adam_step_(m, denom, b1, b2, bias_correction2=1.0 - b2**frozen_at)
+        if clip_update is not None:  # the warm-up's variance has no bias correction: frozen at step frozen_at
+            clip_to_adam_step_(m, denom, b1, b2, bias_correction2=1.0 - b2**frozen_at, factor=clip_update)
         g = (m - b1 * last_exp_avg[lo:hi]) / (1.0 - b1)
         v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
         prev = ratio[i].clone()
@@ -150,8 +151,8 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
       of the fused momentum (a view over all layers, A.5.1), fresh variance from the
       reconstructed gradient, clipped scaling ratios. Values whose frozen variance is zero
       (never a gradient in the warm-up) keep a zero momentum, as in :class:`onebit.OnebitAdam`;
-      with ``clip_update`` (default) each value's step is clipped to Adam's own largest step
-      (:func:`onebit.optim.clip_to_adam_step_`, not in the paper).
+      each value's step is clipped to ``clip_update`` (default 10) times Adam's own largest
+      step (:func:`onebit.optim.clip_to_adam_step_`, not in the paper; ``None``: no clip).
 
     Where this differs from DeepSpeed 0.19.6's ``OnebitLamb``, each decided on the byte-LM
     task of ``onebit bench convergence`` (README, "1-bit LAMB: decisions"): the ratio is the
@@ -192,7 +193,7 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
         min_freeze_step: int = 0,
         max_freeze_step: int | None = None,
         compressor: str = "sign",
-        clip_update: bool = True,
+        clip_update: float | None = 10.0,
         hierarchical: bool | str = False,
         ranks_per_node: int | None = None,
         timeout: float | timedelta | None = None,
@@ -225,7 +226,7 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
         )
         self.eps = float(eps)
         self.options = {
-            "clip_update": check_bool("clip_update", clip_update),
+            "clip_update": check_clip(clip_update),
             "coeff_beta": float(coeff_beta),
             "max_coeff": float(max_coeff),
             "min_coeff": float(min_coeff),
