@@ -9,6 +9,10 @@ from _harness import run_ranks
 from _problem import OPTIMIZERS
 
 
+def _both(rank, world, name, kw):
+    return _run(rank, world, name, kw, "strided"), _run(rank, world, name, kw, "contiguous")
+
+
 def _run(rank, world, name, kw, layout):
     gen = torch.Generator().manual_seed(7)
     conv = torch.randn(4, 3, 2, 2, generator=gen)
@@ -30,8 +34,7 @@ def _run(rank, world, name, kw, layout):
 
 @pytest.mark.parametrize("name,kw", OPTIMIZERS, ids=[n for n, _ in OPTIMIZERS])
 def test_channels_last_and_transposed_parameters_equal_contiguous_ones(name, kw):
-    strided = run_ranks(_run, 2, name, kw, "strided")
-    plain = run_ranks(_run, 2, name, kw, "contiguous")
+    strided, plain = zip(*run_ranks(_both, 2, name, kw))  # both layouts in the same two processes
     for (ps, ss, stage), (pc, sc, _) in zip(strided, plain):
         assert all(torch.equal(a, b) for a, b in zip(ps, pc))
         assert all(torch.equal(ss[k], sc[k]) for k in sc)
