@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from .. import comm
 from ..launch import spawn
 from ..optim import Birder, CompAMS, OnebitAdam, OnebitLamb, ReplicaDivergence, SoftSignSGD
-from ._tasks import ByteCorpus, ByteMLP, ByteTransformer, DigitsCNN
+from ._tasks import ByteCorpus, ByteMLP, ByteTransformer, DigitsCNN, digits_split
 
 __all__ = ["CONVERGENCE_TASKS", "FAMILIES", "Cell", "convergence_cells", "markdown_table", "read_deepspeed",
            "run_convergence"]
@@ -129,17 +129,7 @@ class ConvergenceTask:
             raise ValueError(f"unknown task {name!r}; available: {', '.join(CONVERGENCE_TASKS)}")
         self.name = name
         if name == "digits":
-            try:
-                from sklearn.datasets import load_digits
-            except ImportError as exc:
-                raise ImportError("the digits task needs scikit-learn: pip install 'onebit[vision]'") from exc
-            images, labels = load_digits(return_X_y=True)
-            x = torch.tensor(images, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0
-            y = torch.tensor(labels, dtype=torch.long)
-            order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
-            cut = int(0.8 * len(y))
-            shard = order[:cut].chunk(world)[rank]
-            self.train_xy, self.heldout_xy = (x[shard], y[shard]), (x[order[cut:]], y[order[cut:]])
+            self.train_xy, self.heldout_xy = digits_split(rank, world)
         else:
             text = "python" if name in ("gpt", "frozen_unused") else "english"
             self.corpus = ByteCorpus(text=text)

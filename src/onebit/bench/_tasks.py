@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-__all__ = ["TASKS", "ByteCorpus", "ByteMLP", "ByteTransformer", "DigitsCNN", "Task", "TaskSpec"]
+__all__ = ["TASKS", "ByteCorpus", "ByteMLP", "ByteTransformer", "DigitsCNN", "Task", "TaskSpec", "digits_split"]
 
 TASKS = ("mlp", "gpt", "bert", "digits")
 MASK = 256  # the masked-LM's [MASK] token, after the 256 byte values
@@ -76,6 +76,22 @@ class ByteCorpus:
         """``size`` random windows: ``context`` bytes in, the next byte as target."""
         windows = self.windows(context + 1, size, generator, heldout)
         return windows[:, :context], windows[:, context]
+
+
+def digits_split(rank: int = 0, world: int = 1) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+    """scikit-learn's bundled 8x8 digits, shuffled once: this rank's 1/world of the 80% training
+    split, and the 20% held out, as (images, labels) pairs."""
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as exc:
+        raise ImportError("the digits task needs scikit-learn: pip install 'onebit[vision]'") from exc
+    images, labels = load_digits(return_X_y=True)
+    x = torch.tensor(images, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0
+    y = torch.tensor(labels, dtype=torch.long)
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+    cut = int(0.8 * len(y))
+    train = order[:cut].chunk(world)[rank]
+    return (x[train], y[train]), (x[order[cut:]], y[order[cut:]])
 
 
 class ByteMLP(nn.Module):
@@ -164,17 +180,7 @@ class Task:
         self.spec = spec
         self.loss_fn = nn.CrossEntropyLoss()
         if spec.name == "digits":
-            try:
-                from sklearn.datasets import load_digits
-            except ImportError as exc:
-                raise ImportError("the digits task needs scikit-learn: pip install 'onebit[vision]'") from exc
-            images, labels = load_digits(return_X_y=True)
-            x = torch.tensor(images, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0
-            y = torch.tensor(labels, dtype=torch.long)
-            order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
-            cut = int(0.8 * len(y))
-            self.train_xy = (x[order[:cut]], y[order[:cut]])
-            self.heldout_xy = (x[order[cut:]], y[order[cut:]])
+            self.train_xy, self.heldout_xy = digits_split()
         else:
             self.corpus = ByteCorpus()
 
