@@ -157,3 +157,25 @@ def test_truncated_checkpoint_gives_a_clear_error(tmp_path):
     ckpt.write_bytes(ckpt.read_bytes()[:100])
     with pytest.raises(RankFailure, match="rank1.pt cannot be read"):
         main(["train", "--steps", "4", "--resume", *common])
+
+
+def test_bench_convergence_small_matrix_with_deepspeed_cells(tmp_path, capsys):
+    out = tmp_path / "conv"
+    argv = ["bench", "convergence", "--tasks", "byte_mlp", "--families", "adamw", "--steps", "5",
+            "--batch-size", "4", "--world-size", "2", "--out", str(out), "--quiet"]
+    assert main(argv) == 0
+    cells = json.loads((out / "summary.json").read_text())["cells"]
+    assert [c["label"] for c in cells] == ["adamw", "onebit_adam@10%", "onebit_adam@20%", "onebit_adam@40%"] * 2
+    assert [c["freeze_step"] for c in cells[:4]] == [None, 1, 1, 2]
+    assert all(c["replicas"] == "identical" and c["first_nonfinite_step"] is None for c in cells)
+    assert cells[0]["gap_pct"] == 0.0 and len(cells[1]["losses"]) == 5
+    # DeepSpeed's cells, written next to the summary by benchmarks/deepspeed_convergence.py
+    base = cells[0]["heldout_loss"]
+    (out / "deepspeed.jsonl").write_text(json.dumps({"task": "byte_mlp", "optimizer": "deepspeed_OneBitAdam",
+                                                     "lr": 1e-3, "heldout_loss": base * 1.1,
+                                                     "first_nonfinite_step": None}) + "\n")
+    assert main(["bench", "convergence", "--out", str(out), "--report-only"]) == 0
+    table = (out / "table.md").read_text().splitlines()
+    assert table[0].split(" | ")[-1] == "deepspeed_OneBitAdam@20% |"
+    assert table[2].startswith(f"| byte_mlp | low | {base:.3f} |") and table[2].endswith("| +10.0% |")
+    assert table[3].endswith("|  |")  # no DeepSpeed cell at the high learning rate

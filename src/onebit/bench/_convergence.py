@@ -52,6 +52,8 @@ FAMILIES: dict[str, tuple[tuple[float, float], tuple[str, ...]]] = {
     "softsign_sgd": ((1e-3, 3e-3), ("birder",)),
 }
 _TWO_STAGE = ("onebit_adam", "onebit_lamb")
+# the cells of benchmarks/deepspeed_convergence.py: DeepSpeed's name -> (family, onebit's optimizer)
+_DEEPSPEED = {"deepspeed_OneBitAdam": ("adamw", "onebit_adam"), "deepspeed_OneBitLamb": ("lamb", "onebit_lamb")}
 _NEVER = 10**9  # a freeze step no run reaches: the two-stage optimizers' exact warm-up throughout
 
 
@@ -289,41 +291,34 @@ def markdown_table(results: list[dict[str, Any]], deepspeed: list[dict[str, Any]
     see :data:`FAMILIES`): each counterpart's held-out loss and each compressed optimizer's gap
     to it (``NaN@step`` where the loss went non-finite); DeepSpeed's cells, where run, after
     onebit's at the same freeze."""
-    ds_family = {ds: family for family, (_, names) in FAMILIES.items() for name, ds in _DS_NAMES.items()
-                 if name in names}
-    rows = list(results) + [dict(d, family=ds_family[d["optimizer"]], freeze_fraction=0.2) for d in deepspeed]
+    rows = [dict(r) for r in results]
+    rows += [dict(d, family=_DEEPSPEED[d["optimizer"]][0], freeze_fraction=0.2) for d in deepspeed]
+    _gaps(rows)
+    run_by_deepspeed = {_DEEPSPEED[d["optimizer"]][1]: d["optimizer"] for d in deepspeed}
     columns: list[tuple[str, str, float | None]] = []
     for family in dict.fromkeys(r["family"] for r in results):
         columns.append((family, family, None))
         for name in FAMILIES[family][1]:
             for f in FREEZE_FRACTIONS if name in _TWO_STAGE else (None,):
                 columns.append((family, name, f))
-            if name in _DS_NAMES and any(d["optimizer"] == _DS_NAMES[name] for d in deepspeed):
-                columns.append((family, _DS_NAMES[name], 0.2))
+            if name in run_by_deepspeed:
+                columns.append((family, run_by_deepspeed[name], 0.2))
 
-    def find(task: str, lr: float, name: str, f: float | None) -> dict[str, Any] | None:
-        return next((r for r in rows if (r["task"], r["lr"], r["optimizer"], r.get("freeze_fraction"))
+    def fmt(task: str, lr: float, name: str, f: float | None) -> str:
+        cell = next((r for r in rows if (r["task"], r["lr"], r["optimizer"], r.get("freeze_fraction"))
                      == (task, lr, name, f)), None)
-
-    def fmt(cell: dict[str, Any] | None, base: dict[str, Any] | None) -> str:
         if cell is None:
             return ""
         if cell.get("first_nonfinite_step"):
             return f"**NaN@{cell['first_nonfinite_step']}**"
-        if cell is base or base is None or not math.isfinite(base["heldout_loss"]):
+        if cell["gap_pct"] is None or name == cell["family"]:
             return f"{cell['heldout_loss']:.3f}"
-        return f"{100 * (cell['heldout_loss'] / base['heldout_loss'] - 1):+.1f}%"
+        return f"{cell['gap_pct']:+.1f}%"
 
     header = ["task", "lr"] + [name if f is None else f"{name}@{f:.0%}" for _, name, f in columns]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for task in dict.fromkeys(r["task"] for r in results):
-        for k in (0, 1):
-            cells = []
-            for family, name, f in columns:
-                lr = FAMILIES[family][0][k]
-                cells.append(fmt(find(task, lr, name, f), find(task, lr, family, None)))
-            lines.append(f"| {task} | {'low' if k == 0 else 'high'} | " + " | ".join(cells) + " |")
+        for k, level in enumerate(("low", "high")):
+            cells = [fmt(task, FAMILIES[family][0][k], name, f) for family, name, f in columns]
+            lines.append(f"| {task} | {level} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-_DS_NAMES = {"onebit_adam": "deepspeed_OneBitAdam", "onebit_lamb": "deepspeed_OneBitLamb"}

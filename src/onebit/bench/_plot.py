@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -9,7 +10,7 @@ __all__ = ["ema", "plot_convergence", "plot_losses"]
 
 
 def ema(values: list[float], alpha: float = 0.05) -> list[float]:
-    """Exponential moving average (bias-corrected from the first value), for curves a person reads."""
+    """Exponential moving average started at the first value, for curves a person reads."""
     out, acc = [], None
     for v in values:
         acc = v if acc is None else (1 - alpha) * acc + alpha * v
@@ -53,7 +54,7 @@ def plot_convergence(results: list[dict[str, Any]], path: Path) -> Path:
                 if r["freeze_step"]:
                     ax.axvline(r["freeze_step"], color=line.get_color(), ls=":", lw=0.8)
             finite = [v for r in cells if r["lr"] == lr for v in r["losses"][len(r["losses"]) // 10:]
-                      if v == v and abs(v) != float("inf")]
+                      if math.isfinite(v)]
             if finite:
                 ax.set_ylim(min(finite) * 0.95, max(finite) * 1.05)
             ax.set_title(f"{task}: {family} family, lr {lr:g}", fontsize=9)

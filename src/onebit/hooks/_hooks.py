@@ -34,6 +34,7 @@ class _HookState:
 
     __slots__ = ("process_group", "start_iter", "iter", "hierarchical", "ranks_per_node", "timeout", "_buckets",
                  "_saved", "_restore_iters")
+    _unpickled: tuple[str, ...] = ("process_group",)  # objects of the live job, None after unpickling
 
     def __init__(
         self,
@@ -150,17 +151,17 @@ class _HookState:
         self._restore_iters = 0
 
     def __getstate__(self) -> dict[str, Any]:
-        """Everything but the process group, which cannot be pickled (as ``PowerSGDState``)."""
+        """Everything but the process group, which cannot be pickled (as ``PowerSGDState``), and the
+        other live objects in ``_unpickled``."""
         _log.warning("the process group is not pickled; the unpickled state uses the default group")
         slots = [s for cls in type(self).__mro__ for s in getattr(cls, "__slots__", ())]
-        skip = ("process_group", "_buckets", "_saved", "_restore_iters", "grad_scaler")
+        skip = self._unpickled + ("_buckets", "_saved", "_restore_iters")
         options = {s: getattr(self, s) for s in slots if s not in skip}
         return {**options, "state": self.state_dict()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.process_group = None
-        if "grad_scaler" in [s for cls in type(self).__mro__ for s in getattr(cls, "__slots__", ())]:
-            self.grad_scaler = None
+        for slot in self._unpickled:
+            setattr(self, slot, None)
         for slot, value in state.items():
             if slot != "state":
                 setattr(self, slot, value)
@@ -242,6 +243,7 @@ class BirderState(_HookState):
     """
 
     __slots__ = ("beta", "eps", "seed", "rank", "grad_scaler")
+    _unpickled = ("process_group", "grad_scaler")
 
     def __init__(
         self,

@@ -106,7 +106,7 @@ class CompAMS(_GradientExchange):
             (the paper's "blocks are the network layers", 1 bit per value). Per-tensor blocks
             give every value of a layer the same magnitude, which erases Adam's per-value
             scale: on the byte-LM task of ``onebit bench convergence`` they ended +38% above
-            AMSGrad where 64-value blocks ended +5% (README, "Comp-AMS Block-Sign").
+            AMSGrad where 64-value blocks ended +5% (README, "What the matrix found").
         bias_correction: divide ``m`` and ``v^`` by ``1 - beta^t`` (off in the paper).
 
     The all-gather volume grows with the world size: each rank receives ``w - 1``

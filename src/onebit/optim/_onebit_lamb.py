@@ -155,8 +155,8 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
       step (:func:`onebit.optim.clip_to_adam_step_`, not in the paper; ``None``: no clip).
 
     Where this differs from DeepSpeed 0.19.6's ``OnebitLamb``, each decided on the byte-LM
-    task of ``onebit bench convergence`` (README, "1-bit LAMB: decisions"): the ratio is the
-    paper's ``max(v_frozen / v)`` (DeepSpeed: of ``sqrt(v) + eps``), clipped to the previous
+    task of ``onebit bench convergence`` (README, "1-bit LAMB: where it differs from DeepSpeed"):
+    the ratio is the paper's ``max(v_frozen / v)`` (DeepSpeed: of ``sqrt(v) + eps``), clipped to the previous
     ratio's band and then to ``[r_min, r_max]`` as line 18-19 (DeepSpeed: the other order);
     values without a fresh variance are left out of the max (DeepSpeed: ``eps`` makes them
     ``r_max``); no weight-decay blend of the ratio (not in the paper). None of these
