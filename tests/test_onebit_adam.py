@@ -247,19 +247,39 @@ def test_parameters_differing_across_ranks_raise_everywhere():
         assert "parameters differ across ranks (rank 0: 2 tensors / 8 values, rank 1: 3 tensors / 12 values" in msg
 
 
-def _naive(rank, world):
-    params = [p.clone().requires_grad_() for p in _params()]
-    opt = onebit.OnebitAdamNaive(params, lr=0.02)
-    for step in range(1, 6):
-        for p, g in zip(params, _grads([p.detach() for p in params], rank, step)):
-            p.grad = g
-        opt.step()
-    return _digest(params), opt.stats
+def _naive_reference(world, steps, lr, b1, b2, eps, wd):
+    """Section 3.2's "Adam (1-bit naive)": every step the gradients go through Algorithm 1's
+    compressed all-reduce (worker and server error feedback), and eq. (1) -- both moments,
+    bias-corrected, decoupled weight decay -- runs on what comes back."""
+    params = [p.clone() for p in _params()]
+    sizes = [p.numel() for p in params]
+    m, v = torch.zeros(sum(sizes)), torch.zeros(sum(sizes))
+    car = SimulatedCompressedAllReduce(world, sum(sizes))
+    for step in range(1, steps + 1):
+        g = car([torch.cat(_grads(params, r, step)) for r in range(world)])
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        x = torch.cat(params) * (1 - lr * wd)
+        x = x - lr / (1 - b1**step) * m / ((v / (1 - b2**step)).sqrt() + eps)
+        params = list(torch.split(x, sizes))
+    return params
 
 
-def test_naive_control_compresses_gradients_every_step():
-    res = run_ranks(_naive, 2)
-    assert res[0][0] == res[1][0]
-    assert res[0][1]["stage"] == "compressed" and res[0][1]["freeze_step"] is None
-    slot = onebit.compress.get("sign").wire_bytes(math.ceil((DIM + 1) / 16) * 8)
-    assert res[0][1]["bytes_sent"] == 2 * slot + flag_bytes(2)
+def _naive(rank, world, steps, kw):
+    return run_problem(lambda params: onebit.OnebitAdamNaive(params, **kw), rank, steps)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_naive_control_is_adam_on_compressed_gradients(world):
+    kw = dict(lr=0.02, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
+    res = run_ranks(_naive, world, 8, kw)
+    expect = _naive_reference(world, 8, 0.02, 0.9, 0.99, 1e-8, 0.01)
+    for r in res:
+        assert r["digests"] == res[0]["digests"], "replicas diverged"
+        for got, want in zip(r["params"], expect):
+            assert torch.allclose(got, want, rtol=1e-4, atol=1e-6), (got - want).abs().max()
+    stats = res[0]["stats"]
+    assert {s["stage"] for s in stats} == {"compressed"} and stats[-1]["freeze_step"] is None
+    chunk = math.ceil((DIM + 1) / (world * 8)) * 8  # every step, from the first: 1-bit slots, not fp32
+    slot = onebit.compress.get("sign").wire_bytes(chunk)
+    assert all(s["bytes_sent"] == 2 * (world - 1) * slot + flag_bytes(world) for s in stats)

@@ -8,6 +8,7 @@ views into them -- the whole model's momentum is one tensor for one collective.
 
 from __future__ import annotations
 
+import gc
 import inspect
 import logging
 import math
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from .. import comm
@@ -200,9 +202,11 @@ class OnebitOptimizer(Optimizer):
         self._bytes_total = 0
         self._bytes_last = 0
         self._last_stage: str | None = None
+        self._ddp_checked = False
         for name in self._flat_names:
             self.flat.new(name)
         self._link_state()
+        self._refuse_ddp()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Only during construction: the fused flat state and the collectives are sized for the
@@ -230,6 +234,26 @@ class OnebitOptimizer(Optimizer):
         if not bool((table == table[0]).all()):
             rows = ", ".join(f"rank {r}: {int(t[0])} tensors / {int(t[1])} values" for r, t in enumerate(table))
             raise ValueError(f"parameters differ across ranks ({rows}; shape checksums {table[:, 2].tolist()})")
+
+    def _refuse_ddp(self) -> None:
+        """Raise if a ``DistributedDataParallel`` module holds these parameters.
+
+        DDP all-reduces every gradient in fp32 during backward, and this optimizer exchanges
+        them again: the run pays both and saves nothing. DDP does not mark its parameters, so
+        the live DDP modules are looked up once (at construction and at the first step).
+        """
+        if self.world_size == 1:
+            return
+        ids = {id(p) for p in self.flat.params}
+        for obj in gc.get_objects():
+            if isinstance(obj, DistributedDataParallel) and any(id(p) in ids for p in obj.module.parameters()):
+                raise ValueError(
+                    f"the parameters given to {type(self).__name__} belong to a DistributedDataParallel model: "
+                    f"DDP all-reduces the gradients in fp32 and {type(self).__name__} exchanges them again, so "
+                    "nothing is saved. Build the optimizer on the unwrapped model and do not wrap it in DDP (the "
+                    "optimizer averages across the group itself), or keep DDP with a plain torch.optim optimizer "
+                    "and a compressing comm hook from onebit.hooks"
+                )
 
     def _link_state(self) -> None:
         """Point ``self.state[p][name]`` at the flat buffers' views (for inspection)."""
@@ -278,6 +302,9 @@ class OnebitOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if not self._ddp_checked:  # the model may have been wrapped after the optimizer was built
+            self._refuse_ddp()
+            self._ddp_checked = True
         with comm.measure() as meter:
             if self._agree_nonfinite():
                 self._skipped += 1
