@@ -6,7 +6,7 @@
 
 from . import comm, compress, hooks, ops, optim
 from .feedback import ErrorFeedback
-from .optim import Birder, CompAMS, OnebitAdam, OnebitAdamNaive, OnebitLamb, QAdam, ReplicaDivergence, SoftSignSGD
+from .optim import Birder, CompAMS, OnebitAdam, OnebitAdamNaive, OnebitLamb, QAdam, ReplicaDivergence, SoftSignSGD, attach, from_deepspeed_config
 
 __all__ = [
     "Birder",
@@ -18,8 +18,10 @@ __all__ = [
     "QAdam",
     "ReplicaDivergence",
     "SoftSignSGD",
+    "attach",
     "comm",
     "compress",
+    "from_deepspeed_config",
     "hooks",
     "ops",
     "optim",

@@ -14,7 +14,9 @@ from torch import Tensor
 from .. import compress as _compress
 from ..compress import Compressor
 from ..feedback import ErrorFeedback
-from ._dist import Group, all_gather_bytes, all_to_all_bytes, get_rank, get_world_size, resolve_group, to_timedelta
+from ._dist import (
+    Group, all_gather_bytes, all_to_all_bytes, check_world_size, get_rank, get_world_size, resolve_group, to_timedelta,
+)
 from ._wire import read_payload, write_payload
 
 __all__ = ["CompressedAllGather", "CompressedAllReduce", "chunk_bounds"]
@@ -67,6 +69,7 @@ class _Sized:
 
     def _prepare(self, tensor: object, out: Tensor | None) -> Tensor:
         tensor = _check_input(tensor)
+        check_world_size(self.group, self._world_size, type(self).__name__)
         if self._numel is None:
             self._numel, self._device = tensor.numel(), tensor.device
             self._size(tensor.numel(), tensor.device)

@@ -36,6 +36,7 @@ __all__ = [
     "backend_of",
     "barrier",
     "broadcast",
+    "check_world_size",
     "get_rank",
     "get_world_size",
     "is_distributed",
@@ -172,6 +173,23 @@ def get_world_size(group: Group = None) -> int:
 
 def get_rank(group: Group = None) -> int:
     return _transport(group).rank()
+
+
+def check_world_size(group: Group, expected: int, owner: str) -> None:
+    """Raise if ``group`` no longer has the ``expected`` ranks ``owner`` was built for.
+
+    ``group=None`` means the default group, resolved at each call: an object built before
+    ``init_process_group`` (world size 1) and used after it would size its buffers for one
+    rank and exchange with several -- garbage, not an error, without this check.
+    """
+    now = get_world_size(group)
+    if now != expected:
+        raise RuntimeError(
+            f"{owner} was built for {expected} rank(s), but its process group now has {now}"
+            + (": it was built before torch.distributed.init_process_group; build it after "
+               "(HF Trainer: after TrainingArguments(...), which initialises the process group)"
+               if expected == 1 else "")
+        )
 
 
 def to_timedelta(timeout: float | timedelta | None) -> timedelta:

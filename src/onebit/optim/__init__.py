@@ -3,6 +3,8 @@
 from ._base import OnebitOptimizer, ReplicaDivergence
 from ._birder import Birder, SoftSignSGD, birder, soft_sign_sgd
 from ._comp_ams import CompAMS, QAdam, comp_ams
+from ._ddp import attach, local_gradient_hook
+from ._deepspeed import from_deepspeed_config
 from ._freeze import FreezeSchedule
 from ._functional import adam_step_bound, clip_to_adam_step_, onebit_adam
 from ._onebit_adam import OnebitAdam, OnebitAdamNaive
@@ -20,9 +22,12 @@ __all__ = [
     "ReplicaDivergence",
     "SoftSignSGD",
     "adam_step_bound",
+    "attach",
     "birder",
     "clip_to_adam_step_",
     "comp_ams",
+    "from_deepspeed_config",
+    "local_gradient_hook",
     "onebit_adam",
     "onebit_lamb",
     "soft_sign_sgd",

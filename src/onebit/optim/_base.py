@@ -1,6 +1,7 @@
 """What every onebit optimizer shares: argument checks, the fused flat state, the process group.
 
-The optimizers are used WITHOUT DDP: they average across the group themselves. Their
+The optimizers average across the group themselves: on a DDP-wrapped model they switch
+DDP's all-reduce off (``_ddp.py``). Their
 per-parameter state lives in flat fp32 buffers (one slot per parameter, parameters in
 group order, so each param group is one contiguous segment) and ``self.state[p]`` holds
 views into them -- the whole model's momentum is one tensor for one collective.
@@ -8,12 +9,11 @@ views into them -- the whole model's momentum is one tensor for one collective.
 
 from __future__ import annotations
 
-import gc
 import inspect
 import logging
 import math
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -24,6 +24,7 @@ from torch.optim import Optimizer
 
 from .. import comm
 from ..comm import _dist
+from ._ddp import ddp_modules_holding, has_local_gradient_hook, register_local_gradient_hook
 
 __all__ = ["FlatState", "OnebitOptimizer", "ReplicaDivergence", "check_adam_args", "check_betas", "check_bool", "check_clip", "check_nonneg", "check_positive"]
 
@@ -121,7 +122,19 @@ class OnebitOptimizer(Optimizer):
     ``broadcast_parameters`` (rank 0's parameters to all at construction), ``on_nonfinite``
     (``"skip"``: a non-finite gradient on any rank makes every rank skip the step, counted
     in ``stats["skipped_steps"]``; ``"raise"``: ``FloatingPointError`` on every rank) and
-    ``check_replicas_every`` (K > 0: :meth:`check_replicas` after every K-th step).
+    ``check_replicas_every`` (K > 0: :meth:`check_replicas` after every K-th step) and
+    ``max_grad_norm``.
+
+    ``max_grad_norm`` (gradient clipping, DeepSpeed's ``gradient_clipping``): where the
+    optimizer forms the averaged gradient -- the warm-up of 1-bit Adam and 1-bit LAMB,
+    SoftSignSGD, Comp-AMS's average of compressed gradients, OnebitAdamNaive's compressed
+    average -- that gradient is scaled by ``min(1, max_grad_norm / (norm + 1e-6))`` over all
+    parameters, exactly what ``torch.nn.utils.clip_grad_norm_`` does on one process. Where
+    it never exists -- the compression stage of 1-bit Adam and 1-bit LAMB, Birder, QAdam,
+    which exchange momentum or updates -- each rank clips its own local gradient the same
+    way before it enters its moments (what DeepSpeed's engine did in that stage). Calling
+    ``clip_grad_norm_`` yourself before ``step()`` clips the *local* gradient of each rank
+    (never the average, which does not exist yet), at every stage.
 
     Missing gradients, one rule for every optimizer: a parameter whose ``.grad`` is ``None``
     on every rank (frozen, or unused this step) is not updated -- no step, no weight decay,
@@ -144,13 +157,20 @@ class OnebitOptimizer(Optimizer):
         broadcast_parameters: bool,
         on_nonfinite: str = "skip",
         check_replicas_every: int = 0,
+        max_grad_norm: float | None = None,
     ) -> None:
         if on_nonfinite not in ("skip", "raise"):
             raise ValueError(f"Invalid on_nonfinite value: {on_nonfinite!r} (expected 'skip' or 'raise')")
         if isinstance(check_replicas_every, bool) or not isinstance(check_replicas_every, int) or check_replicas_every < 0:
             raise ValueError(f"Invalid check_replicas_every value: {check_replicas_every!r} (expected an int >= 0)")
+        if max_grad_norm is not None and (
+            isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
+            or not 0.0 < max_grad_norm < math.inf
+        ):
+            raise ValueError(f"Invalid max_grad_norm value: {max_grad_norm!r} (expected None or a positive number)")
         self.on_nonfinite = on_nonfinite
         self.check_replicas_every = check_replicas_every
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         super().__init__(params, defaults)
         # Param groups may override the defaults: validate what each group will use.
         # A constructor option that is not per-group (eps, say) given in a group would be ignored: refuse it.
@@ -206,7 +226,7 @@ class OnebitOptimizer(Optimizer):
         for name in self._flat_names:
             self.flat.new(name)
         self._link_state()
-        self._refuse_ddp()
+        self._check_ddp(construction=True)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Only during construction: the fused flat state and the collectives are sized for the
@@ -235,24 +255,39 @@ class OnebitOptimizer(Optimizer):
             rows = ", ".join(f"rank {r}: {int(t[0])} tensors / {int(t[1])} values" for r, t in enumerate(table))
             raise ValueError(f"parameters differ across ranks ({rows}; shape checksums {table[:, 2].tolist()})")
 
-    def _refuse_ddp(self) -> None:
-        """Raise if a ``DistributedDataParallel`` module holds these parameters.
+    def attach_ddp(self, model: DistributedDataParallel | None = None) -> list[DistributedDataParallel]:
+        """Switch off DDP's all-reduce on ``model`` (default: every DDP module holding these
+        parameters) with :func:`onebit.optim.local_gradient_hook`; see :func:`onebit.optim.attach`."""
+        if model is not None:
+            ids = {id(p) for p in self.flat.params}
+            if not any(id(p) in ids for p in model.module.parameters()):
+                raise ValueError(f"the DistributedDataParallel model holds none of {type(self).__name__}'s parameters")
+            found = [model]
+        else:
+            found = ddp_modules_holding(self.flat.params)
+        for ddp in found:
+            register_local_gradient_hook(ddp, type(self).__name__)
+        return found
 
-        DDP all-reduces every gradient in fp32 during backward, and this optimizer exchanges
-        them again: the run pays both and saves nothing. DDP does not mark its parameters, so
-        the live DDP modules are looked up once (at construction and at the first step).
-        """
+    def _check_ddp(self, construction: bool) -> None:
+        """A DDP module holding these parameters gets :func:`local_gradient_hook` at construction
+        (DDP's fp32 all-reduce would otherwise run before this optimizer's exchange, and nothing
+        would be saved); one found at the first step without it raises, because DDP takes a
+        hook only before its first backward, which has run by then."""
         if self.world_size == 1:
             return
-        ids = {id(p) for p in self.flat.params}
-        for obj in gc.get_objects():
-            if isinstance(obj, DistributedDataParallel) and any(id(p) in ids for p in obj.module.parameters()):
+        for ddp in ddp_modules_holding(self.flat.params):
+            if construction:
+                register_local_gradient_hook(ddp, type(self).__name__)
+                _log.info("%s: DDP's gradient all-reduce switched off (local_gradient_hook); the optimizer "
+                          "exchanges in step()", type(self).__name__)
+            elif not has_local_gradient_hook(ddp):
                 raise ValueError(
-                    f"the parameters given to {type(self).__name__} belong to a DistributedDataParallel model: "
-                    f"DDP all-reduces the gradients in fp32 and {type(self).__name__} exchanges them again, so "
-                    "nothing is saved. Build the optimizer on the unwrapped model and do not wrap it in DDP (the "
-                    "optimizer averages across the group itself), or keep DDP with a plain torch.optim optimizer "
-                    "and a compressing comm hook from onebit.hooks"
+                    f"the parameters of {type(self).__name__} belong to a DistributedDataParallel model wrapped after "
+                    f"the optimizer was built: DDP all-reduced the gradients in fp32 and {type(self).__name__} would "
+                    "exchange them again, saving nothing. Call onebit.attach(optimizer) after wrapping the model "
+                    "and before the first backward (Accelerate: after accelerator.prepare; HF Trainer: "
+                    "callbacks=[onebit.integrations.transformers.AttachCallback()]), or build the optimizer after wrapping"
                 )
 
     def _link_state(self) -> None:
@@ -302,8 +337,9 @@ class OnebitOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        _dist.check_world_size(self.process_group, self.world_size, type(self).__name__)
         if not self._ddp_checked:  # the model may have been wrapped after the optimizer was built
-            self._refuse_ddp()
+            self._check_ddp(construction=False)
             self._ddp_checked = True
         with comm.measure() as meter:
             if self._agree_nonfinite():
@@ -380,6 +416,24 @@ class OnebitOptimizer(Optimizer):
     def _allreduce(self, buffer: Tensor) -> Tensor:
         """Exact fp32 average over the group, in place (the warm-up exchange)."""
         return comm.all_reduce_mean(buffer, self.process_group, self.timeout)
+
+    def _clip_grad_(self, grad: Tensor) -> Tensor:
+        """``clip_grad_norm_`` on the flat gradient buffer (zeros where a parameter has no
+        gradient): scaled by ``min(1, max_grad_norm / (||grad|| + 1e-6))``, on the device."""
+        if self.max_grad_norm is not None:
+            coef = self.max_grad_norm / (torch.linalg.vector_norm(grad) + 1e-6)
+            grad.mul_(coef.clamp_(max=1.0))
+        return grad
+
+    def _clipped(self, exchange: Callable[[Tensor], Tensor | None]) -> Callable[[Tensor], Tensor]:
+        """``exchange`` (which averages a gradient buffer) followed by clipping the average."""
+        if self.max_grad_norm is None:
+            return exchange  # type: ignore[return-value]
+
+        def averaged_then_clipped(buffer: Tensor) -> Tensor:
+            out = exchange(buffer)
+            return self._clip_grad_(buffer if out is None else out)
+        return averaged_then_clipped
 
     @staticmethod
     def _restore_collective(collective: Any, state: Mapping[str, Any], own_state: bool) -> None:

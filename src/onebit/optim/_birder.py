@@ -145,7 +145,7 @@ class _SoftSign(OnebitOptimizer):
     """Argument checks and buffers shared by Birder and SoftSignSGD."""
 
     def __init__(self, params, lr, beta, eps, weight_decay, group, timeout, broadcast_parameters, on_nonfinite,
-                 check_replicas_every) -> None:
+                 check_replicas_every, max_grad_norm) -> None:
         check_nonneg("learning rate", lr)
         check_beta(beta)
         check_positive("epsilon", eps)  # b is exactly 0 wherever no gradient was seen yet
@@ -159,6 +159,7 @@ class _SoftSign(OnebitOptimizer):
             broadcast_parameters=broadcast_parameters,
             on_nonfinite=on_nonfinite,
             check_replicas_every=check_replicas_every,
+            max_grad_norm=max_grad_norm,
         )
         for g in self.param_groups:
             check_beta(g["beta"])
@@ -215,6 +216,7 @@ class Birder(_SoftSign):
         broadcast_parameters: bool = True,
         on_nonfinite: str = "skip",
         check_replicas_every: int = 0,
+        max_grad_norm: float | None = None,
     ) -> None:
         check_seed(seed)
         if threshold_step is not None and (
@@ -227,7 +229,7 @@ class Birder(_SoftSign):
         self.threshold_step = threshold_step
         self._flat_names = ("exp_avg", "exp_avg_abs") + (("max_exp_avg_abs",) if threshold_step is not None else ())
         super().__init__(params, lr, beta, eps, weight_decay, group, timeout, broadcast_parameters, on_nonfinite,
-                         check_replicas_every)
+                         check_replicas_every, max_grad_norm)
         quantiser = (
             StochasticSignCompressor(seed + self.rank * 2**32) if compressor == "stochastic_sign" else "identity"
         )
@@ -237,6 +239,7 @@ class Birder(_SoftSign):
 
     def _step(self) -> None:
         self.flat.gather_grads(self._grad)
+        self._clip_grad_(self._grad)  # local moments: the averaged gradient never exists
         b = self.flat.buffers
         birder(
             self.flat.params,
@@ -286,9 +289,10 @@ class SoftSignSGD(_SoftSign):
         broadcast_parameters: bool = True,
         on_nonfinite: str = "skip",
         check_replicas_every: int = 0,
+        max_grad_norm: float | None = None,
     ) -> None:
         super().__init__(params, lr, beta, eps, weight_decay, group, timeout, broadcast_parameters, on_nonfinite,
-                         check_replicas_every)
+                         check_replicas_every, max_grad_norm)
 
     def _stage(self) -> str:
         return "warmup"
@@ -304,7 +308,7 @@ class SoftSignSGD(_SoftSign):
             exp_avg=b["exp_avg"],
             exp_avg_abs=b["exp_avg_abs"],
             update=self._update,
-            exchange=self._allreduce,
+            exchange=self._clipped(self._allreduce),
             lrs=self._hyper("lr"),
             betas=self._hyper("beta"),
             weight_decays=self._hyper("weight_decay"),

@@ -133,6 +133,7 @@ class CompAMS(_GradientExchange):
         broadcast_parameters: bool = True,
         on_nonfinite: str = "skip",
         check_replicas_every: int = 0,
+        max_grad_norm: float | None = None,
     ) -> None:
         _check_common(lr, betas, eps, weight_decay, error_feedback)
         if compressor not in _COMPRESSORS:
@@ -152,6 +153,7 @@ class CompAMS(_GradientExchange):
             broadcast_parameters=broadcast_parameters,
             on_nonfinite=on_nonfinite,
             check_replicas_every=check_replicas_every,
+            max_grad_norm=max_grad_norm,
         )
         if compressor == "block_sign":
             sizes = [p.numel() for p in self.flat.params if p.numel()]  # a zero-size tensor is no block
@@ -173,7 +175,7 @@ class CompAMS(_GradientExchange):
             exp_avg=b["exp_avg"],
             exp_avg_sq=b["exp_avg_sq"],
             max_exp_avg_sq=b["max_exp_avg_sq"],
-            exchange=self._average,
+            exchange=self._clipped(self._average),
             step=self._step_count,
             lrs=self._hyper("lr"),
             betas=self._hyper("betas"),
@@ -210,6 +212,7 @@ class QAdam(_GradientExchange):
         broadcast_parameters: bool = True,
         on_nonfinite: str = "skip",
         check_replicas_every: int = 0,
+        max_grad_norm: float | None = None,
     ) -> None:
         _check_common(lr, betas, eps, weight_decay, error_feedback)
         quantizer = UniformCompressor(bits)  # validates bits
@@ -222,12 +225,14 @@ class QAdam(_GradientExchange):
             broadcast_parameters=broadcast_parameters,
             on_nonfinite=on_nonfinite,
             check_replicas_every=check_replicas_every,
+            max_grad_norm=max_grad_norm,
         )
         self._setup_exchange(quantizer, error_feedback)
 
     def _step(self) -> None:
         g_all = self._grad
         self.flat.gather_grads(g_all)
+        self._clip_grad_(g_all)  # local moments: the averaged gradient never exists
         m_all, v_all = self.flat.buffers["exp_avg"], self.flat.buffers["exp_avg_sq"]
         for (lo, hi), (b1, b2), on in zip(self.flat.offsets, self._hyper("betas"), self._active):
             if not on:

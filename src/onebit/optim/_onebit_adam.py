@@ -41,6 +41,7 @@ class _AdamFamily(OnebitOptimizer):
         broadcast_parameters: bool,
         on_nonfinite: str,
         check_replicas_every: int,
+        max_grad_norm: float | None,
     ) -> None:
         check_adam_args(lr, betas, eps, weight_decay)
         self.bias_correction = check_bool("bias_correction", bias_correction)
@@ -50,6 +51,7 @@ class _AdamFamily(OnebitOptimizer):
             params, defaults, group=group, timeout=timeout, broadcast_parameters=broadcast_parameters,
             on_nonfinite=on_nonfinite,
             check_replicas_every=check_replicas_every,
+            max_grad_norm=max_grad_norm,
         )
         self._grad = torch.zeros(self.flat.numel, dtype=torch.float32, device=self.flat.device)
 
@@ -149,6 +151,7 @@ class OnebitAdam(TwoStage, _AdamFamily):
         broadcast_parameters: bool = True,
         on_nonfinite: str = "skip",
         check_replicas_every: int = 0,
+        max_grad_norm: float | None = None,
     ) -> None:
         self.clip_update = check_clip(clip_update)
         self._init_two_stage(
@@ -171,6 +174,7 @@ class OnebitAdam(TwoStage, _AdamFamily):
             broadcast_parameters=broadcast_parameters,
             on_nonfinite=on_nonfinite,
             check_replicas_every=check_replicas_every,
+            max_grad_norm=max_grad_norm,
         )
         self.allreduce = comm.compressed_allreduce(
             compressor, self.process_group, hierarchical=hierarchical, ranks_per_node=ranks_per_node, timeout=self.timeout
@@ -195,8 +199,10 @@ class OnebitAdam(TwoStage, _AdamFamily):
 
     def _step(self) -> None:
         self.flat.gather_grads(self._grad)
+        if self._frozen_at is not None:  # no averaged gradient in this stage: clip the local one
+            self._clip_grad_(self._grad)
         if self._frozen_at is None:
-            self._run(exchange=self._allreduce, compressed=False, frozen_denom=None)
+            self._run(exchange=self._clipped(self._allreduce), compressed=False, frozen_denom=None)
             self._after_warmup_step(self.flat.buffers["exp_avg_sq"])
         else:
             self._run(exchange=self._exchange_momentum, compressed=True, frozen_denom=self._denom)
@@ -238,6 +244,7 @@ class OnebitAdamNaive(_AdamFamily):
         broadcast_parameters: bool = True,
         on_nonfinite: str = "skip",
         check_replicas_every: int = 0,
+        max_grad_norm: float | None = None,
     ) -> None:
         super().__init__(
             params,
@@ -251,6 +258,7 @@ class OnebitAdamNaive(_AdamFamily):
             broadcast_parameters=broadcast_parameters,
             on_nonfinite=on_nonfinite,
             check_replicas_every=check_replicas_every,
+            max_grad_norm=max_grad_norm,
         )
         self.allreduce = comm.compressed_allreduce(
             compressor, self.process_group, hierarchical=hierarchical, ranks_per_node=ranks_per_node, timeout=self.timeout
@@ -261,7 +269,7 @@ class OnebitAdamNaive(_AdamFamily):
 
     def _step(self) -> None:
         self.flat.gather_grads(self._grad)
-        self._run(exchange=self._exchange_gradient, compressed=False, frozen_denom=None)
+        self._run(exchange=self._clipped(self._exchange_gradient), compressed=False, frozen_denom=None)
 
     def _extra_state(self) -> dict[str, Any]:
         return {"allreduce": self.allreduce.state_dict()}

@@ -200,6 +200,7 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
         broadcast_parameters: bool = True,
         on_nonfinite: str = "skip",
         check_replicas_every: int = 0,
+        max_grad_norm: float | None = None,
     ) -> None:
         beta2 = check_adam_args(lr, betas, eps, weight_decay)[1]
         for name, value in (("max_coeff", max_coeff), ("min_coeff", min_coeff), ("factor_max", factor_max),
@@ -242,6 +243,7 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
             broadcast_parameters=broadcast_parameters,
             on_nonfinite=on_nonfinite,
             check_replicas_every=check_replicas_every,
+            max_grad_norm=max_grad_norm,
         )
         n, device = len(self.flat.params), self.flat.device
         self.coeff_avg = torch.zeros(n, dtype=torch.float64, device=device)
@@ -274,6 +276,8 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
         self.flat.gather_grads(self._grad)
         b = self.flat.buffers
         compressed = self._frozen_at is not None
+        if compressed:  # no averaged gradient in this stage: clip the local one
+            self._clip_grad_(self._grad)
         self._coefficients = onebit_lamb(
             self.flat.params,
             self.flat.offsets,
@@ -286,7 +290,7 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
             coeff_avg=self.coeff_avg,
             ratio=self.ratio,
             momentum_scale=self.momentum_scale,
-            exchange=self._exchange_momentum if compressed else self._allreduce,
+            exchange=self._exchange_momentum if compressed else self._clipped(self._allreduce),
             compressed=compressed,
             lrs=self._hyper("lr"),
             betas=self._hyper("betas"),

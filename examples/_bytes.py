@@ -1,0 +1,20 @@
+"""Training data for the examples: next-byte prediction on a file every Python install has."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+CONTEXT = 32
+
+
+def byte_windows(rank: int, world: int, count: int, seed: int = 0) -> torch.Tensor:
+    """``count`` random windows of ``CONTEXT + 1`` bytes from this rank's shard of ``os.py``."""
+    with open(os.__file__, "rb") as f:
+        data = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8).long()
+    shard = len(data) // world
+    data = data[rank * shard : (rank + 1) * shard]
+    gen = torch.Generator().manual_seed(seed + rank)
+    start = torch.randint(0, len(data) - CONTEXT - 1, (count,), generator=gen)
+    return data[start.unsqueeze(1) + torch.arange(CONTEXT + 1)]

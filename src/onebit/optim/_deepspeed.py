@@ -1,0 +1,113 @@
+"""Build an onebit optimizer from a DeepSpeed config: the way off DeepSpeed's removed 1-bit optimizers.
+
+DeepSpeed 0.19.6 was the last release with ``OneBitAdam`` and ``OneBitLamb``. Their configs
+name the optimizer and its arguments in an ``"optimizer"`` block, and clipping in the
+top-level ``"gradient_clipping"``. :func:`from_deepspeed_config` maps every argument of
+both to the onebit optimizer that behaves as DeepSpeed's did, and refuses what has no
+meaning here with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from torch import Tensor
+
+from ._onebit_adam import OnebitAdam
+from ._onebit_lamb import OnebitLamb
+
+__all__ = ["from_deepspeed_config"]
+
+_log = logging.getLogger(__name__)
+
+_COMMON = ("lr", "betas", "eps", "weight_decay", "freeze_step")
+_LAMB = ("max_coeff", "min_coeff", "coeff_beta", "factor_max", "factor_min", "factor_threshold")
+# DeepSpeed arguments handled below rather than passed on by name.
+_HANDLED = ("bias_correction", "eps_inside_sqrt", "max_grad_norm", "amsgrad", "cuda_aware", "comm_backend_name")
+_TYPES = {"onebitadam": (OnebitAdam, _COMMON), "onebitlamb": (OnebitLamb, _COMMON + _LAMB)}
+_FREEZE_DEFAULT = 100_000  # DeepSpeed's default freeze_step for both optimizers
+
+
+def _load(config: Mapping[str, Any] | str | os.PathLike[str]) -> Mapping[str, Any]:
+    if isinstance(config, Mapping):
+        return config
+    if isinstance(config, (str, os.PathLike)):
+        with open(config) as f:
+            return json.load(f)
+    raise TypeError(f"config must be a dict or the path of a DeepSpeed JSON config, got {type(config).__name__}")
+
+
+def from_deepspeed_config(
+    config: Mapping[str, Any] | str | os.PathLike[str],
+    params: Iterable[Tensor] | Iterable[dict[str, Any]],
+    **overrides: Any,
+) -> OnebitAdam | OnebitLamb:
+    """The onebit optimizer a DeepSpeed config's ``"optimizer"`` block and ``"gradient_clipping"`` describe.
+
+    ``type`` ``"OneBitAdam"`` gives :class:`OnebitAdam`, ``"OneBitLamb"``
+    :class:`OnebitLamb` (case-insensitive, as DeepSpeed). Arguments map by name
+    (``lr``, ``betas``, ``eps``, ``weight_decay``, ``freeze_step`` -- DeepSpeed's default
+    100000 when absent -- and LAMB's ``max_coeff``, ``min_coeff``, ``coeff_beta``,
+    ``factor_max``, ``factor_min``, ``factor_threshold``), with these translations:
+
+    * ``bias_correction``: DeepSpeed's 1-bit Adam accepts it and never applies it (its update
+      is ``m / (sqrt(v) + eps)`` in both stages), so :class:`OnebitAdam` gets
+      ``bias_correction=False`` whatever the config says -- the same training.
+    * ``gradient_clipping`` (top level) becomes ``max_grad_norm``; the optimizer block's own
+      ``max_grad_norm``, which DeepSpeed stored and never used, is refused when positive.
+    * ``comm_backend_name``: ``"nccl"`` and ``"compressed"`` use the default process group
+      (NCCL or gloo, whichever it is), ``"mpi"`` uses ``group="mpi"``; ``cuda_aware=true``
+      does not apply (CUDA tensors go to NCCL or MPI as they are) and is refused, as are
+      ``amsgrad=true`` (DeepSpeed refused it too) and ``eps_inside_sqrt=true`` (DeepSpeed
+      ignored it: eps was added outside the square root).
+
+    ``overrides`` are passed to the constructor last (e.g. ``group=``, ``clip_update=``,
+    ``bias_correction=True``). DeepSpeed's optimizer state (checkpoints) does not carry over:
+    start the onebit optimizer from the model weights.
+    """
+    cfg = _load(config)
+    block = cfg.get("optimizer")
+    if not isinstance(block, Mapping) or "type" not in block:
+        raise ValueError("the DeepSpeed config has no 'optimizer' block with a 'type'")
+    kind = str(block["type"])
+    if kind.lower() not in _TYPES:
+        hint = " (0/1 Adam is not implemented in onebit; OneBitAdam is the closest)" if kind.lower() == "zerooneadam" \
+            else " (not a 1-bit optimizer: use torch.optim)"
+        raise ValueError(f"optimizer type {kind!r} is not OneBitAdam or OneBitLamb{hint}")
+    cls, names = _TYPES[kind.lower()]
+    given = dict(block.get("params", {}))
+    unknown = sorted(set(given) - set(names) - set(_HANDLED))
+    if unknown:
+        raise ValueError(f"DeepSpeed {kind} has no argument(s) {unknown} (known: {sorted(names + _HANDLED)})")
+    if given.get("amsgrad"):
+        raise ValueError(f"amsgrad=true: {kind} has no AMSGrad variant (DeepSpeed refused it too)")
+    if given.get("eps_inside_sqrt"):
+        raise ValueError("eps_inside_sqrt=true: DeepSpeed's 1-bit optimizers ignored it (eps is added outside the "
+                         "square root, as here); remove it")
+    if given.get("cuda_aware"):
+        raise ValueError("cuda_aware=true does not apply: onebit hands CUDA tensors to NCCL or MPI as they are; "
+                         "remove it (and use comm_backend_name 'mpi' for MPI)")
+    if given.get("max_grad_norm"):
+        raise ValueError(f"optimizer max_grad_norm={given['max_grad_norm']}: DeepSpeed's {kind} stored it and never "
+                         "clipped with it; use the top-level 'gradient_clipping' (which is what clipped)")
+    backend = given.get("comm_backend_name", "nccl")
+    if backend not in ("nccl", "compressed", "mpi"):
+        raise ValueError(f"comm_backend_name {backend!r} is not supported: use 'nccl' or 'compressed' (the default "
+                         "process group) or 'mpi'")
+    kwargs: dict[str, Any] = {name: given[name] for name in names if name in given}
+    kwargs.setdefault("freeze_step", _FREEZE_DEFAULT)
+    if "betas" in kwargs:
+        kwargs["betas"] = tuple(kwargs["betas"])
+    if cls is OnebitAdam:
+        kwargs["bias_correction"] = False
+    kwargs["group"] = "mpi" if backend == "mpi" else None
+    clipping = cfg.get("gradient_clipping", 0.0)
+    if clipping:
+        kwargs["max_grad_norm"] = clipping
+    kwargs.update(overrides)
+    _log.info("from DeepSpeed %s: %s(%s)", kind, cls.__name__, ", ".join(f"{k}={v!r}" for k, v in kwargs.items()))
+    return cls(params, **kwargs)

@@ -1,0 +1,153 @@
+"""Onebit optimizers on DDP-wrapped models, on real gloo ranks.
+
+DDP's all-reduce is switched off (``local_gradient_hook``) so that nothing is sent twice:
+a wrapped run equals the unwrapped run bit for bit, DDP's logging data names the hook, and
+the loopback interface carries no more bytes than the unwrapped run. Gradient
+accumulation (with DDP's ``no_sync`` or without DDP) exchanges once per ``step()``.
+"""
+
+import contextlib
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import onebit
+from _harness import run_ranks
+from _problem import OPTIMIZERS
+from _problem import digest as _digest
+
+_LO = "/sys/class/net/lo/statistics/tx_bytes"
+
+
+def _lo_bytes() -> int:
+    with open(_LO) as f:
+        return int(f.read())
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.Tanh(), torch.nn.Linear(512, 64))
+
+
+def _train(rank, name, kw, wrap, steps=6, accumulate=1, attach_late=False):
+    """``steps`` steps of ``name`` on rank-specific data; ``wrap``: DDP first (auto-attach at
+    construction), or ``attach_late``: optimizer first, DDP after, ``onebit.attach``."""
+    model = _model()
+    net = model
+    if wrap and not attach_late:
+        net = DDP(model)
+    opt = getattr(onebit, name)(model.parameters(), **kw)
+    if attach_late:
+        net = DDP(model)
+        onebit.attach(opt)
+    gen = torch.Generator().manual_seed(100 + rank)
+    sent, lo_before = [], _lo_bytes()
+    for _ in range(steps):
+        x = torch.randn(8 * accumulate, 64, generator=gen)
+        opt.zero_grad()
+        for k in range(accumulate):
+            last = k == accumulate - 1
+            with net.no_sync() if net is not model and not last else contextlib.nullcontext():
+                part = x[8 * k : 8 * (k + 1)]
+                (torch.nn.functional.mse_loss(net(part), part.flip(1)) / accumulate).backward()
+        opt.step()
+        sent.append(opt.stats["bytes_sent"])
+    hook = net._get_ddp_logging_data().get("comm_hook") if net is not model else None
+    return {"digest": _digest(list(model.parameters())), "sent": sent, "lo": _lo_bytes() - lo_before,
+            "hook": hook, "params": [p.detach().clone() for p in model.parameters()]}
+
+
+def _wrapped_equals_unwrapped(rank, world):
+    out = {}
+    for name, kw in OPTIMIZERS:
+        plain = _train(rank, name, kw, wrap=False)
+        wrapped = _train(rank, name, kw, wrap=True)
+        late = _train(rank, name, kw, wrap=True, attach_late=True)
+        out[name] = (plain, wrapped, late)
+    return out
+
+
+def test_wrapped_model_trains_exactly_as_unwrapped_and_sends_nothing_twice():
+    res = run_ranks(_wrapped_equals_unwrapped, 2)
+    for rank_out in res:
+        for name, (plain, wrapped, late) in rank_out.items():
+            assert wrapped["digest"] == plain["digest"] == late["digest"], f"{name}: DDP changed the run"
+            assert wrapped["hook"] == late["hook"] == "local_gradient_hook", name
+            assert wrapped["sent"] == plain["sent"], name  # the optimizer's own bytes, per step
+            # Everything on the wire, both ranks: DDP's fp32 all-reduce of 66k values would add
+            # >= 500 kB per step; allow 64 kB of other loopback traffic.
+            assert wrapped["lo"] <= plain["lo"] + 64_000, (name, wrapped["lo"], plain["lo"])
+
+
+def _late_without_attach(rank, world):
+    out = {}
+    for name, kw in OPTIMIZERS:
+        model = _model()
+        opt = getattr(onebit, name)(model.parameters(), **kw)
+        net = DDP(model)
+        torch.nn.functional.mse_loss(net(torch.ones(2, 64)), torch.zeros(2, 64)).backward()
+        before = _digest(list(model.parameters()))
+        with pytest.raises(ValueError, match=r"onebit\.attach\(optimizer\)") as info:
+            opt.step()
+        out[name] = (before == _digest(list(model.parameters())), name in str(info.value))
+        # another hook already on the DDP model: attach refuses to replace it
+        other = DDP(_model())
+        other.register_comm_hook(None, lambda state, bucket: torch.futures.Future())
+        with pytest.raises(ValueError, match="already has the comm hook"):
+            getattr(onebit, name)(other.parameters(), **kw)
+    return out
+
+
+def test_wrapped_after_construction_without_attach_is_refused_untouched():
+    for rank_out in run_ranks(_late_without_attach, 2):
+        for name, (untouched, named) in rank_out.items():
+            assert untouched and named, name
+
+
+def _accumulation(rank, world):
+    kw = dict(lr=0.01, freeze_step=2)
+    once = _train(rank, "OnebitAdam", kw, wrap=False, accumulate=1)
+    plain = _train(rank, "OnebitAdam", kw, wrap=False, accumulate=3)
+    ddp = _train(rank, "OnebitAdam", kw, wrap=True, accumulate=3)
+    return once, plain, ddp
+
+
+def test_accumulation_exchanges_once_per_step_with_and_without_ddp():
+    for once, plain, ddp in run_ranks(_accumulation, 2):
+        assert ddp["digest"] == plain["digest"]
+        assert plain["sent"] == once["sent"]  # three micro-batches, one exchange of the same size
+        assert plain["digest"] != once["digest"]  # it did see three times the data
+
+
+def test_world_size_one_needs_no_process_group():
+    model = _model()
+    opt = onebit.OnebitAdam(model.parameters())
+    model(torch.randn(3, 64)).sum().backward()
+    opt.step()
+    assert opt.stats["step"] == 1
+
+
+def _built_before_init(rank, world):
+    # run_ranks initialises the group first: agree on a port, tear it down, build the
+    # optimizer without a group, then initialise a new one.
+    import socket
+
+    import torch.distributed as dist
+
+    port = [None]
+    if rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port[0] = s.getsockname()[1]
+    dist.broadcast_object_list(port, 0)
+    dist.destroy_process_group()
+    opt = onebit.OnebitAdam(_model().parameters())
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port[0]}", rank=rank, world_size=world)
+    with pytest.raises(RuntimeError, match="built before torch.distributed.init_process_group"):
+        opt.step()
+    return True
+
+
+def test_optimizer_built_before_the_process_group_is_refused():
+    assert all(run_ranks(_built_before_init, 2))

@@ -1,0 +1,57 @@
+"""The examples under ``examples/``, each run for real by ``torchrun`` on 2 gloo ranks.
+
+Each prints one JSON line on rank 0: the final loss, ``opt.stats`` and the comm hook DDP's
+logging data names (``local_gradient_hook``: DDP sent nothing, the optimizer exchanged).
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def _torchrun(script, *args, timeout=600):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(EXAMPLES / script), *args]
+    proc = subprocess.run(cmd, cwd=EXAMPLES, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith('{"loss"')][-1]
+    return json.loads(line)
+
+
+def _check(result, steps, hook="local_gradient_hook"):
+    stats = result["stats"]
+    assert stats["step"] == steps and stats["skipped_steps"] == 0
+    assert stats["stage"] == "compressed" and 0 < stats["bytes_sent"] < 100_000
+    assert math.isfinite(result["loss"]) and result["loss"] < math.log(256)  # learnt something
+    assert result["ddp_hook"] == hook
+
+
+def test_plain_torchrun_with_and_without_ddp_and_accumulation():
+    plain = _torchrun("plain_torchrun.py", "--steps", "30", "--freeze-step", "10", "--accumulate", "2")
+    wrapped = _torchrun("plain_torchrun.py", "--steps", "30", "--freeze-step", "10", "--accumulate", "2", "--ddp")
+    _check(plain, 30, hook=None)
+    _check(wrapped, 30)
+    assert wrapped["loss"] == plain["loss"] and wrapped["stats"] == plain["stats"]
+
+
+def test_hugging_face_trainer(tmp_path):
+    pytest.importorskip("transformers")
+    _check(_torchrun("hf_trainer.py", "--steps", "20", "--freeze-step", "8", "--out", str(tmp_path)), 20)
+
+
+def test_accelerate():
+    pytest.importorskip("accelerate")
+    _check(_torchrun("accelerate_train.py", "--steps", "20", "--freeze-step", "8"), 20)
+
+
+def test_lightning():
+    pytest.importorskip("lightning")
+    _check(_torchrun("lightning_train.py", "--steps", "20", "--freeze-step", "8"), 20)
