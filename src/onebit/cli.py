@@ -387,7 +387,7 @@ def _bench_convergence(args: argparse.Namespace) -> int:
         print(f"onebit bench convergence: {len(tasks)} tasks x {len(families)} optimizer families, "
               f"{args.world_size} gloo ranks, {args.steps} steps, batch {args.batch_size}/rank")
         results = run_convergence(out, tasks, families, steps=args.steps, batch=args.batch_size,
-                                  world=args.world_size, progress=not args.quiet)
+                                  world=args.world_size, progress=not args.quiet, max_grad_norm=args.max_grad_norm)
     text = _table(_convergence_rows(results))
     print(text)
     (out / "table.txt").write_text(text + "\n")
@@ -489,6 +489,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="comma-separated counterparts, each with its compressed optimizers (default: all)")
     conv.add_argument("--steps", type=_positive_int, default=300, help="steps per run (default 300)")
     conv.add_argument("--batch-size", type=_positive_int, default=32, help="samples per rank per step (default 32)")
+    conv.add_argument("--max-grad-norm", type=_positive_float, default=None,
+                      help="gradient clipping for every optimizer (default: none)")
     conv.add_argument("--out", default="runs/convergence", help="output directory (default runs/convergence)")
     conv.add_argument("--quiet", action="store_true", help="no per-run progress lines")
     conv.add_argument("--report-only", action="store_true",

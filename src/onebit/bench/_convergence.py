@@ -172,32 +172,36 @@ class ConvergenceTask:
 
 
 # ------------------------------------------------------------------------------------ runs
-def build_optimizer(cell: Cell, params: list[nn.Parameter], steps: int, seed: int) -> torch.optim.Optimizer:
-    """The optimizer of ``cell`` with its default arguments (only ``lr`` and the freeze step set)."""
+def build_optimizer(cell: Cell, params: list[nn.Parameter], steps: int, seed: int,
+                    max_grad_norm: float | None = None) -> torch.optim.Optimizer:
+    """The optimizer of ``cell`` with its default arguments (only ``lr``, the freeze step and,
+    when given, ``max_grad_norm`` set)."""
     name, lr = cell.optimizer, cell.lr
     freeze = _NEVER if cell.freeze_fraction is None else max(1, round(cell.freeze_fraction * steps))
+    kw = {"lr": lr, "max_grad_norm": max_grad_norm}
     makers: dict[str, Callable[[], torch.optim.Optimizer]] = {
-        "adamw": lambda: OnebitAdam(params, lr=lr, freeze_step=_NEVER),
-        "onebit_adam": lambda: OnebitAdam(params, lr=lr, freeze_step=freeze),
-        "lamb": lambda: OnebitLamb(params, lr=lr, freeze_step=_NEVER),
-        "onebit_lamb": lambda: OnebitLamb(params, lr=lr, freeze_step=freeze),
-        "amsgrad": lambda: CompAMS(params, lr=lr, compressor="none"),
-        "comp_ams_topk": lambda: CompAMS(params, lr=lr, compressor="topk"),
-        "comp_ams_topk_no_ef": lambda: CompAMS(params, lr=lr, compressor="topk", error_feedback=False),
-        "comp_ams_block_sign": lambda: CompAMS(params, lr=lr, compressor="block_sign"),
-        "comp_ams_block_sign_no_ef": lambda: CompAMS(params, lr=lr, compressor="block_sign", error_feedback=False),
+        "adamw": lambda: OnebitAdam(params, freeze_step=_NEVER, **kw),
+        "onebit_adam": lambda: OnebitAdam(params, freeze_step=freeze, **kw),
+        "lamb": lambda: OnebitLamb(params, freeze_step=_NEVER, **kw),
+        "onebit_lamb": lambda: OnebitLamb(params, freeze_step=freeze, **kw),
+        "amsgrad": lambda: CompAMS(params, compressor="none", **kw),
+        "comp_ams_topk": lambda: CompAMS(params, compressor="topk", **kw),
+        "comp_ams_topk_no_ef": lambda: CompAMS(params, compressor="topk", error_feedback=False, **kw),
+        "comp_ams_block_sign": lambda: CompAMS(params, compressor="block_sign", **kw),
+        "comp_ams_block_sign_no_ef": lambda: CompAMS(params, compressor="block_sign", error_feedback=False, **kw),
         # the paper's layout, one block per layer: the evidence for the default block size
-        "comp_ams_block_sign_layers": lambda: CompAMS(params, lr=lr, compressor="block_sign", block="tensor"),
-        "softsign_sgd": lambda: SoftSignSGD(params, lr=lr),
-        "birder": lambda: Birder(params, lr=lr, seed=seed),
+        "comp_ams_block_sign_layers": lambda: CompAMS(params, compressor="block_sign", block="tensor", **kw),
+        "softsign_sgd": lambda: SoftSignSGD(params, **kw),
+        "birder": lambda: Birder(params, seed=seed, **kw),
     }
     return makers[name]()
 
 
-def _train_cell(task: ConvergenceTask, cell: Cell, steps: int, batch: int, seed: int, rank: int) -> dict[str, Any]:
+def _train_cell(task: ConvergenceTask, cell: Cell, steps: int, batch: int, seed: int, rank: int,
+                max_grad_norm: float | None) -> dict[str, Any]:
     torch.manual_seed(seed)
     model = task.model()
-    opt = build_optimizer(cell, list(model.parameters()), steps, seed)
+    opt = build_optimizer(cell, list(model.parameters()), steps, seed, max_grad_norm)
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
     losses: list[float] = []
     nonfinite = None
@@ -240,11 +244,11 @@ def _train_cell(task: ConvergenceTask, cell: Cell, steps: int, batch: int, seed:
 
 
 def _task_main(rank: int, world: int, name: str, cells: list[Cell], steps: int, batch: int, seed: int,
-               progress: bool) -> list[dict[str, Any]]:
+               progress: bool, max_grad_norm: float | None) -> list[dict[str, Any]]:
     task = ConvergenceTask(name, rank, world)
     results = []
     for i, cell in enumerate(cells):
-        results.append(_train_cell(task, cell, steps, batch, seed, rank))
+        results.append(_train_cell(task, cell, steps, batch, seed, rank, max_grad_norm))
         if progress and rank == 0:
             r = results[-1]
             print(f"  [{name} {i + 1}/{len(cells)}] {cell.label} lr={cell.lr:g}: held-out {r['heldout_loss']:.4f}"
@@ -264,17 +268,21 @@ def _gaps(results: list[dict[str, Any]]) -> None:
 
 def run_convergence(out: Path, tasks: tuple[str, ...] = CONVERGENCE_TASKS,
                     families: tuple[str, ...] = tuple(FAMILIES), steps: int = 300, batch: int = 32,
-                    world: int = 3, seed: int = 0, progress: bool = True) -> list[dict[str, Any]]:
-    """Run the matrix; write ``summary.json`` (every cell, with its loss curve) into ``out``."""
+                    world: int = 3, seed: int = 0, progress: bool = True,
+                    max_grad_norm: float | None = None) -> list[dict[str, Any]]:
+    """Run the matrix (every optimizer with ``max_grad_norm`` when given); write ``summary.json``
+    (every cell, with its loss curve) into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     results: list[dict[str, Any]] = []
     for name in tasks:
         cells = convergence_cells((name,), families)
         if progress:
             print(f"task {name}: {len(cells)} runs of {steps} steps on {world} ranks", flush=True)
-        results += spawn(_task_main, world, name, cells, steps, batch, seed, progress, timeout=None)[0]
+        results += spawn(_task_main, world, name, cells, steps, batch, seed, progress, max_grad_norm,
+                         timeout=None)[0]
     _gaps(results)
-    summary = {"steps": steps, "batch_per_rank": batch, "world_size": world, "seed": seed, "cells": results}
+    summary = {"steps": steps, "batch_per_rank": batch, "world_size": world, "seed": seed,
+               "max_grad_norm": max_grad_norm, "cells": results}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return results
 
