@@ -1,10 +1,10 @@
 """What every onebit optimizer shares: argument checks, the fused flat state, the process group.
 
-The optimizers average across the group themselves: on a DDP-wrapped model they switch
-DDP's all-reduce off (``_ddp.py``). Their
-per-parameter state lives in flat fp32 buffers (one slot per parameter, parameters in
-group order, so each param group is one contiguous segment) and ``self.state[p]`` holds
-views into them -- the whole model's momentum is one tensor for one collective.
+The optimizers average across the group themselves (on a DDP-wrapped model they switch
+DDP's all-reduce off, ``_ddp.py``). Their per-parameter state lives in flat fp32 buffers
+(one slot per parameter, parameters in group order, so each param group is one contiguous
+segment) and ``self.state[p]`` holds views into them -- the whole model's momentum is one
+tensor for one collective.
 """
 
 from __future__ import annotations
@@ -258,13 +258,11 @@ class OnebitOptimizer(Optimizer):
     def attach_ddp(self, model: DistributedDataParallel | None = None) -> list[DistributedDataParallel]:
         """Switch off DDP's all-reduce on ``model`` (default: every DDP module holding these
         parameters) with :func:`onebit.optim.local_gradient_hook`; see :func:`onebit.optim.attach`."""
+        found = ddp_modules_holding(self.flat.params)
         if model is not None:
-            ids = {id(p) for p in self.flat.params}
-            if not any(id(p) in ids for p in model.module.parameters()):
+            if not any(ddp is model for ddp in found):
                 raise ValueError(f"the DistributedDataParallel model holds none of {type(self).__name__}'s parameters")
             found = [model]
-        else:
-            found = ddp_modules_holding(self.flat.params)
         for ddp in found:
             register_local_gradient_hook(ddp, type(self).__name__)
         return found
@@ -276,19 +274,19 @@ class OnebitOptimizer(Optimizer):
         hook only before its first backward, which has run by then."""
         if self.world_size == 1:
             return
-        for ddp in ddp_modules_holding(self.flat.params):
-            if construction:
-                register_local_gradient_hook(ddp, type(self).__name__)
+        if construction:
+            if self.attach_ddp():
                 _log.info("%s: DDP's gradient all-reduce switched off (local_gradient_hook); the optimizer "
                           "exchanges in step()", type(self).__name__)
-            elif not has_local_gradient_hook(ddp):
-                raise ValueError(
-                    f"the parameters of {type(self).__name__} belong to a DistributedDataParallel model wrapped after "
-                    f"the optimizer was built: DDP all-reduced the gradients in fp32 and {type(self).__name__} would "
-                    "exchange them again, saving nothing. Call onebit.attach(optimizer) after wrapping the model "
-                    "and before the first backward (Accelerate: after accelerator.prepare; HF Trainer: "
-                    "callbacks=[onebit.integrations.transformers.AttachCallback()]), or build the optimizer after wrapping"
-                )
+            return
+        if not all(has_local_gradient_hook(ddp) for ddp in ddp_modules_holding(self.flat.params)):
+            raise ValueError(
+                f"the parameters of {type(self).__name__} belong to a DistributedDataParallel model wrapped after "
+                f"the optimizer was built: DDP all-reduced the gradients in fp32 and {type(self).__name__} would "
+                "exchange them again, saving nothing. Call onebit.attach(optimizer) after wrapping the model "
+                "and before the first backward (Accelerate: after accelerator.prepare; HF Trainer: "
+                "callbacks=[onebit.integrations.transformers.AttachCallback()]), or build the optimizer after wrapping"
+            )
 
     def _link_state(self) -> None:
         """Point ``self.state[p][name]`` at the flat buffers' views (for inspection)."""

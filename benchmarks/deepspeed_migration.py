@@ -1,0 +1,101 @@
+"""One DeepSpeed config, trained by DeepSpeed 0.19.6 and by ``onebit.from_deepspeed_config``.
+
+The task, model, initial weights, per-rank shards and batches are those of ``onebit bench
+convergence``; DeepSpeed's engine clips (``gradient_clipping``) and all-reduces in its
+warm-up, onebit's optimizer does both itself. Run each side with its own environment::
+
+    OMP_NUM_THREADS=1 "$HOME/ds-venv/bin/torchrun" --standalone --nproc_per_node 3 \\
+        benchmarks/deepspeed_migration.py --side deepspeed --config benchmarks/deepspeed_configs/onebit_adam.json \\
+        --task byte_mlp --out benchmarks/results/deepspeed-migration/results.jsonl
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 3 \\
+        benchmarks/deepspeed_migration.py --side onebit --config ... (same flags)
+
+DeepSpeed's first ``step()`` only initialises its buffers, so its runs make one update fewer.
+One JSON object per run is printed and appended to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--side", choices=("deepspeed", "onebit"), required=True)
+parser.add_argument("--config", required=True, help="a DeepSpeed JSON config with a OneBitAdam/OneBitLamb block")
+parser.add_argument("--task", default="byte_mlp")
+parser.add_argument("--steps", type=int, default=300)
+parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--out", required=True)
+parser.add_argument("--local_rank", type=int, default=-1)
+args = parser.parse_args()
+config = json.loads(Path(args.config).read_text())
+batch = config["train_micro_batch_size_per_gpu"]
+
+if args.side == "deepspeed":
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "shared", "reference", "deepspeed-cpu"))
+    import deepspeed
+    import deepspeed.comm as dist
+    from ds_cpu import apply_cpu_patches
+
+    apply_cpu_patches()
+    deepspeed.init_distributed(dist_backend="gloo")
+else:
+    import torch.distributed as dist
+
+    import onebit
+
+    dist.init_process_group("gloo")
+torch.set_num_threads(1)
+
+from onebit.bench._convergence import ConvergenceTask  # noqa: E402
+
+rank, world = dist.get_rank(), dist.get_world_size()
+task = ConvergenceTask(args.task, rank, world)
+torch.manual_seed(args.seed)
+model = task.model()
+if args.side == "deepspeed":
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    net, backward, step = engine, engine.backward, engine.step
+else:
+    opt = onebit.from_deepspeed_config(config, model.parameters())
+    net = model
+
+    def backward(loss: torch.Tensor) -> None:
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+
+    step = opt.step
+gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
+losses: list[float] = []
+nonfinite = None
+for i in range(1, args.steps + 1):
+    loss = task.loss(net, batch, gen)
+    backward(loss)
+    step()
+    mean = loss.detach().reshape(1).clone()
+    dist.all_reduce(mean)
+    losses.append(mean.item() / world)
+    if not math.isfinite(losses[-1]):
+        nonfinite = i
+        break
+heldout = float("nan")
+if nonfinite is None:
+    with torch.no_grad():
+        eval_gen = torch.Generator().manual_seed(12345)
+        heldout = sum(task.loss(model, 256, eval_gen, heldout=True).item() for _ in range(8)) / 8
+if rank == 0:
+    tail = losses[-max(1, args.steps // 10):]
+    row = {"side": args.side, "config": Path(args.config).name, "optimizer": config["optimizer"]["type"],
+           "task": args.task, "steps": args.steps, "world_size": world,
+           "final_loss": sum(tail) / len(tail) if nonfinite is None else float("nan"),
+           "heldout_loss": heldout, "first_nonfinite_step": nonfinite}
+    print(json.dumps(row), flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "a") as f:
+        f.write(json.dumps(row) + "\n")
