@@ -10,7 +10,8 @@ warm-up, onebit's optimizer does both itself. Run each side with its own environ
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 3 \\
         benchmarks/deepspeed_migration.py --side onebit --config ... (same flags)
 
-DeepSpeed's first ``step()`` only initialises its buffers, so its runs make one update fewer.
+DeepSpeed's first ``step()`` only initialises its buffers, so its runs make one update fewer;
+``--skip-first-step`` makes onebit's run do the same, for a step-by-step comparison.
 One JSON object per run is printed and appended to ``--out``.
 """
 
@@ -31,10 +32,18 @@ parser.add_argument("--config", required=True, help="a DeepSpeed JSON config wit
 parser.add_argument("--task", default="byte_mlp")
 parser.add_argument("--steps", type=int, default=300)
 parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--freeze-step", type=int, default=None, help="override the config's freeze_step")
+parser.add_argument("--override", action="append", default=[], metavar="NAME=JSON",
+                    help="onebit side: a constructor override, e.g. clip_update=null (repeatable)")
+parser.add_argument("--skip-first-step", action="store_true",
+                    help="onebit side: no update at step 1, as DeepSpeed's first step() (which only allocates)")
 parser.add_argument("--out", required=True)
 parser.add_argument("--local_rank", type=int, default=-1)
 args = parser.parse_args()
 config = json.loads(Path(args.config).read_text())
+if args.freeze_step is not None:
+    config["optimizer"]["params"]["freeze_step"] = args.freeze_step
+overrides = {k: json.loads(v) for k, v in (o.split("=", 1) for o in args.override)}
 batch = config["train_micro_batch_size_per_gpu"]
 
 if args.side == "deepspeed":
@@ -63,7 +72,7 @@ if args.side == "deepspeed":
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     net, backward, step = engine, engine.backward, engine.step
 else:
-    opt = onebit.from_deepspeed_config(config, model.parameters())
+    opt = onebit.from_deepspeed_config(config, model.parameters(), **overrides)
     net = model
 
     def backward(loss: torch.Tensor) -> None:
@@ -77,7 +86,8 @@ nonfinite = None
 for i in range(1, args.steps + 1):
     loss = task.loss(net, batch, gen)
     backward(loss)
-    step()
+    if not (i == 1 and args.skip_first_step and args.side == "onebit"):
+        step()
     mean = loss.detach().reshape(1).clone()
     dist.all_reduce(mean)
     losses.append(mean.item() / world)
@@ -93,8 +103,9 @@ if rank == 0:
     tail = losses[-max(1, args.steps // 10):]
     row = {"side": args.side, "config": Path(args.config).name, "optimizer": config["optimizer"]["type"],
            "task": args.task, "steps": args.steps, "world_size": world,
+           "freeze_step": config["optimizer"]["params"].get("freeze_step"), "overrides": overrides,
            "final_loss": sum(tail) / len(tail) if nonfinite is None else float("nan"),
-           "heldout_loss": heldout, "first_nonfinite_step": nonfinite}
+           "heldout_loss": heldout, "first_nonfinite_step": nonfinite, "losses": losses}
     print(json.dumps(row), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "a") as f:
