@@ -15,6 +15,7 @@ import argparse
 import json
 
 import torch
+import torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 import onebit
@@ -58,6 +59,11 @@ def main() -> None:
         ddp = trainer.model_wrapped
         hook = ddp._get_ddp_logging_data().get("comm_hook") if hasattr(ddp, "_get_ddp_logging_data") else None
         print(json.dumps({"loss": result.training_loss, "stats": opt.stats, "ddp_hook": hook}))
+    # The Trainer leaves the process group open. Drain gloo's queue (a barrier), then destroy it:
+    # otherwise the group's last reference, dropped at exit with the GIL held, can meet a gloo
+    # thread still releasing a finished collective's tensors (a hang or "terminate called").
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

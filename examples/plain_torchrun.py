@@ -63,6 +63,7 @@ def main() -> None:
     if rank == 0:
         print(json.dumps({"loss": loss.item() * args.accumulate, "stats": opt.stats,
                           "ddp_hook": net._get_ddp_logging_data().get("comm_hook") if args.ddp else None}))
+    dist.barrier()  # drain gloo's queue before the group goes (see hf_trainer.py)
     dist.destroy_process_group()
 
 

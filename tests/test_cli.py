@@ -2,14 +2,25 @@ import json
 
 import pytest
 
+from onebit.bench._cluster import cluster_unavailable
 from onebit.cli import main
 
 
-def test_demo_end_to_end_tiny(tmp_path, capsys):
+@pytest.mark.parametrize("where", ["loopback", "cluster"])
+def test_demo_end_to_end_tiny(where, tmp_path, capsys):
+    if where == "cluster" and cluster_unavailable():
+        pytest.skip(f"no emulated cluster: {cluster_unavailable()}")
     out = tmp_path / "demo"
-    assert main(["demo", "--steps", "6", "--freeze-step", "3", "--batch-size", "8", "--out", str(out), "--quiet"]) == 0
+    argv = ["demo", "--steps", "6", "--freeze-step", "3", "--batch-size", "8", "--out", str(out), "--quiet"]
+    assert main(argv + (["--loopback"] if where == "loopback" else [])) == 0
     text = capsys.readouterr().out
-    assert "onebit_adam" in text and "reduction" in text
+    assert "onebit_adam" in text and "reduction" in text and "1-bit Adam's compressed step:" in text
+    if where == "loopback":  # no speed-up on loopback: says why, and what the cost model predicts on real links
+        assert "on loopback (--loopback)" in text and "no speed-up shows here" in text
+        assert "  1 Gbit/s: Adam" in text and "  10 Gbit/s: Adam" in text
+    else:
+        assert "on an emulated cluster of 2 nodes x 1 rank, 200 Mbit/s per node" in text and "--loopback" in text
+        assert "no speed-up shows here" not in text
     for name in ("adam", "onebit_adam"):
         lines = (out / name / "metrics.jsonl").read_text().splitlines()
         recs = [json.loads(line) for line in lines]

@@ -127,16 +127,17 @@ def _cluster(args: argparse.Namespace) -> Iterator[Any]:
         yield cluster
 
 
-def _cluster_flags(p: argparse.ArgumentParser) -> None:
+def _cluster_flags(p: argparse.ArgumentParser, bandwidth: str = "1gbit") -> None:
     g = p.add_argument_group("emulated cluster (needs root and iproute2)")
     g.add_argument("--nodes", type=_positive_int, default=None,
                    help="spread the ranks evenly over K network namespaces with shaped links")
-    g.add_argument("--bandwidth", type=_bandwidth, default=1e9, help="each node's egress rate (default 1gbit)")
+    g.add_argument("--bandwidth", type=_bandwidth, default=_bandwidth(bandwidth),
+                   help=f"each node's egress rate (default {bandwidth})")
     g.add_argument("--latency", type=_latency, default=0.0, help="added delay per packet (default 0)")
 
 
 # ---------------------------------------------------------------------- training
-def _training_flags(p: argparse.ArgumentParser, steps: int, out: str) -> None:
+def _training_flags(p: argparse.ArgumentParser, steps: int, out: str, bandwidth: str = "1gbit") -> None:
     from .bench._train import SCHEDULES, TASKS
 
     p.add_argument("--task", choices=TASKS, default="mlp", help="mlp (default), gpt, bert or digits")
@@ -163,7 +164,7 @@ def _training_flags(p: argparse.ArgumentParser, steps: int, out: str) -> None:
     p.add_argument("--checkpoint-every", type=_nonneg_int, default=0, help="save every K steps (0: never)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    _cluster_flags(p)
+    _cluster_flags(p, bandwidth)
 
 
 def _config(args: argparse.Namespace, optimizer: str):
@@ -208,12 +209,64 @@ def _plot(out: Path, names: list[str], title: str) -> None:
         print(f"no loss plot: {exc}")
 
 
+def _demo_link(args: argparse.Namespace) -> str:
+    """Where the demo runs: the cluster asked for, else an emulated one where it can be built
+    (sets ``args.nodes``), else loopback; returns the sentence that says so."""
+    from .bench._cluster import cluster_unavailable
+
+    if args.nodes:
+        return f"on the emulated cluster asked for ({args.nodes} nodes, {args.bandwidth / 1e6:g} Mbit/s per node)"
+    if args.loopback:
+        return "on loopback (--loopback)"
+    reason = cluster_unavailable()
+    if reason:
+        return f"on loopback: no emulated cluster can be built here ({reason})"
+    args.nodes = args.world_size
+    return (f"on an emulated cluster of {args.nodes} nodes x 1 rank, {args.bandwidth / 1e6:g} Mbit/s per node "
+            "(network namespaces, tc-shaped links): a link on which Adam's fp32 all-reduce takes most of a step. "
+            "--bandwidth changes it, --loopback runs without it")
+
+
+def _demo_verdict(summaries: dict[str, dict], args: argparse.Namespace) -> list[str]:
+    """What the demo showed: the measured speed-up, and on loopback the cost model's for real links."""
+    from .bench._model import ModelInput, predict
+
+    adam, onebit = summaries["adam"], summaries["onebit_adam"]
+    adam_step = adam["step_time_s"]["warmup"]
+    compressed = onebit["step_time_s"]["compressed"]
+    lines = [
+        f"1-bit Adam's compressed step: {compressed * 1e3:.1f} ms vs Adam's {adam_step * 1e3:.1f} ms "
+        f"({adam_step / compressed:.2f}x); the whole run {onebit['train_time_s']:.1f} s vs {adam['train_time_s']:.1f} s "
+        f"({adam['train_time_s'] / onebit['train_time_s']:.2f}x), sending "
+        f"{adam['bytes_sent_per_rank'] / onebit['bytes_sent_per_rank']:.1f}x fewer bytes "
+        f"({onebit['eval_loss'] / adam['eval_loss'] - 1:+.1%} held-out loss)"
+    ]
+    if not args.nodes:
+        compute = max(0.0, adam_step - (adam["comm_time_s"]["warmup"] or 0.0))
+        freeze = onebit["freeze_step"] or 0
+        lines.append("Loopback moves gigabytes per second between processes of one machine: the fp32 all-reduce "
+                     "costs about what the compression costs, so no speed-up shows here. The cost model "
+                     f"(`onebit model`) for this model, {args.world_size} nodes, {compute * 1e3:.1f} ms of compute "
+                     "per step as measured:")
+        for bandwidth in (1e9, 10e9):
+            model = ModelInput(params=adam["parameters"], world_size=args.world_size, nodes=args.world_size,
+                               bandwidth=bandwidth, compute=compute, warmup_fraction=min(1.0, freeze / args.steps))
+            pred = {p.optimizer: p for p in predict(model)}
+            a, o = pred["adam"], pred["onebit_adam"]
+            lines.append(f"  {bandwidth / 1e9:g} Gbit/s: Adam {a.step_seconds * 1e3:.1f} ms/step, 1-bit Adam "
+                         f"{o.step_seconds * 1e3:.1f} ms ({o.stage_speedup:.2f}x; whole run {o.end_to_end_speedup:.2f}x)")
+    return lines
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     names = ["adam", "onebit_adam"]
+    link = _demo_link(args)
     print(f"onebit demo: {args.task} on the Python standard library, {args.world_size} gloo ranks, "
-          f"{args.steps} steps, batch {args.batch_size}/rank")
+          f"{args.steps} steps, batch {args.batch_size}/rank, {link}")
     summaries = _run_all(args, names)
     print(_report(summaries))
+    for line in _demo_verdict(summaries, args):
+        print(line)
     out = Path(args.out)
     with open(out / "summary.json", "w") as f:
         json.dump(summaries, f, indent=2)
@@ -452,7 +505,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="train Adam and 1-bit Adam side by side")
-    _training_flags(demo, 300, "runs/demo")
+    _training_flags(demo, 300, "runs/demo", bandwidth="200mbit")
+    demo.add_argument("--loopback", action="store_true",
+                      help="run on loopback even where an emulated cluster can be built")
     demo.set_defaults(func=_cmd_demo)
 
     train = sub.add_parser("train", help="train one optimizer on one task")

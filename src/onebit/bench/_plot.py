@@ -69,17 +69,36 @@ def plot_convergence(results: list[dict[str, Any]], path: Path) -> Path:
 
 
 def plot_losses(runs: dict[str, list[dict[str, Any]]], path: Path, title: str = "") -> Path:
-    """Write ``path`` with one line per run; raises ImportError naming the extra if matplotlib is missing."""
+    """Write ``path``: training loss against samples and against wall time (each run smoothed
+    by :func:`ema` over its faint raw curve, the freeze step dotted), and the bytes each rank
+    sent per step; raises ImportError naming the extra if matplotlib is missing."""
     plt = _pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for name, records in runs.items():
         loss = [r["loss"] for r in records]
-        axes[0].plot([r["samples"] for r in records], loss, label=name)
-        axes[1].plot([r["time"] for r in records], loss, label=name)
+        smooth = ema(loss)
+        freeze = next((i for i, r in enumerate(records) if r["stage"] == "compressed"), 0)
+        for ax, key in ((axes[0], "samples"), (axes[1], "time")):
+            x = [r[key] for r in records]
+            (line,) = ax.plot(x, smooth, lw=1.6, label=name)
+            ax.plot(x, loss, lw=0.6, alpha=0.25, color=line.get_color())
+            if freeze:  # the last warm-up step: where the compression stage starts
+                ax.axvline(x[freeze - 1], color=line.get_color(), ls=":", lw=1.0)
+        axes[2].plot([r["step"] for r in records], [max(r["bytes_sent"], 1) for r in records],
+                     lw=1.4, color=line.get_color(), label=name)
     axes[0].set_xlabel("samples")
     axes[1].set_xlabel("wall time (s)")
+    axes[2].set_xlabel("step")
+    for ax in axes[:2]:
+        ax.set_ylabel("training loss (smoothed over raw; dotted: freeze)")
+    axes[2].set_ylabel("bytes sent per rank per step")
+    axes[2].set_yscale("log")
+    finite = [v for records in runs.values() for v in ema([r["loss"] for r in records])[len(records) // 20:]
+              if math.isfinite(v)]
+    if finite:
+        for ax in axes[:2]:
+            ax.set_ylim(min(finite) * 0.97, max(finite) * 1.03)
     for ax in axes:
-        ax.set_ylabel("training loss")
         ax.grid(alpha=0.3)
         ax.legend()
     if title:

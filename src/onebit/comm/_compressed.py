@@ -91,6 +91,10 @@ class _Sized:
     def _size(self, numel: int, device: torch.device) -> None:
         raise NotImplementedError
 
+    def warm_up(self, device: torch.device | str) -> None:
+        """Load the compressor's kernels for ``device`` now (see :meth:`Compressor.warm_up`)."""
+        self.compressor.warm_up(torch.device(device))
+
     @staticmethod
     def _output(out: Tensor | None, flat: Tensor) -> Tensor:
         """Where to write the fp32 result: ``out`` itself when it is fp32, else a new buffer."""

@@ -103,6 +103,10 @@ class Compressor(abc.ABC):
         error.sub_(self._decompress(payload.tensors, payload.numel, workspace))
         return payload
 
+    def warm_up(self, device: torch.device) -> None:
+        """Compile or load any kernels :meth:`compress_ef` and :meth:`average` run on ``device``,
+        so that their first real call does not pay it (none by default)."""
+
     def average(self, payloads: list[Payload], out: Tensor, *, accumulate: bool = False) -> Tensor:
         """``(D(p_0) + D(p_1) + ...) / len(payloads)`` -- summed in list order, then divided --
         written to ``out``, or added to it with ``accumulate`` (a server error, say)."""

@@ -23,7 +23,9 @@ from . import _bits, _cpu, _triton
 from ._bits import pack_signs, packed_numel, unpack_signs
 from ._norms import l2_norm
 
-__all__ = ["average_signs", "ef_sign_compress_"]
+__all__ = ["average_signs", "ef_sign_compress_", "warm_up"]
+
+_WARM: set[str] = set()
 
 
 def _numba_ok(t: Tensor) -> bool:
@@ -105,3 +107,28 @@ def average_signs(
         target.add_(unpack_signs(p, numel, s))
     target.mul_(1.0 / len(packed))
     return out.add_(target) if accumulate else out
+
+
+def warm_up(device: torch.device | str) -> None:
+    """Compile or load (from numba's on-disk cache; Triton's on CUDA) every fused kernel for
+    ``device``, once per process and device type.
+
+    Run at optimizer construction so that the first compressed step does not stall: a
+    kernel's first call loads it (~0.5 s from the cache) or compiles it (~2 s cold), which
+    otherwise lands in the middle of training. Each kernel is called with the argument
+    types of the real calls -- numba specialises on dtypes and memory layout, so received
+    all-to-all slots (strided rows) and stacked payloads (contiguous rows) both run.
+    """
+    device = torch.device(device)
+    if device.type in _WARM:
+        return
+    c = torch.linspace(-1.0, 1.0, 16, device=device)
+    packed, scale = ef_sign_compress_(c.clone(), None)
+    slots = torch.zeros(2, 4, dtype=torch.uint8, device=device)  # two ranks' 2-byte payloads in 4-byte slots
+    slots[:, :2] = packed
+    out = torch.zeros(16, device=device)
+    for rows in ([slots[0], slots[1]], [packed, packed.clone()]):
+        average_signs(rows, [scale, scale], 16, out, accumulate=False)
+        average_signs(rows, [scale, scale], 16, out, accumulate=True)
+    unpack_signs(packed, 16, scale, out=out)
+    _WARM.add(device.type)

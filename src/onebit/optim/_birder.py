@@ -236,6 +236,7 @@ class Birder(_SoftSign):
         self.allreduce = comm.compressed_allreduce(
             quantiser, self.process_group, hierarchical=hierarchical, ranks_per_node=ranks_per_node, timeout=self.timeout
         )
+        self.allreduce.warm_up(self.flat.device)  # kernels loaded now, not at the first compressed step
 
     def _step(self) -> None:
         self.flat.gather_grads(self._grad)

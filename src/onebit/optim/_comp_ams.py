@@ -67,6 +67,8 @@ class _GradientExchange(OnebitOptimizer):
         self.exchange = None if compressor is None else comm.CompressedAllGather(
             compressor, self.process_group, error_feedback=error_feedback, timeout=self.timeout
         )
+        if self.exchange is not None:
+            self.exchange.warm_up(self.flat.device)
 
     def _average(self, buffer: Tensor) -> Tensor:
         if self.exchange is None:

@@ -39,8 +39,15 @@ def ddp_modules_holding(params: Iterable[Tensor]) -> list[DistributedDataParalle
     construction and at the first step, not per step).
     """
     ids = {id(p) for p in params}
+    # isinstance() against DDP goes through ABCMeta (DDP is a Joinable): ~1 us per object,
+    # 0.4 s for a process's ~400k objects; a set lookup of the exact type is ~30x cheaper.
+    kinds, todo = set(), [DistributedDataParallel]
+    while todo:
+        kind = todo.pop()
+        kinds.add(kind)
+        todo += kind.__subclasses__()
     return [obj for obj in gc.get_objects()
-            if isinstance(obj, DistributedDataParallel) and any(id(p) in ids for p in obj.module.parameters())]
+            if type(obj) in kinds and any(id(p) in ids for p in obj.module.parameters())]
 
 
 def has_local_gradient_hook(ddp: DistributedDataParallel) -> bool:

@@ -179,6 +179,7 @@ class OnebitAdam(TwoStage, _AdamFamily):
         self.allreduce = comm.compressed_allreduce(
             compressor, self.process_group, hierarchical=hierarchical, ranks_per_node=ranks_per_node, timeout=self.timeout
         )
+        self.allreduce.warm_up(self.flat.device)  # kernels loaded now, not at the first compressed step
         self._denom: Tensor | None = None
 
     def _on_freeze(self) -> None:
@@ -263,6 +264,7 @@ class OnebitAdamNaive(_AdamFamily):
         self.allreduce = comm.compressed_allreduce(
             compressor, self.process_group, hierarchical=hierarchical, ranks_per_node=ranks_per_node, timeout=self.timeout
         )
+        self.allreduce.warm_up(self.flat.device)  # kernels loaded now, not at the first compressed step
 
     def _exchange_gradient(self, buffer: Tensor) -> None:
         self.allreduce(buffer, out=buffer)

@@ -254,6 +254,7 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
         self.allreduce = comm.compressed_allreduce(
             compressor, self.process_group, hierarchical=hierarchical, ranks_per_node=ranks_per_node, timeout=self.timeout
         )
+        self.allreduce.warm_up(self.flat.device)  # kernels loaded now, not at the first compressed step
 
     def _on_freeze(self) -> None:
         """Line 3 and A.5.2: store v_Tw (c_avg stops moving), derive the momentum scale coefficients."""
