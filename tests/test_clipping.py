@@ -72,27 +72,27 @@ def _warmup_vs_torch(rank, world):
     return [p.detach() for p in params]
 
 
-def test_warmup_clip_equals_clip_grad_norm_on_one_process():
-    got = run_ranks(_warmup_vs_torch, 3)[0]
+def _adamw_on_the_average(world, clip):
+    """torch's AdamW on one process, fed the average of the ranks' gradients, clipped by
+    ``clip_grad_norm_`` when ``clip`` is given."""
     params = [p.clone().requires_grad_() for p in initial_params()]
     ref = torch.optim.AdamW(params, lr=0.05, weight_decay=0.0)
     for step in range(1, 6):
-        every = [grads([p.detach() for p in params], r, step) for r in range(3)]
+        every = [grads([p.detach() for p in params], r, step) for r in range(world)]
         for i, p in enumerate(params):
-            p.grad = sum(g[i] for g in every) / 3
-        torch.nn.utils.clip_grad_norm_(params, CLIP)
+            p.grad = sum(g[i] for g in every) / world
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, clip)
         ref.step()
-    for a, b in zip(got, params):
-        assert torch.allclose(a, b.detach(), rtol=1e-5, atol=1e-7)
+    return [p.detach() for p in params]
+
+
+def test_warmup_clip_equals_clip_grad_norm_on_one_process():
+    got = run_ranks(_warmup_vs_torch, 3)[0]
+    for a, b in zip(got, _adamw_on_the_average(3, CLIP)):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
     # and the clip did bind: unclipped AdamW ends elsewhere
-    free = [p.clone().requires_grad_() for p in initial_params()]
-    ref = torch.optim.AdamW(free, lr=0.05, weight_decay=0.0)
-    for step in range(1, 6):
-        every = [grads([p.detach() for p in free], r, step) for r in range(3)]
-        for i, p in enumerate(free):
-            p.grad = sum(g[i] for g in every) / 3
-        ref.step()
-    assert not torch.allclose(free[0].detach(), got[0], rtol=1e-5, atol=1e-7)
+    assert not torch.allclose(_adamw_on_the_average(3, None)[0], got[0], rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), "1", True])
