@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 
@@ -39,7 +38,7 @@ import deepspeed  # noqa: E402
 import deepspeed.comm as dist  # noqa: E402
 from ds_cpu import apply_cpu_patches  # noqa: E402
 
-from onebit.bench._convergence import FAMILIES, ConvergenceTask  # noqa: E402
+from onebit.bench._convergence import FAMILIES, ConvergenceTask, measure_training  # noqa: E402
 
 apply_cpu_patches()
 deepspeed.init_distributed(dist_backend="gloo")
@@ -56,28 +55,12 @@ for name in args.optimizers.split(","):
         cfg = {"train_micro_batch_size_per_gpu": args.batch_size, "optimizer": {"type": name, "params": params},
                "steps_per_print": 10**9}
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-        gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
-        losses, nonfinite = [], None
-        for step in range(1, args.steps + 1):
-            loss = task.loss(engine, args.batch_size, gen)
-            engine.backward(loss)
-            engine.step()
-            mean = loss.detach().reshape(1).clone()
-            dist.all_reduce(mean)
-            losses.append(mean.item() / world)
-            if not math.isfinite(losses[-1]):
-                nonfinite = step
-                break
-        heldout = float("nan")
-        if nonfinite is None:
-            with torch.no_grad():
-                eval_gen = torch.Generator().manual_seed(12345)
-                heldout = sum(task.loss(engine.module, 256, eval_gen, heldout=True).item() for _ in range(8)) / 8
-        tail = losses[-max(1, args.steps // 10):]
+        run = measure_training(task, model, lambda loss, step: (engine.backward(loss), engine.step()),
+                               steps=args.steps, batch=args.batch_size, seed=args.seed, rank=rank,
+                               forward=engine)
         if rank == 0:
             row = {"task": args.task, "optimizer": f"deepspeed_{name}", "lr": lr, "freeze_step": freeze,
-                   "final_loss": sum(tail) / len(tail) if nonfinite is None else float("nan"),
-                   "heldout_loss": heldout, "first_nonfinite_step": nonfinite}
+                   **{k: run[k] for k in ("final_loss", "heldout_loss", "first_nonfinite_step")}}
             print(json.dumps(row), flush=True)
             with open(args.out, "a") as f:
                 f.write(json.dumps(row) + "\n")

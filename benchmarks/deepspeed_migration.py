@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from pathlib import Path
@@ -62,7 +61,7 @@ else:
     dist.init_process_group("gloo")
 torch.set_num_threads(1)
 
-from onebit.bench._convergence import ConvergenceTask  # noqa: E402
+from onebit.bench._convergence import ConvergenceTask, measure_training  # noqa: E402
 
 rank, world = dist.get_rank(), dist.get_world_size()
 task = ConvergenceTask(args.task, rank, world)
@@ -70,42 +69,29 @@ torch.manual_seed(args.seed)
 model = task.model()
 if args.side == "deepspeed":
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    net, backward, step = engine, engine.backward, engine.step
+    forward = engine
+
+    def update(loss: torch.Tensor, step: int) -> None:
+        engine.backward(loss)
+        engine.step()
 else:
     opt = onebit.from_deepspeed_config(config, model.parameters(), **overrides)
-    net = model
+    forward = model
 
-    def backward(loss: torch.Tensor) -> None:
+    def update(loss: torch.Tensor, step: int) -> None:
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if not (step == 1 and args.skip_first_step):
+            opt.step()
 
-    step = opt.step
-gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
-losses: list[float] = []
-nonfinite = None
-for i in range(1, args.steps + 1):
-    loss = task.loss(net, batch, gen)
-    backward(loss)
-    if not (i == 1 and args.skip_first_step and args.side == "onebit"):
-        step()
-    mean = loss.detach().reshape(1).clone()
-    dist.all_reduce(mean)
-    losses.append(mean.item() / world)
-    if not math.isfinite(losses[-1]):
-        nonfinite = i
-        break
-heldout = float("nan")
-if nonfinite is None:
-    with torch.no_grad():
-        eval_gen = torch.Generator().manual_seed(12345)
-        heldout = sum(task.loss(model, 256, eval_gen, heldout=True).item() for _ in range(8)) / 8
+
+run = measure_training(task, model, update, steps=args.steps, batch=batch, seed=args.seed, rank=rank,
+                       forward=forward)
 if rank == 0:
-    tail = losses[-max(1, args.steps // 10):]
     row = {"side": args.side, "config": Path(args.config).name, "optimizer": config["optimizer"]["type"],
            "task": args.task, "steps": args.steps, "world_size": world,
            "freeze_step": config["optimizer"]["params"].get("freeze_step"), "overrides": overrides,
-           "final_loss": sum(tail) / len(tail) if nonfinite is None else float("nan"),
-           "heldout_loss": heldout, "first_nonfinite_step": nonfinite, "losses": losses}
+           **run}
     print(json.dumps(row), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "a") as f:

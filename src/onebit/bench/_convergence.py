@@ -37,8 +37,8 @@ from ..launch import spawn
 from ..optim import Birder, CompAMS, OnebitAdam, OnebitLamb, ReplicaDivergence, SoftSignSGD
 from ._tasks import ByteCorpus, ByteMLP, ByteTransformer, DigitsCNN, digits_split
 
-__all__ = ["CONVERGENCE_TASKS", "FAMILIES", "Cell", "convergence_cells", "markdown_table", "read_deepspeed",
-           "run_convergence"]
+__all__ = ["CONVERGENCE_TASKS", "FAMILIES", "Cell", "convergence_cells", "markdown_table", "measure_training",
+           "read_deepspeed", "run_convergence"]
 
 CONVERGENCE_TASKS = ("byte_mlp", "gpt", "bert", "digits", "sparse_embed", "frozen_unused")
 FREEZE_FRACTIONS = (0.1, 0.2, 0.4)
@@ -197,49 +197,66 @@ def build_optimizer(cell: Cell, params: list[nn.Parameter], steps: int, seed: in
     return makers[name]()
 
 
-def _train_cell(task: ConvergenceTask, cell: Cell, steps: int, batch: int, seed: int, rank: int,
-                max_grad_norm: float | None) -> dict[str, Any]:
-    torch.manual_seed(seed)
-    model = task.model()
-    opt = build_optimizer(cell, list(model.parameters()), steps, seed, max_grad_norm)
+def measure_training(task: ConvergenceTask, model: nn.Module, update: Callable[[Tensor, int], object], *,
+                     steps: int, batch: int, seed: int, rank: int, forward: nn.Module | None = None) -> dict[str, Any]:
+    """Train ``steps`` steps on this rank's batches and measure what the matrix reports.
+
+    ``update(loss, step)`` runs backward and the optimizer step; ``forward`` (default
+    ``model``) computes the training loss (DeepSpeed's engine, say). Training stops at the
+    first non-finite loss, averaged over the default group's ranks -- a 4-byte all-reduce
+    outside any optimizer's meter, so that every rank stops at the same step. Returns the
+    per-step losses, ``first_nonfinite_step``, ``final_loss`` (mean of the last 10% of the
+    steps) and ``heldout_loss`` (8 batches of 256, the same for every run).
+    """
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
     losses: list[float] = []
     nonfinite = None
     for step in range(1, steps + 1):
-        loss = task.loss(model, batch, gen)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        # The mean over ranks (a 4-byte all-reduce outside the optimizer's meter) keeps every
-        # rank's decision to stop at the first non-finite loss the same.
-        mean = comm.all_reduce_mean(loss.detach().reshape(1)).item()
-        losses.append(mean)
-        if not math.isfinite(mean):
+        loss = task.loss(forward or model, batch, gen)
+        update(loss, step)
+        losses.append(comm.all_reduce_mean(loss.detach().reshape(1)).item())
+        if not math.isfinite(losses[-1]):
             nonfinite = step
             break
-    try:
-        opt.check_replicas()
-        replicas = "identical"
-    except ReplicaDivergence as exc:
-        replicas = str(exc)
     heldout = float("nan")
     if nonfinite is None:
         with torch.no_grad():
             eval_gen = torch.Generator().manual_seed(12345)
             heldout = sum(task.loss(model, 256, eval_gen, heldout=True).item() for _ in range(8)) / 8
-    stats = opt.stats
     tail = losses[-max(1, steps // 10):]
+    return {"losses": losses, "first_nonfinite_step": nonfinite, "heldout_loss": heldout,
+            "final_loss": sum(tail) / len(tail) if nonfinite is None else float("nan")}
+
+
+def _train_cell(task: ConvergenceTask, cell: Cell, steps: int, batch: int, seed: int, rank: int,
+                max_grad_norm: float | None) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = task.model()
+    opt = build_optimizer(cell, list(model.parameters()), steps, seed, max_grad_norm)
+
+    def update(loss: Tensor, step: int) -> None:
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    run = measure_training(task, model, update, steps=steps, batch=batch, seed=seed, rank=rank)
+    try:
+        opt.check_replicas()
+        replicas = "identical"
+    except ReplicaDivergence as exc:
+        replicas = str(exc)
+    stats = opt.stats
     return {
         **asdict(cell),
         "label": cell.label,
-        "final_loss": sum(tail) / len(tail) if nonfinite is None else float("nan"),
-        "heldout_loss": heldout,
-        "first_nonfinite_step": nonfinite,
+        "final_loss": run["final_loss"],
+        "heldout_loss": run["heldout_loss"],
+        "first_nonfinite_step": run["first_nonfinite_step"],
         "skipped_steps": stats["skipped_steps"],
         "replicas": replicas,
         "bytes_sent_per_rank": stats["bytes_sent_total"],
         "freeze_step": stats["freeze_step"],
-        "losses": losses,
+        "losses": run["losses"],
     }
 
 
