@@ -353,10 +353,7 @@ def _compare_rows(summaries: dict[str, dict], baseline: str, args: argparse.Name
 def _cmd_compare(args: argparse.Namespace) -> int:
     from .bench._train import OPTIMIZERS
 
-    names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
-    unknown = [n for n in names if n not in OPTIMIZERS]
-    if unknown or not names:
-        raise SystemExit(f"onebit: --optimizers: unknown {unknown or names}; available: {', '.join(OPTIMIZERS)}")
+    names = list(_names(args.optimizers, OPTIMIZERS, "--optimizers"))
     if args.baseline not in names:
         names.insert(0, args.baseline)
     summaries = _run_all(args, names)
