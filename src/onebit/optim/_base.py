@@ -26,7 +26,7 @@ from .. import comm
 from ..comm import _dist
 from ._ddp import ddp_modules_holding, has_local_gradient_hook, register_local_gradient_hook
 
-__all__ = ["FlatState", "OnebitOptimizer", "ReplicaDivergence", "check_adam_args", "check_betas", "check_bool", "check_clip", "check_nonneg", "check_positive"]
+__all__ = ["FlatState", "OnebitOptimizer", "ReplicaDivergence", "check_adam_args", "check_betas", "check_bool", "check_nonneg", "check_optional_positive", "check_positive"]
 
 _log = logging.getLogger("onebit.optim")
 
@@ -49,12 +49,12 @@ def check_bool(name: str, value: object) -> bool:
     return value
 
 
-def check_clip(value: object) -> float | None:
-    """``clip_update``: ``None`` or a positive multiple of Adam's largest step."""
+def check_optional_positive(name: str, value: object) -> float | None:
+    """``None`` (off) or a positive finite number: ``clip_update``, ``max_grad_norm``."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"Invalid clip_update value: {value!r} (expected None or a positive number)")
+        raise ValueError(f"Invalid {name} value: {value!r} (expected None or a positive number)")
     return float(value)
 
 
@@ -163,14 +163,9 @@ class OnebitOptimizer(Optimizer):
             raise ValueError(f"Invalid on_nonfinite value: {on_nonfinite!r} (expected 'skip' or 'raise')")
         if isinstance(check_replicas_every, bool) or not isinstance(check_replicas_every, int) or check_replicas_every < 0:
             raise ValueError(f"Invalid check_replicas_every value: {check_replicas_every!r} (expected an int >= 0)")
-        if max_grad_norm is not None and (
-            isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
-            or not 0.0 < max_grad_norm < math.inf
-        ):
-            raise ValueError(f"Invalid max_grad_norm value: {max_grad_norm!r} (expected None or a positive number)")
+        self.max_grad_norm = check_optional_positive("max_grad_norm", max_grad_norm)
         self.on_nonfinite = on_nonfinite
         self.check_replicas_every = check_replicas_every
-        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         super().__init__(params, defaults)
         # Param groups may override the defaults: validate what each group will use.
         # A constructor option that is not per-group (eps, say) given in a group would be ignored: refuse it.
@@ -423,15 +418,11 @@ class OnebitOptimizer(Optimizer):
             grad.mul_(coef.clamp_(max=1.0))
         return grad
 
-    def _clipped(self, exchange: Callable[[Tensor], Tensor | None]) -> Callable[[Tensor], Tensor]:
-        """``exchange`` (which averages a gradient buffer) followed by clipping the average."""
+    def _clipped(self, exchange: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
+        """``exchange`` (which returns the average of a gradient buffer) followed by clipping it."""
         if self.max_grad_norm is None:
-            return exchange  # type: ignore[return-value]
-
-        def averaged_then_clipped(buffer: Tensor) -> Tensor:
-            out = exchange(buffer)
-            return self._clip_grad_(buffer if out is None else out)
-        return averaged_then_clipped
+            return exchange
+        return lambda buffer: self._clip_grad_(exchange(buffer))
 
     @staticmethod
     def _restore_collective(collective: Any, state: Mapping[str, Any], own_state: bool) -> None:

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from .. import comm
-from ._base import OnebitOptimizer, check_adam_args, check_betas, check_bool, check_clip
+from ._base import OnebitOptimizer, check_adam_args, check_betas, check_bool, check_optional_positive
 from ._freeze import TwoStage
 from ._functional import adam_denominator, onebit_adam
 
@@ -153,7 +153,7 @@ class OnebitAdam(TwoStage, _AdamFamily):
         check_replicas_every: int = 0,
         max_grad_norm: float | None = None,
     ) -> None:
-        self.clip_update = check_clip(clip_update)
+        self.clip_update = check_optional_positive("clip_update", clip_update)
         self._init_two_stage(
             freeze_step,
             check_betas(betas)[1],
@@ -200,12 +200,11 @@ class OnebitAdam(TwoStage, _AdamFamily):
 
     def _step(self) -> None:
         self.flat.gather_grads(self._grad)
-        if self._frozen_at is not None:  # no averaged gradient in this stage: clip the local one
-            self._clip_grad_(self._grad)
         if self._frozen_at is None:
             self._run(exchange=self._clipped(self._allreduce), compressed=False, frozen_denom=None)
             self._after_warmup_step(self.flat.buffers["exp_avg_sq"])
         else:
+            self._clip_grad_(self._grad)  # no averaged gradient in this stage: clip the local one
             self._run(exchange=self._exchange_momentum, compressed=True, frozen_denom=self._denom)
 
     def _extra_state(self) -> dict[str, Any]:
@@ -266,8 +265,8 @@ class OnebitAdamNaive(_AdamFamily):
         )
         self.allreduce.warm_up(self.flat.device)  # kernels loaded now, not at the first compressed step
 
-    def _exchange_gradient(self, buffer: Tensor) -> None:
-        self.allreduce(buffer, out=buffer)
+    def _exchange_gradient(self, buffer: Tensor) -> Tensor:
+        return self.allreduce(buffer, out=buffer)
 
     def _step(self) -> None:
         self.flat.gather_grads(self._grad)

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from .. import comm
-from ._base import OnebitOptimizer, check_adam_args, check_clip, check_nonneg
+from ._base import OnebitOptimizer, check_adam_args, check_optional_positive, check_nonneg
 from ._freeze import TwoStage
 from ._functional import apply_update_, clip_to_adam_step_
 
@@ -227,7 +227,7 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
         )
         self.eps = float(eps)
         self.options = {
-            "clip_update": check_clip(clip_update),
+            "clip_update": check_optional_positive("clip_update", clip_update),
             "coeff_beta": float(coeff_beta),
             "max_coeff": float(max_coeff),
             "min_coeff": float(min_coeff),
