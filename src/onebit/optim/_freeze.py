@@ -21,7 +21,6 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from ._base import check_positive
