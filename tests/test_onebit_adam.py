@@ -194,7 +194,7 @@ def test_load_on_other_world_size_warns(caplog):
         other.load_state_dict(sd)
     assert "saved on world size 4 by rank 0, loaded on world size 1 by rank 0" in caplog.text
     assert other.allreduce.worker_error.error is None
-    assert torch.equal(other.state[q]["exp_avg_sq"], opt.state[p]["exp_avg_sq"])
+    assert torch.equal(other.state[q]["frozen_denom"], opt.state[p]["frozen_denom"])
     q.grad = torch.randn(5)
     other.step()
 

@@ -6,7 +6,9 @@ import argparse
 import contextlib
 import json
 import sys
+import time
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -377,7 +379,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.world_size is None:
         args.world_size = 3 if args.what == "convergence" else 2
     if args.what == "convergence":
+        args.steps = args.steps or 300
         return _bench_convergence(args)
+    if args.what == "memory":
+        return _bench_memory(args)
     if args.what == "kernels":
         torch.set_num_threads(args.threads)
         results = bench_kernels(args.numel, args.repeat, args.device)
@@ -428,7 +433,7 @@ def _bench_convergence(args: argparse.Namespace) -> int:
     from .bench._convergence import CONVERGENCE_TASKS, FAMILIES, markdown_table, read_deepspeed, run_convergence
     from .bench._plot import plot_convergence
 
-    out = Path(args.out)
+    out = Path(args.out or "runs/convergence")
     if args.report_only:
         results = json.loads((out / "summary.json").read_text())["cells"]
     else:
@@ -449,6 +454,37 @@ def _bench_convergence(args: argparse.Namespace) -> int:
         print(f"no loss plot: {exc}")
     print(f"summary: {out}/summary.json, tables: {out}/table.txt, {out}/table.md")
     return 0
+
+
+def _bench_memory(args: argparse.Namespace) -> int:
+    import torch
+
+    from .bench._memory import FOOTPRINTS, WIRE_ALLOWANCE, bench_memory
+
+    names = _names(args.optimizers or ",".join(FOOTPRINTS), tuple(FOOTPRINTS), "--optimizers")
+    worlds = args.world_sizes
+    args.steps = args.steps or 4
+    out = Path(args.out or "runs/memory")
+    print(f"onebit bench memory: nn.Linear({args.size}, {args.size}) on {args.device}, world sizes "
+          f"{','.join(map(str, worlds))}, {args.steps} steps (1-bit Adam/LAMB freeze after step 2); "
+          "figures in fp32 model sizes")
+    results = bench_memory(names, worlds, size=args.size, steps=args.steps, device=args.device)
+    rows = [["optimizer", "world size", "stage", "held", "footprint", "held - footprint", "peak during steps",
+             "CUDA peak"]]
+    rows += [[r.optimizer, str(r.world_size), r.stage, f"{r.held:.3f}", f"{r.footprint:.3f}",
+              f"{r.held - r.footprint:+.3f}", _fmt(r.peak, ".2f"), _fmt(r.cuda_peak, ".2f")] for r in results]
+    text = _table(rows)
+    print(text)
+    over = [r for r in results if r.held > r.footprint + WIRE_ALLOWANCE]
+    print(f"held above footprint + {WIRE_ALLOWANCE} (packed wire buffers): "
+          + (", ".join(f"{r.optimizer} w={r.world_size} {r.stage}" for r in over) or "none"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "table.txt").write_text(text + "\n")
+    meta = {"device": args.device, "size": args.size, "steps": args.steps, "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d")}
+    (out / "summary.json").write_text(json.dumps({"meta": meta, "results": [asdict(r) for r in results]}, indent=1))
+    print(f"summary: {out}/summary.json, table: {out}/table.txt")
+    return 0 if not over else 1
 
 
 def _cmd_cluster(args: argparse.Namespace) -> int:
@@ -523,7 +559,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.set_defaults(func=_cmd_compare)
 
     bench = sub.add_parser("bench", help="benchmarks: bit kernels, collectives, or the convergence matrix")
-    bench.add_argument("what", choices=("kernels", "comm", "convergence"))
+    bench.add_argument("what", choices=("kernels", "comm", "convergence", "memory"))
     bench.add_argument("--numel", type=_positive_int, default=10_500_000, help="fp32 values (default 10.5M)")
     bench.add_argument("--sizes", dest="numel_list", type=lambda t: [_positive_int(x) for x in t.split(",")],
                        default=None, help="comma-separated sizes for 'comm' (instead of --numel)")
@@ -539,14 +575,21 @@ def build_parser() -> argparse.ArgumentParser:
                       help="comma-separated tasks (default: all six)")
     conv.add_argument("--families", default="adamw,lamb,amsgrad,softsign_sgd",
                       help="comma-separated counterparts, each with its compressed optimizers (default: all)")
-    conv.add_argument("--steps", type=_positive_int, default=300, help="steps per run (default 300)")
+    conv.add_argument("--steps", type=_positive_int, default=None,
+                      help="steps per run (default 300; 'memory': 4, the freeze after step 2)")
     conv.add_argument("--batch-size", type=_positive_int, default=32, help="samples per rank per step (default 32)")
     conv.add_argument("--max-grad-norm", type=_positive_float, default=None,
                       help="gradient clipping for every optimizer (default: none)")
-    conv.add_argument("--out", default="runs/convergence", help="output directory (default runs/convergence)")
+    conv.add_argument("--out", default=None,
+                      help="output directory of 'convergence' and 'memory' (default runs/convergence, runs/memory)")
     conv.add_argument("--quiet", action="store_true", help="no per-run progress lines")
     conv.add_argument("--report-only", action="store_true",
                       help="re-render the tables and plot from --out's summary.json without training")
+    mem = bench.add_argument_group("memory (what each optimizer holds, against its algorithm's footprint)")
+    mem.add_argument("--world-sizes", type=lambda t: [_positive_int(x) for x in t.split(",")], default=[1, 2, 3, 4],
+                     help="comma-separated world sizes of gloo ranks (default 1,2,3,4)")
+    mem.add_argument("--optimizers", default=None, help="comma-separated names (default: all, with AdamW)")
+    mem.add_argument("--size", type=_positive_int, default=2048, help="the model: nn.Linear(size, size)")
     _cluster_flags(bench)
     bench.set_defaults(func=_cmd_bench)
 

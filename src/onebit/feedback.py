@@ -25,12 +25,11 @@ _log = logging.getLogger(__name__)
 class ErrorFeedback:
     """The error buffer of one compression site, sized on first use (fp32, flat)."""
 
-    __slots__ = ("name", "error", "_workspace")
+    __slots__ = ("name", "error")
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.error: Tensor | None = None
-        self._workspace: Tensor | None = None
 
     def buffer(self, numel: int, device: torch.device) -> Tensor:
         """The error buffer, created as zeros for ``numel`` values on first call."""
@@ -45,15 +44,11 @@ class ErrorFeedback:
 
     def compress(self, compressor: Compressor, x: Tensor) -> Payload:
         """``C(x + e)`` with ``e`` updated in place to the new compression error."""
-        error = self.buffer(x.numel(), x.device)
-        if self._workspace is None or self._workspace.shape != error.shape:
-            self._workspace = torch.empty_like(error)
-        return compressor.compress_ef(x, error, workspace=self._workspace)
+        return compressor.compress_ef(x, self.buffer(x.numel(), x.device))
 
     def reset(self) -> None:
         """Forget the error (it is re-created as zeros on next use)."""
         self.error = None
-        self._workspace = None
 
     def state_dict(self) -> dict[str, Any]:
         return {"error": None if self.error is None else self.error.clone()}
@@ -74,4 +69,3 @@ class ErrorFeedback:
             )
             error = None
         self.error = None if error is None else error.detach().to(torch.float32).clone().reshape(-1)
-        self._workspace = None

@@ -4,7 +4,7 @@ all-gather exchange of Comp-AMS (Algorithm 2)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -50,6 +50,8 @@ class _Sized:
 
     compressor: Compressor
     group: Group
+    # Capability: input_buffer() / reduce_added(), the exchange without model-sized input or output.
+    reduces_added_input: bool = False
 
     def __init__(
         self,
@@ -159,6 +161,7 @@ class CompressedAllReduce(_Sized):
     # slots must be the same size for the node's all-gather.
     _link = "flat"
     _min_chunk = 0
+    reduces_added_input = True
 
     def __init__(
         self,
@@ -176,7 +179,6 @@ class CompressedAllReduce(_Sized):
         self._slot = self.compressor.wire_bytes(max(self._bounds[0][1] - self._bounds[0][0], self._min_chunk))
         self._send = torch.zeros(self._world_size * self._slot, dtype=torch.uint8, device=device)
         self._gather_slot = torch.zeros(self._slot, dtype=torch.uint8, device=device)
-        self._workspace = torch.empty(numel, dtype=torch.float32, device=device)
 
     @property
     def chunk(self) -> tuple[int, int]:
@@ -188,33 +190,58 @@ class CompressedAllReduce(_Sized):
         tensor = self._prepare(tensor, out)
         flat = tensor.detach().reshape(-1)
         result = self._output(out, flat)
-        self._decode(self._exchange(flat), result)
+        self._decode(self._exchange(flat, self.worker_error.buffer(flat.numel(), flat.device)), result)
         return self._finish(result, tensor, out)
 
-    def _exchange(self, flat: Tensor) -> Tensor:
-        """Phases 1-2 and the all-gather of phase 3: every chunk's re-compressed bytes, in rank order."""
-        error = self.worker_error.buffer(flat.numel(), flat.device)
+    def input_buffer(self, numel: int, device: torch.device | str) -> Tensor:
+        """The worker error ``e`` (flat fp32, ``numel`` values), for a caller that adds its input
+        ``x`` to it in place and then calls :meth:`reduce_added` -- no model-sized input buffer."""
+        buffer = self.worker_error.buffer(numel, torch.device(device))
+        self._prepare(buffer, None)
+        return buffer
+
+    def reduce_added(self, consume: Callable[[int, int, Tensor], None]) -> None:
+        """The compressed average of the ``x`` a caller added into :meth:`input_buffer`, handed to
+        ``consume(lo, hi, values)`` one chunk ``[lo, hi)`` at a time, in chunk order, instead of
+        written to a model-sized output (``values`` is scratch: valid during the call only).
+
+        The same bytes and the same arithmetic as ``self(x)``."""
+        error = self.worker_error.error
+        if error is None:
+            raise RuntimeError("reduce_added() before input_buffer(): nothing was added to the worker error")
+        gathered = self._exchange(None, error)
+        scratch = torch.empty(max(hi - lo for lo, hi in self._bounds), dtype=torch.float32, device=error.device)
+        for j, (lo, hi) in enumerate(self._bounds):
+            consume(lo, hi, self._decode_chunk(gathered, j, scratch[: hi - lo]))
+
+    def _exchange(self, flat: Tensor | None, error: Tensor) -> Tensor:
+        """Phases 1-2 and the all-gather of phase 3: every chunk's re-compressed bytes, in rank order
+        (``flat=None``: ``error`` already holds ``x + e``)."""
         comp, slot, world = self.compressor, self._slot, self._world_size
 
         for j, (lo, hi) in enumerate(self._bounds):
-            payload = comp.compress_ef(flat[lo:hi], error[lo:hi], workspace=self._workspace[lo:hi])
+            payload = comp.compress_ef(None if flat is None else flat[lo:hi], error[lo:hi])
             write_payload(payload, self._send[j * slot : (j + 1) * slot])
         received = all_to_all_bytes(self._send, self.group, self.timeout, self._link)
 
         lo, hi = self.chunk
         payloads = [read_payload(comp, received[i * slot : (i + 1) * slot], hi - lo) for i in range(world)]
         # Average straight into the server error buffer: it then holds avg + error, the value to compress.
-        server_error = self.server_error.buffer(hi - lo, flat.device)
+        server_error = self.server_error.buffer(hi - lo, error.device)
         comp.average(payloads, server_error, accumulate=True)
-        packed = comp.compress_ef(None, server_error, workspace=self._workspace[: hi - lo])
+        packed = comp.compress_ef(None, server_error)
         write_payload(packed, self._gather_slot)
         return all_gather_bytes(self._gather_slot, self.group, self.timeout, self._link)
 
     def _decode(self, gathered: Tensor, result: Tensor) -> None:
         """Decompress the gathered chunks into the flat fp32 ``result``."""
-        comp, slot = self.compressor, self._slot
         for j, (lo, hi) in enumerate(self._bounds):
-            comp.decompress(read_payload(comp, gathered[j * slot : (j + 1) * slot], hi - lo), out=result[lo:hi])
+            self._decode_chunk(gathered, j, result[lo:hi])
+
+    def _decode_chunk(self, gathered: Tensor, j: int, out: Tensor) -> Tensor:
+        lo, hi = self._bounds[j]
+        payload = read_payload(self.compressor, gathered[j * self._slot : (j + 1) * self._slot], hi - lo)
+        return self.compressor.decompress(payload, out=out)
 
     def state_dict(self) -> dict[str, Any]:
         """Worker and server errors, compressor state, and the sizes they belong to."""

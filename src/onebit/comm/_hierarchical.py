@@ -120,7 +120,8 @@ class HierarchicalAllReduce(_Sized):
         self._padded[: flat.numel()].copy_(flat)
         shard = reduce_scatter_mean(self._padded, self.node_group, self.timeout, "intra")
         lo, hi = self._shards[get_rank(self.node_group)]
-        gathered = self.inter._exchange(self.inter._prepare(shard[: hi - lo], None))
+        mine = self.inter._prepare(shard[: hi - lo], None)
+        gathered = self.inter._exchange(mine, self.inter.worker_error.buffer(mine.numel(), mine.device))
         everything = all_gather_bytes(gathered, self.node_group, self.timeout, "intra")
         result = self._output(out, flat)
         comp, slot, per_shard = self.compressor, self.inter._slot, gathered.numel()

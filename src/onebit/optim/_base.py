@@ -99,8 +99,15 @@ class FlatState:
 
     def views(self, name: str) -> list[Tensor]:
         """Per-parameter views (shaped like the parameters) of buffer ``name``."""
-        flat = self.buffers[name]
+        return self.split(self.buffers[name])
+
+    def split(self, flat: Tensor) -> list[Tensor]:
+        """Per-parameter views (shaped like the parameters) of a flat buffer laid out like them."""
         return [flat[lo:hi].view(p.shape) for p, (lo, hi) in zip(self.params, self.offsets)]
+
+    def rename(self, old: str, new: str) -> None:
+        """Register buffer ``old`` under the name ``new`` (its values unchanged)."""
+        self.buffers[new] = self.buffers.pop(old)
 
     def gather_grads(self, out: Tensor) -> None:
         """Copy every gradient (cast to fp32) into ``out``; zeros where a grad is None."""
@@ -285,9 +292,9 @@ class OnebitOptimizer(Optimizer):
 
     def _link_state(self) -> None:
         """Point ``self.state[p][name]`` at the flat buffers' views (for inspection)."""
-        views = {name: self.flat.views(name) for name in self._flat_names}
+        views = {name: self.flat.views(name) for name in self.flat.buffers}
         for i, p in enumerate(self.flat.params):
-            self.state[p] = {name: views[name][i] for name in self._flat_names}
+            self.state[p] = {name: v[i] for name, v in views.items()}
 
     def _hyper(self, key: str) -> list[Any]:
         """Per-parameter value of a param-group option, read afresh (LR schedulers change it)."""
@@ -380,7 +387,9 @@ class OnebitOptimizer(Optimizer):
         # flag[0]: some gradient here is not finite; flag[1 + i]: parameter i has a gradient here.
         flag = torch.zeros(1 + len(self.flat.params), dtype=torch.float32, device=self.flat.device)
         if grads:
-            peaks = torch.stack([g.detach().abs().amax().float() if g.numel() else flag[0] for g in grads])
+            # the inf-norm reduces |g| without a gradient-sized temporary (NaN and inf propagate)
+            peaks = torch.stack([torch.linalg.vector_norm(g.detach(), float("inf")).float() if g.numel() else flag[0]
+                                 for g in grads])
             flag[0] = (~torch.isfinite(peaks)).any()
         if len(grads) == len(self.flat.params):
             flag[1:] = 1.0  # the common case, without a host-to-device copy
@@ -418,6 +427,31 @@ class OnebitOptimizer(Optimizer):
             grad.mul_(coef.clamp_(max=1.0))
         return grad
 
+    def _new_grad_buffer(self) -> Tensor:
+        """A flat fp32 buffer for the gradients (``self._grad``), where an exchange averages them."""
+        return torch.zeros(self.flat.numel, dtype=torch.float32, device=self.flat.device)
+
+    def _averaged_grads(self, exchange: Callable[[Tensor], Tensor]) -> list[Tensor]:
+        """The gradients gathered into ``self._grad`` (zeros where missing), averaged in place by
+        ``exchange``, as per-parameter views shaped like the parameters."""
+        self.flat.gather_grads(self._grad)
+        return self.flat.split(exchange(self._grad))
+
+    def _local_grads(self) -> list[Tensor | None]:
+        """This rank's own gradients (``None`` where it has none), read where they lie, with
+        no flat copy; with ``max_grad_norm`` first scaled in place by ``min(1, max_grad_norm /
+        (||g|| + 1e-6))``, the norm taken in fp32 over all of them -- ``clip_grad_norm_``
+        on this rank (the stages whose averaged gradient never exists)."""
+        grads = [p.grad for p in self.flat.params]
+        present = [g for g in grads if g is not None]
+        if self.max_grad_norm is not None and present:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32)
+                                                         for g in present]))
+            coef = (self.max_grad_norm / (norm + 1e-6)).clamp_(max=1.0)
+            for g in present:
+                g.mul_(coef)
+        return grads
+
     def _clipped(self, exchange: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
         """``exchange`` (which returns the average of a gradient buffer) followed by clipping it."""
         if self.max_grad_norm is None:
@@ -435,6 +469,10 @@ class OnebitOptimizer(Optimizer):
 
     def _extra_state(self) -> dict[str, Any]:
         return {}
+
+    def _layout_for(self, state: Mapping[str, Any]) -> None:
+        """Name the flat buffers as in the saved :meth:`_extra_state` ``state`` (1-bit Adam's
+        differ between its stages), before they are checked and loaded."""
 
     def _load_extra_state(self, state: Mapping[str, Any], own_state: bool) -> None:
         """Restore :meth:`_extra_state`; ``own_state`` is False when the state was saved by another
@@ -469,6 +507,7 @@ class OnebitOptimizer(Optimizer):
                 f"incomplete {type(self).__name__} state_dict: missing {sorted(missing) or ['param_groups']} "
                 "(truncated, or saved by another version)"
             )
+        self._layout_for(extra)
         flat = extra["flat"]
         if set(flat) != set(self.flat.buffers):
             raise ValueError(f"state_dict holds buffers {sorted(flat)}, expected {sorted(self.flat.buffers)}")

@@ -12,11 +12,12 @@ from torch import Tensor
 from .. import comm
 from ..compress import StochasticSignCompressor
 from ._base import OnebitOptimizer, check_nonneg, check_positive
-from ._functional import apply_update_
+from ._functional import _BLOCK, UpdateByChunks
 
 __all__ = ["Birder", "SoftSignSGD", "birder", "check_beta", "check_seed", "soft_sign_direction", "soft_sign_sgd"]
 
-Exchange = Callable[[Tensor], Tensor]
+# exchange(send, consume): average ``send`` over the group, handing consume(lo, hi, values) its chunks
+Exchange = Callable[[Tensor, Callable[[int, int, Tensor], None]], None]
 
 
 def check_seed(seed: object) -> int:
@@ -38,7 +39,7 @@ def check_beta(beta: object) -> float:
 def soft_sign_direction(
     offsets: Sequence[tuple[int, int]],
     *,
-    grad: Tensor,
+    grads: Sequence[Tensor | None],
     active: Sequence[bool],
     exp_avg: Tensor,
     exp_avg_abs: Tensor,
@@ -47,15 +48,22 @@ def soft_sign_direction(
     betas: Sequence[float],
     eps: float,
     out: Tensor,
+    accumulate: bool = False,
 ) -> Tensor:
     """``m = b m + (1-b) g``, ``b^ = b b^ + (1-b)|g|`` (lines 5-6), ``b = max(b_prev, b^)`` when
-    ``use_max`` else ``b^`` (line 7), and ``out = m / (b + eps)``, each element in ``[-1, 1]``."""
-    for (lo, hi), beta, on in zip(offsets, betas, active):
+    ``use_max`` else ``b^`` (line 7), and ``out = m / (b + eps)``, each element in ``[-1, 1]``
+    -- added to ``out`` with ``accumulate`` (a worker error, through block-sized scratch).
+    ``grads[i]`` is parameter ``i``'s gradient, shaped like it (``None``: zero); ``out`` may be
+    the buffer the gradients lie in."""
+    for (lo, hi), g, beta, on in zip(offsets, grads, betas, active):
         if not on:  # no gradient on any rank: moments untouched
             continue
-        g = grad[lo:hi]
-        exp_avg[lo:hi].mul_(beta).add_(g, alpha=1.0 - beta)
-        exp_avg_abs[lo:hi].mul_(beta).add_(g.abs(), alpha=1.0 - beta)
+        m, b = exp_avg[lo:hi], exp_avg_abs[lo:hi]
+        m.mul_(beta)
+        b.mul_(beta)
+        if g is not None:
+            m.view(g.shape).add_(g, alpha=1.0 - beta)
+            b.view(g.shape).add_(g.abs(), alpha=1.0 - beta)
     denom = exp_avg_abs
     if max_exp_avg_abs is not None:
         if use_max:
@@ -63,26 +71,26 @@ def soft_sign_direction(
         else:
             max_exp_avg_abs.copy_(exp_avg_abs)
         denom = max_exp_avg_abs
-    torch.add(denom, eps, out=out)
-    return torch.div(exp_avg, out, out=out)
-
-
-def _apply(params, offsets, update: Tensor, lrs, weight_decays, active) -> None:
-    for p, (lo, hi), lr, wd, on in zip(params, offsets, lrs, weight_decays, active):
-        if on:
-            apply_update_(p, update[lo:hi], None, lr=lr, weight_decay=wd, step_size=lr)
+    if not accumulate:
+        torch.add(denom, eps, out=out)
+        return torch.div(exp_avg, out, out=out)
+    for lo in range(0, out.numel(), _BLOCK):
+        hi = min(lo + _BLOCK, out.numel())
+        out[lo:hi].add_(exp_avg[lo:hi] / (denom[lo:hi] + eps))
+    return out
 
 
 def birder(
     params: Sequence[Tensor],
     offsets: Sequence[tuple[int, int]],
     *,
-    grad: Tensor,
+    grads: Sequence[Tensor | None],
     active: Sequence[bool],
     exp_avg: Tensor,
     exp_avg_abs: Tensor,
     max_exp_avg_abs: Tensor | None,
-    update: Tensor,
+    send: Tensor,
+    accumulate: bool,
     exchange: Exchange,
     step: int,
     lrs: Sequence[float],
@@ -91,12 +99,14 @@ def birder(
     eps: float,
     threshold_step: int | None,
 ) -> None:
-    """One Birder step (Algorithm 1): local ``m``, ``b`` from the local ``grad``, ``update = m / (b + eps)``,
-    ``u_bar = exchange(update)`` (lines 8-14: the error-compensated 1-bit average), then
-    ``x <- x (1 - lr wd) - lr u_bar`` (line 16 with decoupled weight decay)."""
+    """One Birder step (Algorithm 1): local ``m``, ``b`` from the local ``grads``, ``u = m / (b + eps)``
+    written to ``send`` (added to it with ``accumulate``: ``send`` is then the collective's worker
+    error), ``exchange(send, consume)`` hands ``consume`` the error-compensated 1-bit average
+    ``u_bar`` chunk by chunk (lines 8-14), which applies ``x <- x (1 - lr wd) - lr u_bar``
+    (line 16 with decoupled weight decay)."""
     soft_sign_direction(
         offsets,
-        grad=grad,
+        grads=grads,
         active=active,
         exp_avg=exp_avg,
         exp_avg_abs=exp_avg_abs,
@@ -104,31 +114,32 @@ def birder(
         use_max=threshold_step is not None and step > threshold_step,
         betas=betas,
         eps=eps,
-        out=update,
+        out=send,
+        accumulate=accumulate,
     )
-    _apply(params, offsets, exchange(update), lrs, weight_decays, active)
+    exchange(send, UpdateByChunks(params, offsets, lrs=lrs, weight_decays=weight_decays, active=active))
 
 
 def soft_sign_sgd(
     params: Sequence[Tensor],
     offsets: Sequence[tuple[int, int]],
     *,
-    grad: Tensor,
+    grads: Sequence[Tensor],
     active: Sequence[bool],
     exp_avg: Tensor,
     exp_avg_abs: Tensor,
     update: Tensor,
-    exchange: Exchange,
     lrs: Sequence[float],
     betas: Sequence[float],
     weight_decays: Sequence[float],
     eps: float,
 ) -> None:
-    """One SoftSignSGD step (appendix B, Algorithm 1) on ``exchange(grad)``, the averaged gradient:
-    ``m = b m + (1-b) g``, ``b = b b + (1-b)|g|``, ``x <- x (1 - lr wd) - lr m / (b + eps)``."""
+    """One SoftSignSGD step (appendix B, Algorithm 1) on the averaged gradients ``grads``:
+    ``m = b m + (1-b) g``, ``b = b b + (1-b)|g|``, ``x <- x (1 - lr wd) - lr m / (b + eps)``
+    (``update``: where ``m / (b + eps)`` is formed; it may hold ``grads``)."""
     soft_sign_direction(
         offsets,
-        grad=exchange(grad),
+        grads=grads,
         active=active,
         exp_avg=exp_avg,
         exp_avg_abs=exp_avg_abs,
@@ -138,7 +149,7 @@ def soft_sign_sgd(
         eps=eps,
         out=update,
     )
-    _apply(params, offsets, update, lrs, weight_decays, active)
+    UpdateByChunks(params, offsets, lrs=lrs, weight_decays=weight_decays, active=active)(0, update.numel(), update)
 
 
 class _SoftSign(OnebitOptimizer):
@@ -163,8 +174,6 @@ class _SoftSign(OnebitOptimizer):
         )
         for g in self.param_groups:
             check_beta(g["beta"])
-        self._grad = torch.zeros(self.flat.numel, dtype=torch.float32, device=self.flat.device)
-        self._update = torch.zeros_like(self._grad)
 
 
 class Birder(_SoftSign):
@@ -237,21 +246,32 @@ class Birder(_SoftSign):
             quantiser, self.process_group, hierarchical=hierarchical, ranks_per_node=ranks_per_node, timeout=self.timeout
         )
         self.allreduce.warm_up(self.flat.device)  # kernels loaded now, not at the first compressed step
+        # The flat exchange takes u added straight into its worker error and hands its average
+        # back chunk by chunk: no model-sized buffer for either. The hierarchical one reduces
+        # the fp32 u within the node first, so u needs a buffer of its own there.
+        self._update = None if self.allreduce.reduces_added_input else \
+            torch.zeros(self.flat.numel, dtype=torch.float32, device=self.flat.device)
+
+    def _exchange_update(self, u: Tensor, consume: Callable[[int, int, Tensor], None]) -> None:
+        if self._update is None:
+            self.allreduce.reduce_added(consume)
+        else:
+            consume(0, u.numel(), self.allreduce(u, out=u))
 
     def _step(self) -> None:
-        self.flat.gather_grads(self._grad)
-        self._clip_grad_(self._grad)  # local moments: the averaged gradient never exists
         b = self.flat.buffers
         birder(
             self.flat.params,
             self.flat.offsets,
-            grad=self._grad,
+            grads=self._local_grads(),  # local moments: the averaged gradient never exists
             active=self._active,
             exp_avg=b["exp_avg"],
             exp_avg_abs=b["exp_avg_abs"],
             max_exp_avg_abs=b.get("max_exp_avg_abs"),
-            update=self._update,
-            exchange=lambda u: self.allreduce(u, out=u),
+            send=self._update if self._update is not None else self.allreduce.input_buffer(self.flat.numel,
+                                                                                           self.flat.device),
+            accumulate=self._update is None,
+            exchange=self._exchange_update,
             step=self._step_count,
             lrs=self._hyper("lr"),
             betas=self._hyper("beta"),
@@ -295,21 +315,21 @@ class SoftSignSGD(_SoftSign):
         super().__init__(params, lr, beta, eps, weight_decay, group, timeout, broadcast_parameters, on_nonfinite,
                          check_replicas_every, max_grad_norm)
 
+        self._grad = self._new_grad_buffer()  # the averaged gradient, then m / (b + eps) in its place
+
     def _stage(self) -> str:
         return "warmup"
 
     def _step(self) -> None:
-        self.flat.gather_grads(self._grad)
         b = self.flat.buffers
         soft_sign_sgd(
             self.flat.params,
             self.flat.offsets,
-            grad=self._grad,
+            grads=self._averaged_grads(self._clipped(self._allreduce)),
             active=self._active,
             exp_avg=b["exp_avg"],
             exp_avg_abs=b["exp_avg_abs"],
-            update=self._update,
-            exchange=self._clipped(self._allreduce),
+            update=self._grad,
             lrs=self._hyper("lr"),
             betas=self._hyper("beta"),
             weight_decays=self._hyper("weight_decay"),

@@ -60,10 +60,11 @@ def comp_ams(
 
 
 class _GradientExchange(OnebitOptimizer):
-    """Flat gradient buffer plus the exchange that averages it across the group."""
+    """A flat buffer (Comp-AMS: the gradients; QAdam: ``m / sqrt(v + eps)``) plus the exchange
+    that averages it across the group in place."""
 
     def _setup_exchange(self, compressor: Compressor | None, error_feedback: bool) -> None:
-        self._grad = torch.zeros(self.flat.numel, dtype=torch.float32, device=self.flat.device)
+        self._grad = self._new_grad_buffer()
         self.exchange = None if compressor is None else comm.CompressedAllGather(
             compressor, self.process_group, error_feedback=error_feedback, timeout=self.timeout
         )
@@ -232,19 +233,20 @@ class QAdam(_GradientExchange):
         self._setup_exchange(quantizer, error_feedback)
 
     def _step(self) -> None:
-        g_all = self._grad
-        self.flat.gather_grads(g_all)
-        self._clip_grad_(g_all)  # local moments: the averaged gradient never exists
-        m_all, v_all = self.flat.buffers["exp_avg"], self.flat.buffers["exp_avg_sq"]
-        for (lo, hi), (b1, b2), on in zip(self.flat.offsets, self._hyper("betas"), self._active):
+        m_all, v_all, a = self.flat.buffers["exp_avg"], self.flat.buffers["exp_avg_sq"], self._grad
+        grads = self._local_grads()  # local moments: the averaged gradient never exists
+        for (lo, hi), g, (b1, b2), on in zip(self.flat.offsets, grads, self._hyper("betas"), self._active):
             if not on:
                 continue
-            g = g_all[lo:hi]
-            m_all[lo:hi].mul_(b1).add_(g, alpha=1.0 - b1)
-            v_all[lo:hi].mul_(b2).addcmul_(g, g, value=1.0 - b2)
-        # a = m / sqrt(v + eps) overwrites the gradient buffer, then is averaged in place.
-        torch.div(m_all, v_all.add(self.eps).sqrt_(), out=g_all)
-        a_bar = self._average(g_all)
+            m, v = m_all[lo:hi], v_all[lo:hi]
+            m.mul_(b1)
+            v.mul_(b2)
+            if g is not None:
+                m.view(g.shape).add_(g, alpha=1.0 - b1)
+                v.view(g.shape).addcmul_(g, g, value=1.0 - b2)
+        # a = m / sqrt(v + eps), formed in the exchange's buffer and averaged there in place.
+        torch.div(m_all, torch.add(v_all, self.eps, out=a).sqrt_(), out=a)
+        a_bar = self._average(a)
         for p, (lo, hi), lr, wd, on in zip(self.flat.params, self.flat.offsets, self._hyper("lr"),
                                            self._hyper("weight_decay"), self._active):
             if on:

@@ -94,7 +94,9 @@ class TwoStage:
     freeze: FreezeSchedule
     _frozen_at: int | None
     _step_count: int
-    _unused: Tensor | None
+    _has_unused: bool
+    _grad: Tensor | None
+    _new_grad_buffer: Any
     allreduce: Any
 
     def _init_two_stage(
@@ -115,7 +117,7 @@ class TwoStage:
             max_step=max_step,
         )
         self._frozen_at = None
-        self._unused = None
+        self._has_unused = False
 
     def _stage(self) -> str:
         return "warmup" if self._frozen_at is None else "compressed"
@@ -125,11 +127,12 @@ class TwoStage:
 
     def _after_warmup_step(self, variance: Tensor) -> None:
         """Feed the criterion ``||v||_1``; on the decision, record the step and call ``_on_freeze``."""
-        l1 = float(variance.abs().sum()) if self.freeze.auto else None
+        l1 = float(variance.sum()) if self.freeze.auto else None  # v >= 0: its sum is its l1 norm
         if self.freeze.should_freeze(self._step_count, l1):
             self._frozen_at = self._step_count
             _log.info("%s: warm-up ended at step %d; compression stage starts", type(self).__name__, self._frozen_at)
             self._on_freeze()
+            self._grad = None  # the compression stage reads each rank's own gradients where they lie
 
     def _on_freeze(self) -> None:
         raise NotImplementedError
@@ -153,13 +156,18 @@ class TwoStage:
                 stacklevel=4,
             )
 
-    def _mask_unused(self, frozen_variance: Tensor) -> None:
-        """Remember the values whose frozen variance is exactly zero (``None`` when there are none)."""
-        unused = frozen_variance == 0
-        self._unused = unused if bool(unused.any()) else None
-        if self._unused is not None:
+    def _unused_mask(self) -> Tensor:
+        """The values whose frozen variance is zero (no gradient through the warm-up)."""
+        raise NotImplementedError
+
+    def _note_unused(self) -> None:
+        """Record whether :meth:`_unused_mask` holds any value (the mask itself is not kept: it
+        is re-derived from the frozen state when needed, at no memory cost between steps)."""
+        count = int(self._unused_mask().sum())
+        self._has_unused = count > 0
+        if count:
             _log.info("%s: %d values had a zero gradient through the warm-up; their momentum is held at zero",
-                      type(self).__name__, int(self._unused.sum()))
+                      type(self).__name__, count)
 
     def _exchange_momentum(self, m: Tensor) -> None:
         """The compressed all-reduce of the fused momentum, in place, then the zero-variance mask.
@@ -170,8 +178,8 @@ class TwoStage:
         ``exp_avg_mask``; ``v == 0`` is that mask, derived instead of asked for.
         """
         self.allreduce(m, out=m)
-        if self._unused is not None:
-            m.masked_fill_(self._unused, 0.0)
+        if self._has_unused:
+            m.masked_fill_(self._unused_mask(), 0.0)
 
     def _two_stage_state(self) -> dict[str, Any]:
         return {"frozen_at": self._frozen_at, "freeze": self.freeze.state_dict()}
@@ -179,3 +187,8 @@ class TwoStage:
     def _load_two_stage_state(self, state: Mapping[str, Any]) -> None:
         self.freeze.load_state_dict(state["freeze"])
         self._frozen_at = state["frozen_at"]
+        if self._frozen_at is None:  # the warm-up averages the gradients in a flat buffer
+            self._grad = self._grad if self._grad is not None else self._new_grad_buffer()
+        else:
+            self._grad = None
+            self._note_unused()

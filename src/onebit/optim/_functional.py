@@ -1,21 +1,22 @@
 """The math of 1-bit Adam (Algorithm 1) on flat buffers, with the collective passed in.
 
-``exchange(buffer)`` must replace ``buffer`` in place by its average over the workers: an
-exact all-reduce for the warm-up, the compressed all-reduce for the compression stage --
-or, in a single-process test, any stand-in.
+``exchange(buffer)`` must replace ``buffer`` in place by its average over the workers (the
+compressed all-reduce of the momentum, or in a single-process test any stand-in).
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
-__all__ = ["adam_denominator", "adam_step_bound", "apply_update_", "clip_to_adam_step_", "onebit_adam"]
+__all__ = ["UpdateByChunks", "adam_denominator", "adam_step_bound", "apply_update_", "clip_to_adam_step_", "onebit_adam"]
 
 Exchange = Callable[[Tensor], object]
+_BLOCK = 1 << 20  # values per block where a step needs scratch: its size is bounded, not the model's
 
 
 def adam_denominator(exp_avg_sq: Tensor, *, eps: float, bias_correction2: float, out: Tensor | None = None) -> Tensor:
@@ -49,8 +50,11 @@ def clip_to_adam_step_(exp_avg: Tensor, denom: Tensor, beta1: float, beta2: floa
     ``factor``: at 1 it cost 1-bit LAMB 20% of loss on a GPT task, at 10 nothing, while the
     outliers above are hundreds to thousands of times the bound.
     """
-    limit = denom * (factor * adam_step_bound(beta1, beta2) * bias_correction1 / math.sqrt(bias_correction2))
-    torch.clamp(exp_avg, min=limit.neg(), max=limit, out=exp_avg)
+    scale = factor * adam_step_bound(beta1, beta2) * bias_correction1 / math.sqrt(bias_correction2)
+    m, d = exp_avg.view(-1), denom.view(-1)
+    for lo in range(0, m.numel(), _BLOCK):  # the limits in block-sized scratch, not a model-sized pair
+        limit = d[lo : lo + _BLOCK] * scale
+        torch.clamp(m[lo : lo + _BLOCK], min=limit.neg(), max=limit, out=m[lo : lo + _BLOCK])
 
 
 def apply_update_(
@@ -81,17 +85,51 @@ def apply_update_(
         param.copy_(x.view(param.shape))
 
 
+class UpdateByChunks:
+    """``x <- x (1 - lr wd) - lr u`` (:func:`apply_update_`, ``step_size=lr``) for every active
+    parameter, ``u`` arriving as chunks ``[lo, hi)`` of the flat layout, in order (as
+    :meth:`onebit.comm.CompressedAllReduce.reduce_added` hands them out).
+
+    An fp32 contiguous parameter takes each piece in place as it comes; any other (low
+    precision, ``channels_last``) collects its pieces in an fp32 buffer of its own size and
+    is updated once, by its last piece.
+    """
+
+    def __init__(self, params: Sequence[Tensor], offsets: Sequence[tuple[int, int]], *, lrs: Sequence[float],
+                 weight_decays: Sequence[float], active: Sequence[bool]) -> None:
+        self.params, self.offsets, self.lrs, self.weight_decays, self.active = params, offsets, lrs, weight_decays, active
+        self._ends = [hi for _, hi in offsets]
+        self._pending: dict[int, Tensor] = {}
+
+    def __call__(self, lo: int, hi: int, values: Tensor) -> None:
+        i = bisect.bisect_right(self._ends, lo)  # the first parameter ending after lo
+        while i < len(self.params) and self.offsets[i][0] < hi:
+            p, (start, end) = self.params[i], self.offsets[i]
+            a, b = max(lo, start), min(hi, end)
+            if self.active[i] and a < b:
+                kw = {"lr": self.lrs[i], "weight_decay": self.weight_decays[i], "step_size": self.lrs[i]}
+                if p.dtype == torch.float32 and p.is_contiguous():
+                    apply_update_(p.view(-1)[a - start : b - start], values[a - lo : b - lo], None, **kw)
+                else:
+                    whole = self._pending.get(i)
+                    if whole is None:
+                        whole = self._pending[i] = torch.empty(end - start, dtype=torch.float32, device=p.device)
+                    whole[a - start : b - start].copy_(values[a - lo : b - lo])
+                    if b == end:
+                        apply_update_(p, self._pending.pop(i), None, **kw)
+            i += 1
+
+
 def onebit_adam(
     params: Sequence[Tensor],
     offsets: Sequence[tuple[int, int]],
     *,
-    grad: Tensor,
+    grads: Sequence[Tensor | None],
     active: Sequence[bool],
     exp_avg: Tensor,
-    exp_avg_sq: Tensor,
+    exp_avg_sq: Tensor | None,
     frozen_denom: Tensor | None,
-    exchange: Exchange,
-    compressed: bool,
+    exchange: Exchange | None,
     step: int,
     lrs: Sequence[float],
     betas: Sequence[tuple[float, float]],
@@ -101,34 +139,35 @@ def onebit_adam(
     clip_update: float | None = 10.0,
     frozen_at: int = 0,
 ) -> None:
-    """One step of 1-bit Adam over all parameters.
+    """One step of 1-bit Adam over all parameters, on flat fp32 state (parameter ``i`` at
+    ``offsets[i]``); ``active[i]`` says whether parameter ``i`` has a gradient on some rank:
+    the others keep their value and moments.
 
-    ``grad`` holds the local gradients at ``offsets`` (zeros where a parameter has none);
-    ``frozen_at`` is the step the variance was frozen (the compression stage's clip needs it
-    without ``bias_correction``);
-    ``active[i]`` says whether parameter ``i`` has a gradient on some rank: the others keep
-    their value and moments.
-
-    Warm-up (``compressed=False``): ``exchange(grad)`` averages the gradients, then exact
-    Adam, eq. (1). Compression (Algorithm 1 lines 6-13): ``m <- beta1 m + (1 - beta1) g_local``,
-    ``exchange(exp_avg)`` replaces the fused momentum by its error-compensated 1-bit average,
-    clipped to ``clip_update`` times Adam's largest step (:func:`clip_to_adam_step_`), and
-    ``x <- x - lr m / frozen_denom``.
+    Warm-up (``frozen_denom`` is None): ``grads`` are the averaged gradients (contiguous fp32,
+    scratch once used: each denominator is formed in its gradient's place), and exact Adam,
+    eq. (1), updates ``exp_avg``, ``exp_avg_sq`` and the parameters.
+    Compression (Algorithm 1 lines 6-13): ``grads`` are this rank's own (``None`` counts as
+    zero); ``m <- beta1 m + (1 - beta1) g``; ``exchange(exp_avg)`` replaces the fused momentum
+    by its error-compensated 1-bit average, clipped to ``clip_update`` times Adam's largest
+    step (:func:`clip_to_adam_step_`); ``x <- x - lr m / frozen_denom``, where
+    ``frozen_denom`` is the preconditioner ``sqrt(v_T / bias_correction2) + eps`` of the
+    variance frozen at step ``frozen_at`` (:func:`adam_denominator`).
     With ``bias_correction`` the momentum is divided by ``1 - beta1^t`` and the variance by
-    ``1 - beta2^t`` (frozen at the freeze step in ``frozen_denom``), as ``torch.optim.AdamW``.
+    ``1 - beta2^t`` (frozen at the freeze step), as ``torch.optim.AdamW``.
     """
-    if not compressed:
-        exchange(grad)
-    for i, (lo, hi) in enumerate(offsets):
+    compressed = frozen_denom is not None
+    for i, (p, (lo, hi)) in enumerate(zip(params, offsets)):
         if not active[i]:
             continue
         beta1, beta2 = betas[i]
-        g = grad[lo:hi]
+        g, m = grads[i], exp_avg[lo:hi].view(p.shape)
         if compressed:
-            exp_avg[lo:hi].mul_(beta1).add_(g, alpha=1.0 - beta1)
+            m.mul_(beta1)
+            if g is not None:
+                m.add_(g, alpha=1.0 - beta1)
         else:
-            exp_avg[lo:hi].lerp_(g, 1.0 - beta1)
-            exp_avg_sq[lo:hi].mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+            m.lerp_(g, 1.0 - beta1)
+            exp_avg_sq[lo:hi].view(p.shape).mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
     if compressed:
         exchange(exp_avg)
     for i, (p, (lo, hi)) in enumerate(zip(params, offsets)):
@@ -143,5 +182,5 @@ def onebit_adam(
                 clip_to_adam_step_(exp_avg[lo:hi], denom, beta1, beta2, bc1, bc2, clip_update)
         else:
             bc2 = 1.0 - beta2**step if bias_correction else 1.0
-            denom = adam_denominator(exp_avg_sq[lo:hi], eps=eps, bias_correction2=bc2)
+            denom = adam_denominator(exp_avg_sq[lo:hi], eps=eps, bias_correction2=bc2, out=grads[i].view(-1))
         apply_update_(p, exp_avg[lo:hi], denom, lr=lrs[i], weight_decay=weight_decays[i], step_size=lrs[i] / bc1)

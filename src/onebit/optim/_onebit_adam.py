@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -53,19 +53,21 @@ class _AdamFamily(OnebitOptimizer):
             check_replicas_every=check_replicas_every,
             max_grad_norm=max_grad_norm,
         )
-        self._grad = torch.zeros(self.flat.numel, dtype=torch.float32, device=self.flat.device)
+        # The averaged gradient (the fp32 all-reduce needs one flat buffer); OnebitAdam drops it
+        # at the freeze, when each rank's momentum takes its own gradient where it lies.
+        self._grad: Tensor | None = self._new_grad_buffer()
 
-    def _run(self, *, exchange, compressed: bool, frozen_denom: Tensor | None) -> None:
+    def _run(self, grads: list[Tensor | None], *, exchange: Callable[[Tensor], object] | None = None,
+             frozen_denom: Tensor | None = None) -> None:
         onebit_adam(
             self.flat.params,
             self.flat.offsets,
-            grad=self._grad,
+            grads=grads,
             active=self._active,
             exp_avg=self.flat.buffers["exp_avg"],
-            exp_avg_sq=self.flat.buffers["exp_avg_sq"],
+            exp_avg_sq=self.flat.buffers.get("exp_avg_sq"),
             frozen_denom=frozen_denom,
             exchange=exchange,
-            compressed=compressed,
             step=self._step_count,
             lrs=self._hyper("lr"),
             betas=self._hyper("betas"),
@@ -95,7 +97,10 @@ class OnebitAdam(TwoStage, _AdamFamily):
       momentum on every rank; then ``x <- x - lr * m / (sqrt(v_frozen) + eps)``. Values
       whose variance is exactly zero at the freeze (no gradient during the whole warm-up,
       e.g. unused embedding rows) keep a zero momentum -- DeepSpeed's ``exp_avg_mask``,
-      derived instead of asked for.
+      derived instead of asked for. At the freeze the variance buffer becomes the
+      preconditioner ``sqrt(v_T / (1 - beta2^T)) + eps`` itself (``state[p]["frozen_denom"]``
+      from then on): the compression stage holds ``m``, that, and the collective's worker
+      and server errors -- 3 + 1/w model sizes (README, "Memory").
 
     Args:
         params: parameters or param groups (options ``lr``, ``betas``, ``weight_decay``).
@@ -180,39 +185,52 @@ class OnebitAdam(TwoStage, _AdamFamily):
             compressor, self.process_group, hierarchical=hierarchical, ranks_per_node=ranks_per_node, timeout=self.timeout
         )
         self.allreduce.warm_up(self.flat.device)  # kernels loaded now, not at the first compressed step
-        self._denom: Tensor | None = None
 
     def _on_freeze(self) -> None:
         """Freeze the variance (Algorithm 1 line 2)."""
-        self._denom = self._frozen_denominator()
+        self._freeze_denominator()
         if not self.bias_correction:
             self._warn_early_freeze()
 
-    def _frozen_denominator(self) -> Tensor:
+    def _freeze_denominator(self) -> None:
+        """Turn the variance, in place, into the frozen preconditioner ``sqrt(v_T / (1 - beta2^T)) + eps``
+        (``1`` for ``1 - beta2^T`` without bias correction), registered as ``"frozen_denom"``.
+
+        The compression stage only ever divides by it, so it takes ``v``'s buffer rather than a
+        second model-sized one, and costs nothing per step."""
         v = self.flat.buffers["exp_avg_sq"]
-        self._mask_unused(v)
-        beta2s = self._hyper("betas")
-        denom = torch.empty_like(v)
-        for (lo, hi), (_, beta2) in zip(self.flat.offsets, beta2s):
+        for (lo, hi), (_, beta2) in zip(self.flat.offsets, self._hyper("betas")):
             bc2 = 1.0 - beta2**self._frozen_at if self.bias_correction else 1.0
-            adam_denominator(v[lo:hi], eps=self.eps, bias_correction2=bc2, out=denom[lo:hi])
-        return denom
+            adam_denominator(v[lo:hi], eps=self.eps, bias_correction2=bc2, out=v[lo:hi])
+        self._use_frozen_layout(True)
+        self._note_unused()
+
+    def _use_frozen_layout(self, frozen: bool) -> None:
+        names = ("exp_avg_sq", "frozen_denom") if frozen else ("frozen_denom", "exp_avg_sq")
+        if names[0] in self.flat.buffers:
+            self.flat.rename(*names)
+            self._link_state()
+
+    def _unused_mask(self) -> Tensor:
+        # sqrt(v_hat) + eps == eps: no gradient through the warm-up (or one below eps's rounding)
+        return self.flat.buffers["frozen_denom"] == self.eps
 
     def _step(self) -> None:
-        self.flat.gather_grads(self._grad)
         if self._frozen_at is None:
-            self._run(exchange=self._clipped(self._allreduce), compressed=False, frozen_denom=None)
+            self._run(self._averaged_grads(self._clipped(self._allreduce)))
             self._after_warmup_step(self.flat.buffers["exp_avg_sq"])
-        else:
-            self._clip_grad_(self._grad)  # no averaged gradient in this stage: clip the local one
-            self._run(exchange=self._exchange_momentum, compressed=True, frozen_denom=self._denom)
+        else:  # no averaged gradient in this stage: the local one, clipped locally
+            self._run(self._local_grads(), exchange=self._exchange_momentum,
+                      frozen_denom=self.flat.buffers["frozen_denom"])
 
     def _extra_state(self) -> dict[str, Any]:
         return {**self._two_stage_state(), "allreduce": self.allreduce.state_dict()}
 
+    def _layout_for(self, state: Mapping[str, Any]) -> None:
+        self._use_frozen_layout(state.get("frozen_at") is not None)
+
     def _load_extra_state(self, state: Mapping[str, Any], own_state: bool) -> None:
         self._load_two_stage_state(state)
-        self._denom = None if self._frozen_at is None else self._frozen_denominator()
         self._restore_collective(self.allreduce, state["allreduce"], own_state)
 
 
@@ -269,8 +287,7 @@ class OnebitAdamNaive(_AdamFamily):
         return self.allreduce(buffer, out=buffer)
 
     def _step(self) -> None:
-        self.flat.gather_grads(self._grad)
-        self._run(exchange=self._clipped(self._exchange_gradient), compressed=False, frozen_denom=None)
+        self._run(self._averaged_grads(self._clipped(self._exchange_gradient)))
 
     def _extra_state(self) -> dict[str, Any]:
         return {"allreduce": self.allreduce.state_dict()}

@@ -35,7 +35,7 @@ def onebit_lamb(
     params: Sequence[Tensor],
     offsets: Sequence[tuple[int, int]],
     *,
-    grad: Tensor,
+    grads: Sequence[Tensor | None],
     active: Sequence[bool],
     exp_avg: Tensor,
     exp_avg_sq: Tensor,
@@ -44,7 +44,7 @@ def onebit_lamb(
     coeff_avg: Tensor,
     ratio: Tensor,
     momentum_scale: Tensor,
-    exchange: Callable[[Tensor], object],
+    exchange: Callable[[Tensor], object] | None,
     compressed: bool,
     lrs: Sequence[float],
     betas: Sequence[tuple[float, float]],
@@ -66,9 +66,14 @@ def onebit_lamb(
     tensor) on the parameters' device, updated in place; every per-layer quantity stays on
     the device, so a step makes no host round trip.
 
-    Warm-up: ``exchange(grad)`` averages the gradients, then LAMB, eq. (1), per tensor with
+    The buffers hold every intermediate: the warm-up forms each update in its ``grads`` (the
+    averaged gradients, scratch once used), the compression stage in ``last_exp_avg`` (``m_{t-1}``,
+    needed only until ``g`` is formed; it holds scratch between steps).
+
+    Warm-up: ``grads`` are the averaged gradients, LAMB, eq. (1), per tensor with
     ``u = m / (sqrt(v) + eps) + wd x`` and ``c_avg <- b3 c_avg + (1 - b3) c_t`` (line 2).
-    Compression (lines 6-21): local momentum; momenta scaled by ``momentum_scale`` (A.5.2);
+    Compression (lines 6-21): local momentum from this rank's ``grads`` (``None`` counts as
+    zero); momenta scaled by ``momentum_scale`` (A.5.2);
     ``exchange(exp_avg)`` replaces the fused momentum (A.5.1) by its 1-bit average; unscale;
     ``g = (m_t - b1 m_{t-1}) / (1 - b1)``; fresh ``v``; ``r = max(v_frozen / v)`` clipped to
     ``(1 +- r_threshold) r_prev`` then ``[r_min, r_max]``; ``c = r c_avg``;
@@ -77,18 +82,17 @@ def onebit_lamb(
     (:func:`clip_to_adam_step_`).
     """
     coeffs = []
-    no_step = torch.zeros((), dtype=torch.float64, device=grad.device)
+    no_step = torch.zeros((), dtype=torch.float64, device=exp_avg.device)
     if not compressed:
-        exchange(grad)
         for i, (p, (lo, hi)) in enumerate(zip(params, offsets)):
             if not active[i]:
                 coeffs.append(no_step)
                 continue
             b1, b2 = betas[i]
-            g, m, v = grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi]
+            g, m, v = grads[i].reshape(-1), exp_avg[lo:hi], exp_avg_sq[lo:hi]
             m.mul_(b1).add_(g, alpha=1.0 - b1)
             v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
-            update = m / (v.sqrt() + eps)
+            update = torch.div(m, torch.sqrt(v, out=g).add_(eps), out=g)  # g's buffer is free now
             if weight_decays[i]:
                 update.add_(p.detach().reshape(-1).float(), alpha=weight_decays[i])
             c = lamb_coefficient(p, update, min_coeff=min_coeff, max_coeff=max_coeff)
@@ -98,11 +102,13 @@ def onebit_lamb(
         return torch.stack(coeffs)
 
     last_exp_avg.copy_(exp_avg)
-    for i, (lo, hi) in enumerate(offsets):
-        b1 = betas[i][0]
+    for i, (p, (lo, hi)) in enumerate(zip(params, offsets)):
+        b1, m = betas[i][0], exp_avg[lo:hi]
         if active[i]:
-            exp_avg[lo:hi].mul_(b1).add_(grad[lo:hi], alpha=1.0 - b1)
-        exp_avg[lo:hi].mul_(momentum_scale[i])
+            m.mul_(b1)
+            if grads[i] is not None:
+                m.view(p.shape).add_(grads[i], alpha=1.0 - b1)
+        m.mul_(momentum_scale[i])
     exchange(exp_avg)
     for i, (p, (lo, hi)) in enumerate(zip(params, offsets)):
         b1, b2 = betas[i]
@@ -115,13 +121,15 @@ def onebit_lamb(
         denom = v_frozen.sqrt().add_(eps)
         if clip_update is not None:  # the warm-up's variance has no bias correction: frozen at step frozen_at
             clip_to_adam_step_(m, denom, b1, b2, bias_correction2=1.0 - b2**frozen_at, factor=clip_update)
-        g = (m - b1 * last_exp_avg[lo:hi]) / (1.0 - b1)
+        # m_{t-1} is needed only to form g: g, then v_frozen / v, then the update take its place.
+        work = last_exp_avg[lo:hi]
+        g = work.mul_(-b1).add_(m).div_(1.0 - b1)  # (m_t - b1 m_{t-1}) / (1 - b1)
         v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
         prev = ratio[i].clone()
         if hi > lo:
             seen = v > 0
             # max over the values with a variance; the previous ratio where none has one
-            largest = torch.where(seen, v_frozen / v, float("-inf")).max().double()
+            largest = torch.div(v_frozen, v, out=work).masked_fill_(~seen, float("-inf")).max().double()
             r = torch.where(seen.any(), largest, prev)
         else:
             r = prev
@@ -129,7 +137,7 @@ def onebit_lamb(
         r = r.clamp(factor_min, factor_max)
         ratio[i] = r
         c = r * coeff_avg[i]
-        update = m / denom
+        update = torch.div(m, denom, out=work)
         if weight_decays[i]:
             update.add_(p.detach().reshape(-1).float(), alpha=weight_decays[i])
         apply_update_(p, update, None, lr=lrs[i], weight_decay=0.0, step_size=lrs[i] * c)
@@ -250,7 +258,9 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
         self.ratio = torch.ones(n, dtype=torch.float64, device=device)
         self.momentum_scale = torch.ones(n, dtype=torch.float64, device=device)
         self._coefficients: Tensor | None = None
-        self._grad = torch.zeros(self.flat.numel, dtype=torch.float32, device=self.flat.device)
+        # The averaged gradient of the warm-up (the fp32 all-reduce needs one flat buffer);
+        # dropped at the freeze, when each rank's momentum takes its own gradient where it lies.
+        self._grad: Tensor | None = self._new_grad_buffer()
         self.allreduce = comm.compressed_allreduce(
             compressor, self.process_group, hierarchical=hierarchical, ranks_per_node=ranks_per_node, timeout=self.timeout
         )
@@ -260,7 +270,7 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
         """Line 3 and A.5.2: store v_Tw (c_avg stops moving), derive the momentum scale coefficients."""
         b = self.flat.buffers
         b["frozen_exp_avg_sq"].copy_(b["exp_avg_sq"])
-        self._mask_unused(b["frozen_exp_avg_sq"])
+        self._note_unused()
         scales = [float(b["exp_avg"][lo:hi].norm()) / math.sqrt(hi - lo) if hi > lo else 0.0
                   for lo, hi in self.flat.offsets]
         positive = [s for s in scales if s > 0]
@@ -273,16 +283,20 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
         """Each tensor's layer-wise coefficient ``c_t`` of the last step (reading it synchronises a GPU)."""
         return [] if self._coefficients is None else self._coefficients.tolist()
 
+    def _unused_mask(self) -> Tensor:
+        return self.flat.buffers["frozen_exp_avg_sq"] == 0
+
     def _step(self) -> None:
-        self.flat.gather_grads(self._grad)
         b = self.flat.buffers
         compressed = self._frozen_at is not None
-        if compressed:  # no averaged gradient in this stage: clip the local one
-            self._clip_grad_(self._grad)
+        if compressed:  # no averaged gradient in this stage: the local one, clipped locally
+            grads = self._local_grads()
+        else:
+            grads = self._averaged_grads(self._clipped(self._allreduce))
         self._coefficients = onebit_lamb(
             self.flat.params,
             self.flat.offsets,
-            grad=self._grad,
+            grads=grads,
             active=self._active,
             exp_avg=b["exp_avg"],
             exp_avg_sq=b["exp_avg_sq"],
@@ -291,7 +305,7 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
             coeff_avg=self.coeff_avg,
             ratio=self.ratio,
             momentum_scale=self.momentum_scale,
-            exchange=self._exchange_momentum if compressed else self._clipped(self._allreduce),
+            exchange=self._exchange_momentum if compressed else None,
             compressed=compressed,
             lrs=self._hyper("lr"),
             betas=self._hyper("betas"),
@@ -314,8 +328,6 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
 
     def _load_extra_state(self, state: Mapping[str, Any], own_state: bool) -> None:
         self._load_two_stage_state(state)
-        if self._frozen_at is not None:
-            self._mask_unused(self.flat.buffers["frozen_exp_avg_sq"])
         as_vector = {"dtype": torch.float64, "device": self.flat.device, "copy": True}
         self.coeff_avg = state["coeff_avg"].to(**as_vector)
         self.ratio = state["ratio"].to(**as_vector)
