@@ -7,7 +7,6 @@ from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from .. import comm
