@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-__all__ = ["Compressor", "Payload", "check_float_tensor"]
+__all__ = ["Compressor", "Payload", "check_float_tensor", "sub_signed_scale_"]
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,18 @@ class Payload:
     tensors: tuple[Tensor, ...]
     numel: int
     ctx: Mapping[str, Any] = field(default_factory=dict)
+
+
+_PIECE = 1 << 20  # values per piece of scratch where an error is formed in place
+
+
+def sub_signed_scale_(c: Tensor, scale: Tensor) -> Tensor:
+    """``c <- c - copysign(scale, c)`` in place -- the error a sign-times-scale code leaves
+    (the sign bit decides, as the packed codes do) -- through scratch of a bounded size."""
+    for lo in range(0, c.numel(), _PIECE):
+        piece = c[lo : lo + _PIECE]
+        piece.sub_(torch.copysign(scale, piece))
+    return c
 
 
 def check_float_tensor(x: object, name: str) -> Tensor:

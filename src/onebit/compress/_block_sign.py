@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from ..ops import l1_norm, pack_signs, packed_numel, unpack_signs
-from ._base import Compressor
+from ._base import _PIECE, Compressor, Payload, check_float_tensor, sub_signed_scale_
 
 __all__ = ["BlockSignCompressor"]
 
@@ -65,6 +65,26 @@ class BlockSignCompressor(Compressor):
         else:
             sums = torch.stack([l1_norm(part) for part in torch.split(x, lengths)])
         return pack_signs(x), sums / torch.tensor(lengths, dtype=torch.float32, device=x.device)
+
+    def compress_ef(self, x: Tensor | None, error: Tensor, workspace: Tensor | None = None) -> Payload:
+        """As :meth:`Compressor.compress_ef`, in place: ``c - D(C(c))`` is ``c - copysign(scale_B, c)``
+        in each block ``B``, formed a bounded piece at a time -- no decompressed copy of the chunk."""
+        if x is not None:
+            check_float_tensor(x, "x")
+            error.add_(x.reshape(-1))
+        packed, scales = self._compress(error)
+        rest, lengths, rest_scales = error, self._lengths(error.numel()), scales
+        if self.block_sizes is None and len(lengths) > 1:  # equal blocks (the last maybe shorter): rows
+            size, full = lengths[0], error.numel() // lengths[0]
+            rows = error[: full * size].view(full, size)
+            step = max(1, _PIECE // size)
+            for r in range(0, full, step):
+                block = rows[r : r + step]
+                block.sub_(torch.copysign(scales[r : r + len(block), None], block))
+            rest, lengths, rest_scales = error[full * size :], lengths[full:], scales[full:]
+        for block, scale in zip(torch.split(rest, lengths), rest_scales):
+            sub_signed_scale_(block, scale)
+        return Payload((packed, scales), error.numel())
 
     def _decompress(self, tensors: tuple[Tensor, ...], numel: int, out: Tensor) -> Tensor:
         packed, scales = tensors

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from ..ops import pack_bits, packed_numel, unpack_signs
-from ._base import Compressor
+from ._base import Compressor, Payload, check_float_tensor
 
 __all__ = ["StochasticSignCompressor"]
 
@@ -48,9 +48,24 @@ class StochasticSignCompressor(Compressor):
         return ((torch.uint8, packed_numel(numel)),)
 
     def _compress(self, x: Tensor) -> tuple[Tensor, ...]:
+        return (pack_bits(self._draw(x)[0]),)
+
+    def _draw(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``(q, u)``: ``q`` true where ``Q(x) = +1``, and the uniform draws' buffer ``u``."""
         u = torch.rand(x.numel(), generator=self.generator(x.device), device=x.device)
         # P(+1) = (x + 1) / 2  <=>  2u - 1 < x.
-        return (pack_bits(u.mul_(2.0).sub_(1.0) < x),)
+        return u.mul_(2.0).sub_(1.0) < x, u
+
+    def compress_ef(self, x: Tensor | None, error: Tensor, workspace: Tensor | None = None) -> Payload:
+        """As :meth:`Compressor.compress_ef`, with ``Q(c)`` (``+-1``) decoded into the buffer of
+        the random draws rather than a copy of its own."""
+        if x is not None:
+            check_float_tensor(x, "x")
+            error.add_(x.reshape(-1))
+        q, u = self._draw(error)
+        packed = pack_bits(q)
+        error.sub_(unpack_signs(packed, error.numel(), 1.0, out=u))
+        return Payload((packed,), error.numel())
 
     def _decompress(self, tensors: tuple[Tensor, ...], numel: int, out: Tensor) -> Tensor:
         return unpack_signs(tensors[0], numel, 1.0, out=out)

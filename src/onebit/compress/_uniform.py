@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from ..ops import pack_bits, pack_signs, packed_numel, unpack_bits, unpack_signs
-from ._base import Compressor
+from ._base import Compressor, Payload, check_float_tensor, sub_signed_scale_
 
 __all__ = ["UniformCompressor"]
 
@@ -34,7 +34,7 @@ class UniformCompressor(Compressor):
         return ((torch.uint8, packed_numel(numel * self.bits)), (torch.float32, 1))
 
     def _compress(self, x: Tensor) -> tuple[Tensor, ...]:
-        scale = x.abs().max().reshape(1) if x.numel() else x.new_zeros(1)
+        scale = torch.linalg.vector_norm(x, float("inf")).reshape(1) if x.numel() else x.new_zeros(1)
         if self.bits == 1:
             return pack_signs(x), scale
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -42,6 +42,18 @@ class UniformCompressor(Compressor):
         shifts = torch.arange(self.bits, dtype=torch.uint8, device=x.device)
         bits = codes.unsqueeze(1).bitwise_right_shift(shifts).bitwise_and_(1).bool()
         return pack_bits(bits.reshape(-1)), scale
+
+    def compress_ef(self, x: Tensor | None, error: Tensor, workspace: Tensor | None = None) -> Payload:
+        """As :meth:`Compressor.compress_ef`; with ``bits=1`` in place (``c - copysign(scale, c)``),
+        with no decompressed copy of the chunk."""
+        if self.bits > 1:
+            return super().compress_ef(x, error, workspace)
+        if x is not None:
+            check_float_tensor(x, "x")
+            error.add_(x.reshape(-1))
+        packed, scale = self._compress(error)
+        sub_signed_scale_(error, scale)
+        return Payload((packed, scale), error.numel())
 
     def _decompress(self, tensors: tuple[Tensor, ...], numel: int, out: Tensor) -> Tensor:
         packed, scale = tensors

@@ -78,6 +78,13 @@ def check_adam_args(lr: object, betas: object, eps: object, weight_decay: object
     return parsed
 
 
+def _max_abs(g: Tensor) -> Tensor:
+    """``|g|.max()`` as fp32 from one min/max reduction: no temporary the size of ``g``, and
+    several times faster than ``abs().amax()`` (NaN and inf propagate)."""
+    low, high = torch.aminmax(g.detach())
+    return torch.maximum(high, low.neg()).float()
+
+
 class FlatState:
     """Named flat fp32 buffers laid out like the parameters, with per-parameter views."""
 
@@ -139,7 +146,8 @@ class OnebitOptimizer(Optimizer):
     parameters, exactly what ``torch.nn.utils.clip_grad_norm_`` does on one process. Where
     it never exists -- the compression stage of 1-bit Adam and 1-bit LAMB, Birder, QAdam,
     which exchange momentum or updates -- each rank clips its own local gradient the same
-    way before it enters its moments (what DeepSpeed's engine did in that stage). Calling
+    way, in place in ``p.grad`` as ``clip_grad_norm_`` would, before it enters its moments
+    (what DeepSpeed's engine did in that stage). Calling
     ``clip_grad_norm_`` yourself before ``step()`` clips the *local* gradient of each rank
     (never the average, which does not exist yet), at every stage.
 
@@ -387,9 +395,7 @@ class OnebitOptimizer(Optimizer):
         # flag[0]: some gradient here is not finite; flag[1 + i]: parameter i has a gradient here.
         flag = torch.zeros(1 + len(self.flat.params), dtype=torch.float32, device=self.flat.device)
         if grads:
-            # the inf-norm reduces |g| without a gradient-sized temporary (NaN and inf propagate)
-            peaks = torch.stack([torch.linalg.vector_norm(g.detach(), float("inf")).float() if g.numel() else flag[0]
-                                 for g in grads])
+            peaks = torch.stack([_max_abs(g) if g.numel() else flag[0] for g in grads])
             flag[0] = (~torch.isfinite(peaks)).any()
         if len(grads) == len(self.flat.params):
             flag[1:] = 1.0  # the common case, without a host-to-device copy
