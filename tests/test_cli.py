@@ -190,3 +190,16 @@ def test_bench_convergence_small_matrix_with_deepspeed_cells(tmp_path, capsys):
     assert table[0].split(" | ")[-1] == "deepspeed_OneBitAdam@20% |"
     assert table[2].startswith(f"| byte_mlp | low | {base:.3f} |") and table[2].endswith("| +10.0% |")
     assert table[3].endswith("|  |")  # no DeepSpeed cell at the high learning rate
+
+
+def test_bench_memory_writes_the_table_and_summary(tmp_path, capsys):
+    out = tmp_path / "memory"
+    argv = ["bench", "memory", "--world-sizes", "2", "--optimizers", "adamw,onebit_adam", "--size", "96",
+            "--out", str(out)]
+    assert main(argv) == 0
+    results = json.loads((out / "summary.json").read_text())["results"]
+    assert [(r["optimizer"], r["stage"]) for r in results] == [("adamw", "compressed"), ("onebit_adam", "warmup"),
+                                                                ("onebit_adam", "compressed")]
+    assert results[0]["held"] == pytest.approx(2.0, abs=0.01)  # AdamW's m and v (plus 4-byte step counters)
+    assert results[2]["footprint"] == 3.5 and results[2]["held"] <= 3.6
+    assert "held above footprint + 0.1 (packed wire buffers): none" in capsys.readouterr().out
