@@ -293,7 +293,7 @@ def birder_hook(state: BirderState, bucket: dist.GradBucket) -> torch.futures.Fu
     if entry is not None:
         update = soft_sign_direction(
             [(0, grad.numel())],
-            grad=grad.float().div_(scale),
+            grads=[grad.float().div_(scale)],
             active=[True],
             exp_avg=entry["exp_avg"],
             exp_avg_abs=entry["exp_avg_abs"],
