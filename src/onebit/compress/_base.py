@@ -106,14 +106,19 @@ class Compressor(abc.ABC):
         ``error`` is a flat fp32 buffer holding ``e``; ``x=None`` means it already holds
         ``x + e``. ``workspace`` is an optional fp32 scratch buffer of the same size.
         """
-        if x is not None:
-            check_float_tensor(x, "x")
-            error.add_(x.reshape(-1))
+        self._add_input(x, error)
         payload = Payload(self._compress(error), error.numel())
         if workspace is None:
             workspace = torch.empty_like(error)
         error.sub_(self._decompress(payload.tensors, payload.numel, workspace))
         return payload
+
+    @staticmethod
+    def _add_input(x: Tensor | None, error: Tensor) -> None:
+        """``error += x`` (the compensated value ``c = x + e`` of :meth:`compress_ef`); nothing for ``x=None``."""
+        if x is not None:
+            check_float_tensor(x, "x")
+            error.add_(x.reshape(-1))
 
     def warm_up(self, device: torch.device) -> None:
         """Compile or load any kernels :meth:`compress_ef` and :meth:`average` run on ``device``,

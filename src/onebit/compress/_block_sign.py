@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from ..ops import l1_norm, pack_signs, packed_numel, unpack_signs
-from ._base import _PIECE, Compressor, Payload, check_float_tensor, sub_signed_scale_
+from ._base import _PIECE, Compressor, Payload, sub_signed_scale_
 
 __all__ = ["BlockSignCompressor"]
 
@@ -69,9 +69,7 @@ class BlockSignCompressor(Compressor):
     def compress_ef(self, x: Tensor | None, error: Tensor, workspace: Tensor | None = None) -> Payload:
         """As :meth:`Compressor.compress_ef`, in place: ``c - D(C(c))`` is ``c - copysign(scale_B, c)``
         in each block ``B``, formed a bounded piece at a time -- no decompressed copy of the chunk."""
-        if x is not None:
-            check_float_tensor(x, "x")
-            error.add_(x.reshape(-1))
+        self._add_input(x, error)
         packed, scales = self._compress(error)
         rest, lengths, rest_scales = error, self._lengths(error.numel()), scales
         if self.block_sizes is None and len(lengths) > 1:  # equal blocks (the last maybe shorter): rows

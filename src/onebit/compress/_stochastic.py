@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from ..ops import pack_bits, packed_numel, unpack_signs
-from ._base import Compressor, Payload, check_float_tensor
+from ._base import Compressor, Payload
 
 __all__ = ["StochasticSignCompressor"]
 
@@ -59,9 +59,7 @@ class StochasticSignCompressor(Compressor):
     def compress_ef(self, x: Tensor | None, error: Tensor, workspace: Tensor | None = None) -> Payload:
         """As :meth:`Compressor.compress_ef`, with ``Q(c)`` (``+-1``) decoded into the buffer of
         the random draws rather than a copy of its own."""
-        if x is not None:
-            check_float_tensor(x, "x")
-            error.add_(x.reshape(-1))
+        self._add_input(x, error)
         q, u = self._draw(error)
         packed = pack_bits(q)
         error.sub_(unpack_signs(packed, error.numel(), 1.0, out=u))

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor
 
-from ._base import Compressor, Payload, check_float_tensor
+from ._base import Compressor, Payload
 
 __all__ = ["TopKCompressor"]
 
@@ -43,9 +43,7 @@ class TopKCompressor(Compressor):
     def compress_ef(self, x: Tensor | None, error: Tensor, workspace: Tensor | None = None) -> Payload:
         """As :meth:`Compressor.compress_ef`, in place: ``c - D(C(c))`` is ``c`` with the kept
         values zeroed (each exactly ``c_i - c_i``), so no decompressed copy is made."""
-        if x is not None:
-            check_float_tensor(x, "x")
-            error.add_(x.reshape(-1))
+        self._add_input(x, error)
         values, idx = self._compress(error)
         error[idx.long()] = 0.0
         return Payload((values, idx), error.numel())

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..ops import pack_bits, pack_signs, packed_numel, unpack_bits, unpack_signs
-from ._base import Compressor, Payload, check_float_tensor, sub_signed_scale_
+from ..ops import max_abs, pack_bits, pack_signs, packed_numel, unpack_bits, unpack_signs
+from ._base import Compressor, Payload, sub_signed_scale_
 
 __all__ = ["UniformCompressor"]
 
@@ -34,7 +34,7 @@ class UniformCompressor(Compressor):
         return ((torch.uint8, packed_numel(numel * self.bits)), (torch.float32, 1))
 
     def _compress(self, x: Tensor) -> tuple[Tensor, ...]:
-        scale = torch.linalg.vector_norm(x, float("inf")).reshape(1) if x.numel() else x.new_zeros(1)
+        scale = max_abs(x).reshape(1) if x.numel() else x.new_zeros(1)
         if self.bits == 1:
             return pack_signs(x), scale
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -48,9 +48,7 @@ class UniformCompressor(Compressor):
         with no decompressed copy of the chunk."""
         if self.bits > 1:
             return super().compress_ef(x, error, workspace)
-        if x is not None:
-            check_float_tensor(x, "x")
-            error.add_(x.reshape(-1))
+        self._add_input(x, error)
         packed, scale = self._compress(error)
         sub_signed_scale_(error, scale)
         return Payload((packed, scale), error.numel())

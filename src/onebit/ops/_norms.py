@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["l1_norm", "l2_norm"]
+__all__ = ["l1_norm", "l2_norm", "max_abs"]
 
 _ROW = 4096
 
@@ -38,3 +38,11 @@ def l2_norm(x: Tensor) -> Tensor:
 def l1_norm(x: Tensor) -> Tensor:
     """``||x||_1`` as a 0-d fp32 tensor on ``x``'s device (no host sync)."""
     return _rowwise(x, 1).to(torch.float32)
+
+
+def max_abs(x: Tensor) -> Tensor:
+    """``max |x|`` (the inf-norm) as a 0-d tensor of ``x``'s dtype, from one min/max reduction:
+    no temporary the size of ``x``, and several times faster than ``abs().amax()`` or
+    ``vector_norm(x, inf)`` on CPU; exact, and NaN/inf propagate. ``x`` must not be empty."""
+    low, high = torch.aminmax(x)
+    return torch.maximum(high, low.neg())

@@ -24,6 +24,7 @@ from torch.optim import Optimizer
 
 from .. import comm
 from ..comm import _dist
+from ..ops import max_abs
 from ._ddp import ddp_modules_holding, has_local_gradient_hook, register_local_gradient_hook
 
 __all__ = ["FlatState", "OnebitOptimizer", "ReplicaDivergence", "check_adam_args", "check_betas", "check_bool", "check_nonneg", "check_optional_positive", "check_positive"]
@@ -76,13 +77,6 @@ def check_adam_args(lr: object, betas: object, eps: object, weight_decay: object
     check_nonneg("epsilon", eps)
     check_nonneg("weight_decay", weight_decay)
     return parsed
-
-
-def _max_abs(g: Tensor) -> Tensor:
-    """``|g|.max()`` as fp32 from one min/max reduction: no temporary the size of ``g``, and
-    several times faster than ``abs().amax()`` (NaN and inf propagate)."""
-    low, high = torch.aminmax(g.detach())
-    return torch.maximum(high, low.neg()).float()
 
 
 class FlatState:
@@ -395,7 +389,7 @@ class OnebitOptimizer(Optimizer):
         # flag[0]: some gradient here is not finite; flag[1 + i]: parameter i has a gradient here.
         flag = torch.zeros(1 + len(self.flat.params), dtype=torch.float32, device=self.flat.device)
         if grads:
-            peaks = torch.stack([_max_abs(g) if g.numel() else flag[0] for g in grads])
+            peaks = torch.stack([max_abs(g.detach()).float() if g.numel() else flag[0] for g in grads])
             flag[0] = (~torch.isfinite(peaks)).any()
         if len(grads) == len(self.flat.params):
             flag[1:] = 1.0  # the common case, without a host-to-device copy
@@ -429,9 +423,12 @@ class OnebitOptimizer(Optimizer):
         """``clip_grad_norm_`` on the flat gradient buffer (zeros where a parameter has no
         gradient): scaled by ``min(1, max_grad_norm / (||grad|| + 1e-6))``, on the device."""
         if self.max_grad_norm is not None:
-            coef = self.max_grad_norm / (torch.linalg.vector_norm(grad) + 1e-6)
-            grad.mul_(coef.clamp_(max=1.0))
+            grad.mul_(self._clip_coef(torch.linalg.vector_norm(grad)))
         return grad
+
+    def _clip_coef(self, norm: Tensor) -> Tensor:
+        """``min(1, max_grad_norm / (norm + 1e-6))``, as ``clip_grad_norm_`` scales, on the device."""
+        return (self.max_grad_norm / (norm + 1e-6)).clamp_(max=1.0)
 
     def _new_grad_buffer(self) -> Tensor:
         """A flat fp32 buffer for the gradients (``self._grad``), where an exchange averages them."""
@@ -451,9 +448,8 @@ class OnebitOptimizer(Optimizer):
         grads = [p.grad for p in self.flat.params]
         present = [g for g in grads if g is not None]
         if self.max_grad_norm is not None and present:
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32)
-                                                         for g in present]))
-            coef = (self.max_grad_norm / (norm + 1e-6)).clamp_(max=1.0)
+            coef = self._clip_coef(torch.linalg.vector_norm(torch.stack(
+                [torch.linalg.vector_norm(g, dtype=torch.float32) for g in present])))
             for g in present:
                 g.mul_(coef)
         return grads

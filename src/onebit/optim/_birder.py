@@ -12,7 +12,7 @@ from torch import Tensor
 from .. import comm
 from ..compress import StochasticSignCompressor
 from ._base import OnebitOptimizer, check_nonneg, check_positive
-from ._functional import _BLOCK, UpdateByChunks
+from ._functional import _BLOCK, UpdateByChunks, _ema_
 
 __all__ = ["Birder", "SoftSignSGD", "birder", "check_beta", "check_seed", "soft_sign_direction", "soft_sign_sgd"]
 
@@ -58,12 +58,8 @@ def soft_sign_direction(
     for (lo, hi), g, beta, on in zip(offsets, grads, betas, active):
         if not on:  # no gradient on any rank: moments untouched
             continue
-        m, b = exp_avg[lo:hi], exp_avg_abs[lo:hi]
-        m.mul_(beta)
-        b.mul_(beta)
-        if g is not None:
-            m.view(g.shape).add_(g, alpha=1.0 - beta)
-            b.view(g.shape).add_(g.abs(), alpha=1.0 - beta)
+        _ema_(exp_avg[lo:hi], g, beta)
+        _ema_(exp_avg_abs[lo:hi], None if g is None else g.abs(), beta)
     denom = exp_avg_abs
     if max_exp_avg_abs is not None:
         if use_max:
@@ -260,6 +256,7 @@ class Birder(_SoftSign):
 
     def _step(self) -> None:
         b = self.flat.buffers
+        streamed = self._update is None
         birder(
             self.flat.params,
             self.flat.offsets,
@@ -268,9 +265,8 @@ class Birder(_SoftSign):
             exp_avg=b["exp_avg"],
             exp_avg_abs=b["exp_avg_abs"],
             max_exp_avg_abs=b.get("max_exp_avg_abs"),
-            send=self._update if self._update is not None else self.allreduce.input_buffer(self.flat.numel,
-                                                                                           self.flat.device),
-            accumulate=self._update is None,
+            send=self.allreduce.input_buffer(self.flat.numel, self.flat.device) if streamed else self._update,
+            accumulate=streamed,
             exchange=self._exchange_update,
             step=self._step_count,
             lrs=self._hyper("lr"),
@@ -314,7 +310,6 @@ class SoftSignSGD(_SoftSign):
     ) -> None:
         super().__init__(params, lr, beta, eps, weight_decay, group, timeout, broadcast_parameters, on_nonfinite,
                          check_replicas_every, max_grad_norm)
-
         self._grad = self._new_grad_buffer()  # the averaged gradient, then m / (b + eps) in its place
 
     def _stage(self) -> str:

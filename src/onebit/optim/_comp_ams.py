@@ -13,7 +13,7 @@ from torch import Tensor
 from .. import comm
 from ..compress import BlockSignCompressor, Compressor, TopKCompressor, UniformCompressor
 from ._base import OnebitOptimizer, check_adam_args
-from ._functional import apply_update_
+from ._functional import _ema_, apply_update_
 
 __all__ = ["CompAMS", "QAdam", "comp_ams"]
 
@@ -238,11 +238,9 @@ class QAdam(_GradientExchange):
         for (lo, hi), g, (b1, b2), on in zip(self.flat.offsets, grads, self._hyper("betas"), self._active):
             if not on:
                 continue
-            m, v = m_all[lo:hi], v_all[lo:hi]
-            m.mul_(b1)
-            v.mul_(b2)
+            _ema_(m_all[lo:hi], g, b1)
+            v = v_all[lo:hi].mul_(b2)
             if g is not None:
-                m.view(g.shape).add_(g, alpha=1.0 - b1)
                 v.view(g.shape).addcmul_(g, g, value=1.0 - b2)
         # a = m / sqrt(v + eps), formed in the exchange's buffer and averaged there in place.
         torch.div(m_all, torch.add(v_all, self.eps, out=a).sqrt_(), out=a)

@@ -85,6 +85,15 @@ def apply_update_(
         param.copy_(x.view(param.shape))
 
 
+def _ema_(state: Tensor, value: Tensor | None, beta: float) -> Tensor:
+    """``state <- beta state + (1 - beta) value`` in place, ``value=None`` counting as zero;
+    ``state`` is a flat slice, ``value`` may have its parameter's shape and layout (``p.grad``)."""
+    state.mul_(beta)
+    if value is not None:
+        state.view(value.shape).add_(value, alpha=1.0 - beta)
+    return state
+
+
 class UpdateByChunks:
     """``x <- x (1 - lr wd) - lr u`` (:func:`apply_update_`, ``step_size=lr``) for every active
     parameter, ``u`` arriving as chunks ``[lo, hi)`` of the flat layout, in order (as
@@ -160,13 +169,11 @@ def onebit_adam(
         if not active[i]:
             continue
         beta1, beta2 = betas[i]
-        g, m = grads[i], exp_avg[lo:hi].view(p.shape)
+        g = grads[i]
         if compressed:
-            m.mul_(beta1)
-            if g is not None:
-                m.add_(g, alpha=1.0 - beta1)
+            _ema_(exp_avg[lo:hi], g, beta1)
         else:
-            m.lerp_(g, 1.0 - beta1)
+            exp_avg[lo:hi].view(p.shape).lerp_(g, 1.0 - beta1)
             exp_avg_sq[lo:hi].view(p.shape).mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
     if compressed:
         exchange(exp_avg)

@@ -14,7 +14,7 @@ from torch import Tensor
 from .. import comm
 from ._base import OnebitOptimizer, check_adam_args, check_optional_positive, check_nonneg
 from ._freeze import TwoStage
-from ._functional import apply_update_, clip_to_adam_step_
+from ._functional import _ema_, apply_update_, clip_to_adam_step_
 
 __all__ = ["OnebitLamb", "lamb_coefficient", "onebit_lamb"]
 
@@ -102,13 +102,10 @@ def onebit_lamb(
         return torch.stack(coeffs)
 
     last_exp_avg.copy_(exp_avg)
-    for i, (p, (lo, hi)) in enumerate(zip(params, offsets)):
-        b1, m = betas[i][0], exp_avg[lo:hi]
+    for i, (lo, hi) in enumerate(offsets):
         if active[i]:
-            m.mul_(b1)
-            if grads[i] is not None:
-                m.view(p.shape).add_(grads[i], alpha=1.0 - b1)
-        m.mul_(momentum_scale[i])
+            _ema_(exp_avg[lo:hi], grads[i], betas[i][0])
+        exp_avg[lo:hi].mul_(momentum_scale[i])
     exchange(exp_avg)
     for i, (p, (lo, hi)) in enumerate(zip(params, offsets)):
         b1, b2 = betas[i]
