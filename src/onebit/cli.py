@@ -406,6 +406,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                       f"{r.seconds / r.ideal_seconds:.2f}x" if r.ideal_seconds else "-"] for r in results]
             print(f"onebit bench comm: {numel} fp32 values, {world} ranks ({args.backend}), median of {args.repeat}")
             print(_table(rows))
+            timed = [r for r in results if r.phases]
+            if timed:
+                names = list(timed[0].phases)
+                rows = [["collective (ms per phase, mean over calls and ranks)", *names, "sum"]]
+                rows += [[r.collective, *(f"{r.phases.get(k, 0.0) * 1e3:.1f}" for k in names),
+                          f"{sum(r.phases.values()) * 1e3:.1f}"] for r in timed]
+                print(_table(rows))
     return 0
 
 

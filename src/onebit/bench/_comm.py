@@ -26,6 +26,9 @@ class CommResult:
     inter_node_bytes: int | None  # bytes the meter labelled inter-node (hierarchical collective only)
     vs_fp32: float  # fp32 all_reduce time / this time
     ideal_seconds: float | None  # the busiest node's egress at the shaped rate (emulated cluster only)
+    # Mean seconds per call of each phase of the compressed all-reduce (compress, all_to_all,
+    # server, all_gather, decode), averaged over ranks; empty for the other collectives.
+    phases: dict[str, float]
 
 
 def _rank_bench(rank: int, world: int, numel: int, repeat: int, per_node: int | None,
@@ -54,7 +57,12 @@ def _rank_bench(rank: int, world: int, numel: int, repeat: int, per_node: int | 
             call()
         comm.barrier(group)
         seconds = median_seconds(lambda: (call(), comm.barrier(group)), repeat)
-        out[name] = (seconds, meter.bytes_sent, meter.by_link.get("inter"))
+        with comm.measure(phases=True) as timed:
+            for _ in range(repeat):
+                call()
+        comm.barrier(group)
+        out[name] = (seconds, meter.bytes_sent, meter.by_link.get("inter"),
+                     {k: v / repeat for k, v in timed.phases.items()})
     return out
 
 
@@ -63,10 +71,10 @@ def _this_mpi_rank(numel: int, repeat: int) -> list[dict[str, Any]] | None:
     maximum over ranks, the other ranks ``None``."""
     rank, world = comm.get_rank("mpi"), comm.get_world_size("mpi")
     mine = _rank_bench(rank, world, numel, repeat, None, "mpi")
-    slowest = comm.all_reduce_max(torch.tensor([t for t, _, _ in mine.values()], dtype=torch.float64), "mpi")
+    slowest = comm.all_reduce_max(torch.tensor([t for t, *_ in mine.values()], dtype=torch.float64), "mpi")
     if rank:
         return None
-    return [{name: (float(t), sent, inter) for (name, (_, sent, inter)), t in zip(mine.items(), slowest)}]
+    return [{name: (float(t), sent, inter, phases) for (name, (_, sent, inter, phases)), t in zip(mine.items(), slowest)}]
 
 
 # Which cost-model collective each benchmark case runs.
@@ -104,9 +112,10 @@ def bench_comm(numel: int = 10_500_000, world_size: int = 2, repeat: int = 10, c
     results = []
     for name in per_rank[0]:
         seconds = max(r[name][0] for r in per_rank)
-        _, sent, inter = per_rank[0][name]
+        _, sent, inter, _ = per_rank[0][name]
         ideal = collective_cost(_KINDS[name], model)[1] if model is not None and model.nodes > 1 else None
-        results.append(CommResult(name, numel, world_size, seconds, sent, inter, base / seconds, ideal))
+        phases = {k: sum(r[name][3].get(k, 0.0) for r in per_rank) / len(per_rank) for k in per_rank[0][name][3]}
+        results.append(CommResult(name, numel, world_size, seconds, sent, inter, base / seconds, ideal, phases))
     return results
 
 

@@ -17,6 +17,7 @@ from ..feedback import ErrorFeedback
 from ._dist import (
     Group, all_gather_bytes, all_to_all_bytes, check_world_size, get_rank, get_world_size, resolve_group, to_timedelta,
 )
+from ._meter import phase
 from ._wire import read_payload, write_payload
 
 __all__ = ["CompressedAllGather", "CompressedAllReduce", "chunk_bounds"]
@@ -218,25 +219,27 @@ class CompressedAllReduce(_Sized):
         """Phases 1-2 and the all-gather of phase 3: every chunk's re-compressed bytes, in rank order
         (``flat=None``: ``error`` already holds ``x + e``)."""
         comp, slot, world = self.compressor, self._slot, self._world_size
-
-        for j, (lo, hi) in enumerate(self._bounds):
-            payload = comp.compress_ef(None if flat is None else flat[lo:hi], error[lo:hi])
-            write_payload(payload, self._send[j * slot : (j + 1) * slot])
-        received = all_to_all_bytes(self._send, self.group, self.timeout, self._link)
-
-        lo, hi = self.chunk
-        payloads = [read_payload(comp, received[i * slot : (i + 1) * slot], hi - lo) for i in range(world)]
-        # Average straight into the server error buffer: it then holds avg + error, the value to compress.
-        server_error = self.server_error.buffer(hi - lo, error.device)
-        comp.average(payloads, server_error, accumulate=True)
-        packed = comp.compress_ef(None, server_error)
-        write_payload(packed, self._gather_slot)
-        return all_gather_bytes(self._gather_slot, self.group, self.timeout, self._link)
+        with phase("compress"):
+            for j, (lo, hi) in enumerate(self._bounds):
+                payload = comp.compress_ef(None if flat is None else flat[lo:hi], error[lo:hi])
+                write_payload(payload, self._send[j * slot : (j + 1) * slot])
+        with phase("all_to_all"):
+            received = all_to_all_bytes(self._send, self.group, self.timeout, self._link)
+        with phase("server"):
+            lo, hi = self.chunk
+            payloads = [read_payload(comp, received[i * slot : (i + 1) * slot], hi - lo) for i in range(world)]
+            # Average straight into the server error buffer: it then holds avg + error, the value to compress.
+            server_error = self.server_error.buffer(hi - lo, error.device)
+            comp.average(payloads, server_error, accumulate=True)
+            write_payload(comp.compress_ef(None, server_error), self._gather_slot)
+        with phase("all_gather"):
+            return all_gather_bytes(self._gather_slot, self.group, self.timeout, self._link)
 
     def _decode(self, gathered: Tensor, result: Tensor) -> None:
         """Decompress the gathered chunks into the flat fp32 ``result``."""
-        for j, (lo, hi) in enumerate(self._bounds):
-            self._decode_chunk(gathered, j, result[lo:hi])
+        with phase("decode"):
+            for j, (lo, hi) in enumerate(self._bounds):
+                self._decode_chunk(gathered, j, result[lo:hi])
 
     def _decode_chunk(self, gathered: Tensor, j: int, out: Tensor) -> Tensor:
         lo, hi = self._bounds[j]

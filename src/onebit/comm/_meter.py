@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-__all__ = ["Meter", "measure", "record", "record_time"]
+import torch
+
+__all__ = ["Meter", "measure", "phase", "record", "record_time"]
 
 _local = threading.local()
 
@@ -22,13 +25,16 @@ _local = threading.local()
 @dataclass
 class Meter:
     """Totals of one :func:`measure` block: ``bytes_sent``, per operation and per link, and
-    ``seconds`` spent waiting in collectives (launch to completion, on this rank)."""
+    ``seconds`` spent waiting in collectives (launch to completion, on this rank), and with
+    ``measure(phases=True)`` the seconds of each phase of the compressed collectives
+    (``phases``: compress, all_to_all, server, all_gather, decode)."""
 
     bytes_sent: int = 0
     seconds: float = 0.0
     calls: int = 0
     by_op: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     by_link: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    phases: dict[str, float] | None = None
 
 
 def _stack() -> list[Meter]:
@@ -39,9 +45,10 @@ def _stack() -> list[Meter]:
 
 
 @contextlib.contextmanager
-def measure() -> Iterator[Meter]:
-    """Count the bytes this rank sends inside the block (nested blocks all count)."""
-    meter = Meter()
+def measure(phases: bool = False) -> Iterator[Meter]:
+    """Count the bytes this rank sends inside the block (nested blocks all count); with
+    ``phases``, also time each phase of the compressed collectives (:func:`phase`)."""
+    meter = Meter(phases=defaultdict(float) if phases else None)
     stack = _stack()
     stack.append(meter)
     try:
@@ -63,3 +70,28 @@ def record_time(seconds: float) -> None:
     """Add ``seconds`` spent in a collective to every active meter."""
     for meter in _stack():
         meter.seconds += seconds
+
+
+def _synchronize() -> None:
+    # Kernels run asynchronously on CUDA: a phase ends when its kernels have, not when they are queued.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[None]:
+    """Add the block's wall time to ``phases[name]`` of every active meter that times phases
+    (free when none does; on CUDA the device is synchronised at both ends)."""
+    timed = [m for m in _stack() if m.phases is not None]
+    if not timed:
+        yield
+        return
+    _synchronize()
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        _synchronize()
+        elapsed = time.perf_counter() - start
+        for meter in timed:
+            meter.phases[name] += elapsed
