@@ -15,7 +15,7 @@ from .. import compress as _compress
 from ..compress import Compressor
 from ..feedback import ErrorFeedback
 from ._dist import (
-    Group, all_gather_bytes, all_to_all_bytes, check_world_size, get_rank, get_world_size, resolve_group, to_timedelta,
+    Group, Pending, all_gather_bytes, all_to_all_bytes, check_world_size, get_rank, get_world_size, resolve_group, to_timedelta,
 )
 from ._meter import phase
 from ._wire import read_payload, write_payload
@@ -174,6 +174,7 @@ class CompressedAllReduce(_Sized):
     ) -> None:
         super().__init__(compressor, group, timeout, compressor_kwargs)
         self.server_error = ErrorFeedback("server")
+        self._inflight: Pending | None = None
 
     def _size(self, numel: int, device: torch.device) -> None:
         self._bounds = chunk_bounds(numel, self._world_size, self.compressor.alignment)
@@ -207,29 +208,65 @@ class CompressedAllReduce(_Sized):
         written to a model-sized output (``values`` is scratch: valid during the call only).
 
         The same bytes and the same arithmetic as ``self(x)``."""
-        error = self.worker_error.error
-        if error is None:
-            raise RuntimeError("reduce_added() before input_buffer(): nothing was added to the worker error")
-        gathered = self._exchange(None, error)
-        scratch = torch.empty(max(hi - lo for lo, hi in self._bounds), dtype=torch.float32, device=error.device)
+        gathered = self._exchange(None, self._added_input())
+        scratch = torch.empty(max(hi - lo for lo, hi in self._bounds), dtype=torch.float32, device=gathered.device)
         for j, (lo, hi) in enumerate(self._bounds):
             consume(lo, hi, self._decode_chunk(gathered, j, scratch[: hi - lo]))
+
+    def start_added(self) -> None:
+        """Phase 1 on the ``x`` added into :meth:`input_buffer`, now, its all-to-all left in flight:
+        the overlapped exchange starts a bucket while backward computes earlier layers.
+        :meth:`finish_added` (or :meth:`abandon`) must follow, in the same order on every rank."""
+        if self._inflight is not None:
+            raise RuntimeError(f"{type(self).__name__}: an exchange is already in flight")
+        self._inflight = self._launch(None, self._added_input())
+
+    def _added_input(self) -> Tensor:
+        error = self.worker_error.error
+        if error is None:
+            raise RuntimeError("nothing was added to the worker error: call input_buffer() first")
+        return error
+
+    def finish_added(self, out: Tensor) -> Tensor:
+        """Phases 2-3 of the exchange :meth:`start_added` began, decoded into the flat fp32 ``out``."""
+        if self._inflight is None:
+            raise RuntimeError(f"{type(self).__name__}: no exchange in flight")
+        inflight, self._inflight = self._inflight, None
+        self._decode(self._complete(inflight), out.view(-1))
+        return out
+
+    def abandon(self) -> None:
+        """Wait for the all-to-all in flight and drop it (every rank skips the step); the errors it
+        already updated are the caller's to restore or reset."""
+        if self._inflight is not None:
+            inflight, self._inflight = self._inflight, None
+            inflight.wait()
 
     def _exchange(self, flat: Tensor | None, error: Tensor) -> Tensor:
         """Phases 1-2 and the all-gather of phase 3: every chunk's re-compressed bytes, in rank order
         (``flat=None``: ``error`` already holds ``x + e``)."""
-        comp, slot, world = self.compressor, self._slot, self._world_size
+        return self._complete(self._launch(flat, error))
+
+    def _launch(self, flat: Tensor | None, error: Tensor) -> Pending:
+        """Phase 1: every chunk of ``x + e`` compressed into the send slots; the all-to-all in flight."""
+        comp, slot = self.compressor, self._slot
         with phase("compress"):
             for j, (lo, hi) in enumerate(self._bounds):
                 payload = comp.compress_ef(None if flat is None else flat[lo:hi], error[lo:hi])
                 write_payload(payload, self._send[j * slot : (j + 1) * slot])
+        return all_to_all_bytes(self._send, self.group, self.timeout, self._link, async_op=True)
+
+    def _complete(self, inflight: Pending) -> Tensor:
+        """Phase 2 and the all-gather of phase 3, once the all-to-all ``inflight`` has arrived."""
+        comp, slot = self.compressor, self._slot
         with phase("all_to_all"):
-            received = all_to_all_bytes(self._send, self.group, self.timeout, self._link)
+            received = inflight.wait()
         with phase("server"):
             lo, hi = self.chunk
-            payloads = [read_payload(comp, received[i * slot : (i + 1) * slot], hi - lo) for i in range(world)]
+            payloads = [read_payload(comp, received[i * slot : (i + 1) * slot], hi - lo)
+                        for i in range(self._world_size)]
             # Average straight into the server error buffer: it then holds avg + error, the value to compress.
-            server_error = self.server_error.buffer(hi - lo, error.device)
+            server_error = self.server_error.buffer(hi - lo, received.device)
             comp.average(payloads, server_error, accumulate=True)
             write_payload(comp.compress_ef(None, server_error), self._gather_slot)
         with phase("all_gather"):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
+from collections.abc import Callable
 from typing import Any, Protocol, Union
 
 import torch
@@ -27,6 +28,7 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "CollectiveError",
     "Group",
+    "Pending",
     "Transport",
     "all_gather_bytes",
     "all_gather_object_sizes",
@@ -207,32 +209,64 @@ def to_timedelta(timeout: float | timedelta | None) -> timedelta:
     return timedelta(seconds=seconds)
 
 
-def _run(op: str, transport: Transport, timeout: float | timedelta | None, launch) -> None:
+class Pending:
+    """A collective in flight (``async_op=True``): :meth:`wait` blocks until it completes, or
+    raises :class:`CollectiveError` after the timeout, and returns its result."""
+
+    __slots__ = ("_where", "_work", "_limit", "_result", "_then", "_start")
+
+    def __init__(self, where: str, work: _Work | None, limit: timedelta, result: Tensor,
+                 then: Callable[[Tensor], Tensor] | None = None) -> None:
+        self._where, self._work, self._limit, self._result, self._then = where, work, limit, result, then
+        self._start = time.perf_counter()
+
+    def wait(self) -> Tensor:
+        """The result (the same tensor on every call); the first call waits for it."""
+        if self._work is not None:
+            work, self._work = self._work, None
+            try:
+                completed = work.wait(self._limit)
+            except RuntimeError as exc:
+                status = "timed out" if "timed out" in str(exc).lower() else "failed"
+                raise CollectiveError(f"{self._where} {status} (timeout {self._limit.total_seconds():g}s): {exc}") from exc
+            if not completed:
+                raise CollectiveError(f"{self._where} timed out (timeout {self._limit.total_seconds():g}s)")
+            record_time(time.perf_counter() - self._start)
+            if self._then is not None:
+                self._result = self._then(self._result)
+        return self._result
+
+
+def _start(op: str, transport: Transport, timeout: float | timedelta | None, launch: Callable[[], _Work | None],
+           result: Tensor, then: Callable[[Tensor], Tensor] | None = None) -> Pending:
     limit = to_timedelta(timeout)
     where = f"{op} on {transport.describe()} (rank {transport.rank()} of {transport.size()})"
-    start = time.perf_counter()
     try:
         work = launch()
-        completed = work is None or work.wait(limit)
-        record_time(time.perf_counter() - start)
     except RuntimeError as exc:
-        status = "timed out" if "timed out" in str(exc).lower() else "failed"
-        raise CollectiveError(f"{where} {status} (timeout {limit.total_seconds():g}s): {exc}") from exc
-    if not completed:
-        raise CollectiveError(f"{where} timed out (timeout {limit.total_seconds():g}s)")
+        raise CollectiveError(f"{where} failed: {exc}") from exc
+    return Pending(where, work, limit, result, then)
+
+
+def _finish(result: Tensor | Pending, async_op: bool) -> Tensor | Pending:
+    """``result`` as the caller asked for it: waited for, or (``async_op``) a :class:`Pending`."""
+    if isinstance(result, Tensor):  # one rank: nothing was in flight
+        return Pending("", None, DEFAULT_TIMEOUT, result) if async_op else result
+    return result if async_op else result.wait()
 
 
 def all_to_all_bytes(send: Tensor, group: Group = None, timeout: float | timedelta | None = None,
-                     link: str = "flat") -> Tensor:
-    """Exchange equal slots: slot ``j`` of ``send`` goes to rank ``j``; returns the received slots."""
+                     link: str = "flat", async_op: bool = False) -> Tensor | Pending:
+    """Exchange equal slots: slot ``j`` of ``send`` goes to rank ``j``; returns the received slots
+    (``async_op``: a :class:`Pending` of them; ``send`` must stay untouched until it completes)."""
     t = _transport(group)
     world = t.size()
     if world == 1:
-        return send
+        return _finish(send, async_op)
     recv = torch.empty_like(send)
-    _run("all_to_all", t, timeout, lambda: t.all_to_all(recv, send))
+    pending = _start("all_to_all", t, timeout, lambda: t.all_to_all(recv, send), recv)
     record("all_to_all", send.numel() * send.element_size() * (world - 1) // world, link)
-    return recv
+    return _finish(pending, async_op)
 
 
 def all_gather_bytes(slot: Tensor, group: Group = None, timeout: float | timedelta | None = None,
@@ -243,7 +277,7 @@ def all_gather_bytes(slot: Tensor, group: Group = None, timeout: float | timedel
     if world == 1:
         return slot
     out = slot.new_empty(world * slot.numel())
-    _run("all_gather", t, timeout, lambda: t.all_gather(out, slot))
+    _start("all_gather", t, timeout, lambda: t.all_gather(out, slot), out).wait()
     record("all_gather", slot.numel() * slot.element_size() * (world - 1), link)
     return out
 
@@ -270,7 +304,7 @@ def reduce_scatter_mean(tensor: Tensor, group: Group = None, timeout: float | ti
     if world == 1:
         return tensor
     out = tensor.new_empty(tensor.numel() // world)
-    _run("reduce_scatter", t, timeout, lambda: t.reduce_scatter_sum(out, tensor))
+    _start("reduce_scatter", t, timeout, lambda: t.reduce_scatter_sum(out, tensor), out).wait()
     record("reduce_scatter", (world - 1) * out.numel() * out.element_size(), link)
     return out.div_(world)
 
@@ -284,15 +318,17 @@ def split(partition: list[list[int]], group: Group, timeout: timedelta) -> Any:
 
 
 def all_reduce_mean(tensor: Tensor, group: Group = None, timeout: float | timedelta | None = None,
-                    link: str = "flat") -> Tensor:
-    """In-place average over the group (sum, then divide by world size)."""
+                    link: str = "flat", async_op: bool = False) -> Tensor | Pending:
+    """In-place average over the group (sum, then divide by world size); ``async_op``: a
+    :class:`Pending` whose ``wait()`` divides and returns ``tensor``."""
     t = _transport(group)
     world = t.size()
     if world == 1:
-        return tensor
-    _run("all_reduce", t, timeout, lambda: t.all_reduce(tensor, "sum"))
+        return _finish(tensor, async_op)
+    pending = _start("all_reduce", t, timeout, lambda: t.all_reduce(tensor, "sum"), tensor,
+                     lambda summed: summed.div_(world))
     record("all_reduce", 2 * (world - 1) * tensor.numel() * tensor.element_size() // world, link)
-    return tensor.div_(world)
+    return _finish(pending, async_op)
 
 
 def all_reduce_max(tensor: Tensor, group: Group = None, timeout: float | timedelta | None = None) -> Tensor:
@@ -301,7 +337,7 @@ def all_reduce_max(tensor: Tensor, group: Group = None, timeout: float | timedel
     world = t.size()
     if world == 1:
         return tensor
-    _run("all_reduce(max)", t, timeout, lambda: t.all_reduce(tensor, "max"))
+    _start("all_reduce(max)", t, timeout, lambda: t.all_reduce(tensor, "max"), tensor).wait()
     record("all_reduce", 2 * (world - 1) * tensor.numel() * tensor.element_size() // world)
     return tensor
 
@@ -312,7 +348,7 @@ def broadcast(tensor: Tensor, src: int = 0, group: Group = None, timeout: float 
     world = t.size()
     if world == 1:
         return tensor
-    _run("broadcast", t, timeout, lambda: t.broadcast(tensor, src))
+    _start("broadcast", t, timeout, lambda: t.broadcast(tensor, src), tensor).wait()
     if t.rank() == src:
         record("broadcast", tensor.numel() * tensor.element_size() * (world - 1))
     return tensor
@@ -322,4 +358,4 @@ def barrier(group: Group = None, timeout: float | timedelta | None = None) -> No
     """Wait until every rank of the group arrives (nothing is sent that the meter counts)."""
     t = _transport(group)
     if t.size() > 1:
-        _run("barrier", t, timeout, t.barrier)
+        _start("barrier", t, timeout, t.barrier, torch.empty(0)).wait()
