@@ -305,6 +305,7 @@ def _time_to_loss(records: list[dict[str, Any]], target: float, window: int = 10
 
 def _compare_rows(summaries: dict[str, dict], baseline: str, args: argparse.Namespace) -> tuple[list[list[str]], str]:
     from .bench._model import ModelInput, predict
+    from .bench._runs import NO_COMMUNICATION
 
     base = summaries[baseline]
     base_step = base["step_time_s"].get("warmup") or next(iter(base["step_time_s"].values()))
@@ -320,8 +321,16 @@ def _compare_rows(summaries: dict[str, dict], baseline: str, args: argparse.Name
                            bandwidth=args.bandwidth, latency=args.latency, compute=compute,
                            warmup_fraction=min(1.0, warm), topk_ratio=min(args.topk_ratio, 1.0))
         predictions = {p.optimizer: p for p in predict(model)}
+    # What users run (DDP's overlapped fp32 all-reduce) and the compute floor (no communication),
+    # when they ran in the same comparison: each optimizer's last stage against them.
+    def step_of(name: str) -> float | None:
+        steps = summaries[name]["step_time_s"] if name in summaries else {}
+        return steps.get("compressed") or steps.get("warmup")
+
+    ddp, floor = step_of("ddp_allreduce"), step_of(NO_COMMUNICATION)
     rows = [["optimizer", "eval loss", "gap", "ms/step warmup", "ms/step compressed", "stage speedup",
-             "end-to-end", "to baseline loss", "MB/rank", "reduction", "freeze", "model: stage", "model: end-to-end"]]
+             "vs DDP", "vs no-comm floor", "overlap", "end-to-end", "to baseline loss", "MB/rank", "reduction",
+             "freeze", "model: stage", "model: end-to-end"]]
     runs = {}
     for name in summaries:
         with open(Path(args.out) / name / "metrics.jsonl") as f:
@@ -334,6 +343,7 @@ def _compare_rows(summaries: dict[str, dict], baseline: str, args: argparse.Name
         key = "birder_hierarchical" if name == "birder" and args.hierarchical else name
         pred = predictions.get(key)
         sent = s["bytes_sent_per_rank"]
+        overlap = s.get("overlap", {})
         rows.append([
             name,
             f"{s['eval_loss']:.4f}",
@@ -341,6 +351,9 @@ def _compare_rows(summaries: dict[str, dict], baseline: str, args: argparse.Name
             _ms(steps.get("warmup")),
             _ms(steps.get("compressed")),
             f"{base_step / stage_time:.2f}x",
+            f"{ddp / stage_time:.2f}x" if ddp else "-",
+            f"{stage_time / floor:.2f}x" if floor else "-",
+            _fmt(overlap.get("compressed", overlap.get("warmup")), ".0%"),
             f"{base['train_time_s'] / s['train_time_s']:.2f}x" if s["train_time_s"] else "-",
             f"{base['train_time_s'] / reach:.2f}x" if reach else "never",
             f"{sent / 1e6:.1f}",

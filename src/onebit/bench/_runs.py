@@ -1,6 +1,8 @@
 """What ``onebit train --optimizer NAME`` builds: the model wrapper, the optimizer, and how to read its stage.
 
-onebit's optimizers average across ranks themselves (no DDP); the ``ddp_*`` peers are
+onebit's optimizers average across ranks themselves (no DDP; ``onebit_adam_overlap`` starts
+each bucket's exchange during backward); ``local_adam`` exchanges nothing (the compute
+floor of the same ranks); the ``ddp_*`` peers are
 PyTorch DDP with its own hooks (plain all-reduce, ``fp16_compress_hook``,
 ``powerSGD_hook``) or with onebit's hooks. DDP's traffic is counted by thin wrappers
 around the hooks that add each bucket's bytes to the meter before delegating.
@@ -23,13 +25,15 @@ from .. import comm, hooks
 from ..comm._meter import record
 from ..optim import Birder, CompAMS, OnebitAdam, OnebitAdamNaive, OnebitLamb, QAdam, SoftSignSGD
 
-__all__ = ["OPTIMIZERS", "Run", "build_run"]
+__all__ = ["NO_COMMUNICATION", "OPTIMIZERS", "Run", "build_run"]
 
 _log = logging.getLogger(__name__)
 
 OPTIMIZERS = (
     "adam",
+    "local_adam",
     "onebit_adam",
+    "onebit_adam_overlap",
     "onebit_adam_naive",
     "lamb",
     "onebit_lamb",
@@ -46,6 +50,10 @@ OPTIMIZERS = (
     "ddp_birder",
 )
 
+# The compute floor: each rank steps Adam on its own gradients and nothing is exchanged, so
+# its replicas drift apart by design (the end-of-run replica check does not apply).
+NO_COMMUNICATION = "local_adam"
+
 # DDP hooks compress from this iteration on (DDP rebuilds its buckets after the first).
 _HOOK_START = 2
 
@@ -59,6 +67,8 @@ class Run:
     stage: Callable[[], str]
     freeze_step: Callable[[], int | None]
     hook_state: Any = None
+    # Fraction of the last step's exchange that ran alongside backward (overlapped optimizers).
+    overlap: Callable[[], float | None] = lambda: None
 
 
 def _ring(world: int, nbytes: int) -> int:
@@ -172,9 +182,11 @@ def build_run(name: str, model: nn.Module, cfg, per_node: int | None) -> Run:
         for p in model.parameters():
             comm.broadcast(p.data, 0, group)
         opt: torch.optim.Optimizer = _AllReduceAdam(params, lr=cfg.lr, group=group)
-    elif name == "onebit_adam":
+    elif name == NO_COMMUNICATION:
+        opt = torch.optim.Adam(params, lr=cfg.lr)
+    elif name in ("onebit_adam", "onebit_adam_overlap"):
         opt = OnebitAdam(params, lr=cfg.lr, freeze_step=cfg.freeze_step, bias_correction=cfg.bias_correction,
-                         **exchange)
+                         overlap=name == "onebit_adam_overlap", **exchange)
     elif name == "onebit_adam_naive":
         opt = OnebitAdamNaive(params, lr=cfg.lr, bias_correction=cfg.bias_correction, **exchange)
     elif name in ("lamb", "onebit_lamb"):
@@ -191,6 +203,7 @@ def build_run(name: str, model: nn.Module, cfg, per_node: int | None) -> Run:
         opt = SoftSignSGD(params, lr=cfg.lr, group=group)
     else:
         opt = Birder(params, lr=cfg.lr, seed=cfg.seed, **exchange)
-    if name == "adam":
+    if name in ("adam", NO_COMMUNICATION):
         return Run(model, opt, lambda: "warmup", lambda: None)
-    return Run(model, opt, lambda: opt.stats["stage"], lambda: opt.stats["freeze_step"])
+    return Run(model, opt, lambda: opt.stats["stage"], lambda: opt.stats["freeze_step"],
+               overlap=lambda: opt.stats.get("overlap"))

@@ -17,7 +17,7 @@ import torch
 from .. import comm
 from ..comm import _dist
 from ..launch import spawn
-from ._runs import OPTIMIZERS, build_run
+from ._runs import NO_COMMUNICATION, OPTIMIZERS, build_run
 from ._tasks import TASKS, Task, TaskSpec
 
 __all__ = ["OPTIMIZERS", "SCHEDULES", "TASKS", "TrainConfig", "train"]
@@ -151,6 +151,8 @@ def _rank_main(rank: int, world: int, cfg: TrainConfig, out: Path, per_node: int
             "time": time.perf_counter() - start,
             "step_time": step_time,
             "comm_time": meter.seconds,
+            # Fraction of the exchange that ran alongside backward (the overlapped optimizers only).
+            "overlap": run.overlap(),
             "samples": step * cfg.batch_size * world,
             "lr": schedule.get_last_lr()[0],
         })
@@ -221,7 +223,7 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True, cluster=None) -> d
         # No overall deadline: a training run takes as long as it takes; a dead or stalled rank
         # still fails the run (spawn notices exits, the collectives time out).
         results = spawn(_rank_main, cfg.world_size, cfg, out, per_node, progress, timeout=None, placement=placement)
-    if len({r["digest"] for r in results}) != 1:
+    if cfg.optimizer != NO_COMMUNICATION and len({r["digest"] for r in results}) != 1:
         raise RuntimeError(f"replicas differ at the end: parameter digests {[r['digest'][:12] for r in results]}")
     records = results[0]["records"]
     with open(out / "metrics.jsonl", "w") as f:
@@ -243,6 +245,8 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True, cluster=None) -> d
         "samples_per_s": {stage: t and per_step / t for stage, t in step_times.items()},
         # Time waiting in onebit's collectives (DDP's own all-reduce runs inside backward, not timed here).
         "comm_time_s": {stage: _stage_median(records, stage, "comm_time") for stage in stages},
+        "overlap": {stage: _stage_median(records, stage, "overlap")
+                    for stage in stages if any(r["overlap"] is not None for r in records if r["stage"] == stage)},
         "wall_time_s": records[-1]["time"],
         # Sum of step times without the first (connection set-up): what speedups compare.
         "train_time_s": sum(r["step_time"] for r in records[1:]),

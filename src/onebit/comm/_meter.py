@@ -22,7 +22,7 @@ __all__ = ["Meter", "measure", "phase", "record", "record_time"]
 _local = threading.local()
 
 
-@dataclass
+@dataclass(eq=False)  # nested meters are told apart by identity, never by equal counts
 class Meter:
     """Totals of one :func:`measure` block: ``bytes_sent``, per operation and per link, and
     ``seconds`` spent waiting in collectives (launch to completion, on this rank), and with

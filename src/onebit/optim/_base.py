@@ -9,6 +9,7 @@ tensor for one collective.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import math
@@ -25,6 +26,7 @@ from torch.optim import Optimizer
 from .. import comm
 from ..comm import _dist
 from ..ops import max_abs
+from ._overlap import Buckets
 from ._ddp import ddp_modules_holding, has_local_gradient_hook, register_local_gradient_hook
 
 __all__ = ["FlatState", "OnebitOptimizer", "ReplicaDivergence", "check_adam_args", "check_betas", "check_bool", "check_nonneg", "check_optional_positive", "check_positive"]
@@ -110,13 +112,15 @@ class FlatState:
         """Register buffer ``old`` under the name ``new`` (its values unchanged)."""
         self.buffers[new] = self.buffers.pop(old)
 
-    def gather_grads(self, out: Tensor) -> None:
-        """Copy every gradient (cast to fp32) into ``out``; zeros where a grad is None."""
-        for p, (lo, hi) in zip(self.params, self.offsets):
+    def gather_grads(self, out: Tensor, indices: Iterable[int] | None = None, base: int = 0) -> None:
+        """Copy every gradient (cast to fp32) into ``out``, zeros where a grad is None; or only
+        those of parameters ``indices``, into ``out`` starting at flat offset ``base``."""
+        for i in range(len(self.params)) if indices is None else indices:
+            p, (lo, hi) = self.params[i], self.offsets[i]
             if p.grad is None:
-                out[lo:hi].zero_()
+                out[lo - base : hi - base].zero_()
             else:
-                out[lo:hi].copy_(p.grad.reshape(-1))
+                out[lo - base : hi - base].copy_(p.grad.reshape(-1))
 
 
 class ReplicaDivergence(RuntimeError):
@@ -227,6 +231,7 @@ class OnebitOptimizer(Optimizer):
         self._bytes_last = 0
         self._last_stage: str | None = None
         self._ddp_checked = False
+        self._buckets: Buckets | None = None  # the overlapped exchange, where a subclass turns it on
         for name in self._flat_names:
             self.flat.new(name)
         self._link_state()
@@ -306,7 +311,11 @@ class OnebitOptimizer(Optimizer):
     @property
     def stats(self) -> dict[str, Any]:
         """``step``, ``stage`` (of the last step), ``bytes_sent`` (this rank, last step),
-        ``bytes_sent_total`` and ``freeze_step`` (last warm-up step, once known)."""
+        ``bytes_sent_total`` and ``freeze_step`` (last warm-up step, once known); with
+        ``overlap=True`` also ``overlap``, the fraction of the last step's exchange that ran
+        alongside backward, and ``buckets_in_backward``, the buckets launched there."""
+        overlapped = {} if self._buckets is None else {
+            "overlap": self._buckets.overlap, "buckets_in_backward": self._buckets.launched_in_backward}
         return {
             "step": self._step_count,
             "stage": self._last_stage or self._stage(),
@@ -314,6 +323,7 @@ class OnebitOptimizer(Optimizer):
             "bytes_sent_total": self._bytes_total,
             "freeze_step": self._freeze_step_stat(),
             "skipped_steps": self._skipped,
+            **overlapped,
         }
 
     def _stage(self) -> str:
@@ -343,18 +353,44 @@ class OnebitOptimizer(Optimizer):
         if not self._ddp_checked:  # the model may have been wrapped after the optimizer was built
             self._check_ddp(construction=False)
             self._ddp_checked = True
+        if self._buckets is not None and (getattr(self, "grad_scale", None) is not None
+                                          or getattr(self, "found_inf", None) is not None):
+            raise ValueError(
+                f"{type(self).__name__}(overlap=True) exchanged the gradients during backward, before GradScaler "
+                "could unscale them or find infs: use overlap=False with GradScaler"
+            )
         with comm.measure() as meter:
+            if self._buckets is not None:
+                self._buckets.flush()  # before the agreement: every rank issues the same sequence
             if self._agree_nonfinite():
                 self._skipped += 1
+                if self._buckets is not None:
+                    self._abandon_buckets()
             else:
                 self._step_count += 1
                 self._last_stage = self._stage()
                 self._step()
                 if self.check_replicas_every and self._step_count % self.check_replicas_every == 0:
                     self.check_replicas()
-        self._bytes_last = meter.bytes_sent
-        self._bytes_total += meter.bytes_sent
+        sent = meter.bytes_sent + (self._buckets.done() if self._buckets is not None else 0)
+        self._bytes_last = sent
+        self._bytes_total += sent
         return loss
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Gradient accumulation with ``overlap=True``: backward passes inside the block only
+        accumulate; the next one outside it starts the exchange (as ``DistributedDataParallel.no_sync``).
+        Without overlap the exchange happens in ``step()`` anyway, and the block changes nothing."""
+        return self._buckets.no_sync() if self._buckets is not None else contextlib.nullcontext()
+
+    def _use_buckets(self, bucket_cap_mb: float, launch: Callable[[int], None]) -> Buckets:
+        """Turn on the overlapped exchange (:mod:`._overlap`): ``launch(b)`` starts bucket ``b``'s."""
+        self._buckets = Buckets(self.flat.params, self.flat.offsets, bucket_cap_mb, launch)
+        return self._buckets
+
+    def _abandon_buckets(self) -> None:
+        """Every rank skips this step: wait for and drop the exchanges already launched."""
+        raise NotImplementedError
 
     @torch.no_grad()
     def check_replicas(self) -> None:

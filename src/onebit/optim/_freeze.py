@@ -178,6 +178,10 @@ class TwoStage:
         ``exp_avg_mask``; ``v == 0`` is that mask, derived instead of asked for.
         """
         self.allreduce(m, out=m)
+        self._mask_unused(m)
+
+    def _mask_unused(self, m: Tensor) -> None:
+        """Zero the momentum where the frozen variance is zero (see :meth:`_exchange_momentum`)."""
         if self._has_unused:
             m.masked_fill_(self._unused_mask(), 0.0)
 

@@ -133,7 +133,7 @@ def onebit_adam(
     params: Sequence[Tensor],
     offsets: Sequence[tuple[int, int]],
     *,
-    grads: Sequence[Tensor | None],
+    grads: Sequence[Tensor | None] | None,
     active: Sequence[bool],
     exp_avg: Tensor,
     exp_avg_sq: Tensor | None,
@@ -157,7 +157,8 @@ def onebit_adam(
     eq. (1), updates ``exp_avg``, ``exp_avg_sq`` and the parameters.
     Compression (Algorithm 1 lines 6-13): ``grads`` are this rank's own (``None`` counts as
     zero); ``m <- beta1 m + (1 - beta1) g``; ``exchange(exp_avg)`` replaces the fused momentum
-    by its error-compensated 1-bit average, clipped to ``clip_update`` times Adam's largest
+    by its error-compensated 1-bit average (``grads=None``: the overlapped exchange already
+    did both, bucket by bucket, and ``exp_avg`` holds the average), clipped to ``clip_update`` times Adam's largest
     step (:func:`clip_to_adam_step_`); ``x <- x - lr m / frozen_denom``, where
     ``frozen_denom`` is the preconditioner ``sqrt(v_T / bias_correction2) + eps`` of the
     variance frozen at step ``frozen_at`` (:func:`adam_denominator`).
@@ -166,7 +167,7 @@ def onebit_adam(
     """
     compressed = frozen_denom is not None
     for i, (p, (lo, hi)) in enumerate(zip(params, offsets)):
-        if not active[i]:
+        if not active[i] or grads is None:
             continue
         beta1, beta2 = betas[i]
         g = grads[i]
@@ -175,7 +176,7 @@ def onebit_adam(
         else:
             exp_avg[lo:hi].view(p.shape).lerp_(g, 1.0 - beta1)
             exp_avg_sq[lo:hi].view(p.shape).mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-    if compressed:
+    if compressed and grads is not None:
         exchange(exp_avg)
     for i, (p, (lo, hi)) in enumerate(zip(params, offsets)):
         if not active[i]:

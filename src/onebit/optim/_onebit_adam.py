@@ -12,7 +12,7 @@ from torch import Tensor
 from .. import comm
 from ._base import OnebitOptimizer, check_adam_args, check_betas, check_bool, check_optional_positive
 from ._freeze import TwoStage
-from ._functional import adam_denominator, onebit_adam
+from ._functional import _ema_, adam_denominator, onebit_adam
 
 __all__ = ["OnebitAdam", "OnebitAdamNaive"]
 
@@ -56,7 +56,7 @@ class _AdamFamily(OnebitOptimizer):
         # at the freeze, when each rank's momentum takes its own gradient where it lies.
         self._grad: Tensor | None = self._new_grad_buffer()
 
-    def _run(self, grads: list[Tensor | None], *, exchange: Callable[[Tensor], object] | None = None,
+    def _run(self, grads: list[Tensor | None] | None, *, exchange: Callable[[Tensor], object] | None = None,
              frozen_denom: Tensor | None = None) -> None:
         onebit_adam(
             self.flat.params,
@@ -122,12 +122,29 @@ class OnebitAdam(TwoStage, _AdamFamily):
             tiny take steps of ``lr * scale / sqrt(v)`` from the 1-bit exchange.
         hierarchical, ranks_per_node: exchange with Birder's Hierarchical-1-bit-All-Reduce
             (:func:`onebit.comm.compressed_allreduce`: ``True``, ``False`` or ``"auto"``).
+        overlap: start each bucket's exchange during backward, as soon as its gradients are
+            accumulated (see below); ``False``: one exchange of the whole model in ``step()``.
+        bucket_cap_mb: bucket size of the overlapped exchange, in MB of fp32 state (as DDP's).
         timeout: per-collective timeout in seconds (default 300).
         broadcast_parameters: copy rank 0's parameters to all ranks at construction, so
             replicas start equal.
 
     ``stats`` reports the stage, the bytes this rank sent in the last step and the step
     the warm-up ended (also logged at INFO on ``onebit.optim``).
+
+    **Overlapped exchange** (``overlap=True``, DDP's scheme): the parameters are grouped into
+    buckets in reverse order; a post-accumulate-grad hook starts a bucket's exchange once
+    all its gradients are in -- the exact fp32 all-reduce in the warm-up, ``c = e + beta1 m
+    + (1 - beta1) g`` and its compressed all-to-all in the compression stage -- while
+    backward computes earlier layers; ``step()`` finishes what is in flight (each bucket is
+    chunked and compressed on its own, so the bits differ from ``overlap=False``; every rank
+    still gets the same ones). Requirements, each checked: a flat exchange, no
+    ``max_grad_norm`` (the local clip needs every gradient before the first bucket leaves),
+    no GradScaler, and gradient accumulation inside :meth:`no_sync` for all micro-batches but
+    the last. Two behaviours differ from ``overlap=False``: a skipped step (non-finite
+    gradient) of the compression stage restarts the error-feedback buffers at zero (they were
+    updated before the ranks could agree), and a trainable parameter with no gradient on
+    *any* rank still has its momentum decayed by ``beta1`` in the exchange.
     """
 
     _flat_names = ("exp_avg", "exp_avg_sq")
@@ -151,6 +168,8 @@ class OnebitAdam(TwoStage, _AdamFamily):
         clip_update: float | None = 10.0,
         hierarchical: bool | str = False,
         ranks_per_node: int | None = None,
+        overlap: bool = False,
+        bucket_cap_mb: float = 25.0,
         timeout: float | timedelta | None = None,
         broadcast_parameters: bool = True,
         on_nonfinite: str = "skip",
@@ -158,6 +177,10 @@ class OnebitAdam(TwoStage, _AdamFamily):
         max_grad_norm: float | None = None,
     ) -> None:
         self.clip_update = check_optional_positive("clip_update", clip_update)
+        if check_bool("overlap", overlap) and max_grad_norm is not None:
+            raise ValueError(f"Invalid max_grad_norm value with overlap=True: {max_grad_norm!r} (the compression "
+                             "stage clips each rank's gradient over all parameters, which the first bucket's "
+                             "exchange cannot wait for); use overlap=False to clip")
         self._init_two_stage(
             freeze_step,
             check_betas(betas)[1],
@@ -180,10 +203,70 @@ class OnebitAdam(TwoStage, _AdamFamily):
             check_replicas_every=check_replicas_every,
             max_grad_norm=max_grad_norm,
         )
-        self.allreduce = comm.compressed_allreduce(
-            compressor, self.process_group, hierarchical=hierarchical, ranks_per_node=ranks_per_node, timeout=self.timeout
-        )
+        def collective() -> Any:
+            return comm.compressed_allreduce(compressor, self.process_group, hierarchical=hierarchical,
+                                             ranks_per_node=ranks_per_node, timeout=self.timeout)
+
+        self.allreduce = collective()
         self.allreduce.warm_up(self.flat.device)  # kernels loaded now, not at the first compressed step
+        self._bucket_allreduce: list[Any] = []
+        self._bucket_pending: list[comm.Pending | None] = []
+        if overlap:
+            if not self.allreduce.reduces_added_input:
+                raise ValueError(f"Invalid hierarchical value with overlap=True: {hierarchical!r} (the overlapped "
+                                 "exchange needs the flat compressed all-reduce)")
+            buckets = self._use_buckets(bucket_cap_mb, self._launch_bucket)
+            # One collective per bucket (its own chunks, errors and wire buffers: together the
+            # one-shot collective's sizes); the one-shot collective then never runs.
+            self._bucket_allreduce = [self.allreduce] + [collective() for _ in buckets.bounds[1:]]
+            self._bucket_pending = [None] * len(buckets.bounds)
+
+    def _launch_bucket(self, b: int) -> None:
+        """Start bucket ``b``'s exchange: its gradients' exact average (warm-up), or its momentum's
+        compressed all-to-all with ``c = e + beta1 m + (1 - beta1) g`` formed in the worker error
+        (``m`` itself changes only when the average comes back, so a skipped step leaves it)."""
+        lo, hi, members = self._buckets.bounds[b]
+        if self._frozen_at is None:
+            self.flat.gather_grads(self._grad[lo:hi], members, base=lo)
+            self._bucket_pending[b] = comm.all_reduce_mean(self._grad[lo:hi], self.process_group, self.timeout,
+                                                           async_op=True)
+            return
+        collective = self._bucket_allreduce[b]
+        c = collective.input_buffer(hi - lo, self.flat.device)
+        m = self.flat.buffers["exp_avg"]
+        betas = self._hyper("betas")
+        for i in members:
+            p, (start, end) = self.flat.params[i], self.flat.offsets[i]
+            piece = c[start - lo : end - lo]
+            if not (p.requires_grad or p.grad is not None):  # frozen: its momentum is exchanged as it is
+                piece.add_(m[start:end])
+                continue
+            # m' = beta1 m + (1 - beta1) g in a parameter-sized temporary, then c = e + m': the
+            # one-shot exchange's arithmetic, so one bucket gives its bits exactly.
+            piece.add_(_ema_(m[start:end].clone(), p.grad, betas[i][0]))
+        collective.start_added()
+
+    def _finish_buckets(self) -> None:
+        """Wait for every bucket's exchange: the averaged gradients in ``_grad`` (warm-up), or the
+        averaged momentum in ``exp_avg`` (compression)."""
+        for b, (lo, hi, _) in enumerate(self._buckets.bounds):
+            if self._frozen_at is None:
+                self._bucket_pending[b].wait()
+                self._bucket_pending[b] = None
+            else:
+                self._bucket_allreduce[b].finish_added(self.flat.buffers["exp_avg"][lo:hi])
+
+    def _abandon_buckets(self) -> None:
+        for b in range(len(self._bucket_pending)):
+            if self._bucket_pending[b] is not None:
+                self._bucket_pending[b].wait()
+                self._bucket_pending[b] = None
+        if self._frozen_at is not None:
+            for collective in self._bucket_allreduce:
+                collective.abandon()
+                collective.reset()
+            _log.warning("%s: step skipped after the overlapped exchange had started: error-feedback buffers "
+                         "restarted at zero", type(self).__name__)
 
     def _on_freeze(self) -> None:
         """Freeze the variance (Algorithm 1 line 2)."""
@@ -215,22 +298,47 @@ class OnebitAdam(TwoStage, _AdamFamily):
         return self.flat.buffers["frozen_denom"] == self.eps
 
     def _step(self) -> None:
+        if self._buckets is not None:  # the exchanges started during backward
+            self._finish_buckets()
         if self._frozen_at is None:
-            self._run(self._averaged_grads(self._clipped(self._allreduce)))
+            if self._buckets is None:
+                grads = self._averaged_grads(self._clipped(self._allreduce))
+            else:
+                grads = self.flat.split(self._clip_grad_(self._grad))
+            self._run(grads)
             self._after_warmup_step(self.flat.buffers["exp_avg_sq"])
-        else:  # no averaged gradient in this stage: the local one, clipped locally
+        elif self._buckets is None:  # no averaged gradient in this stage: the local one, clipped locally
             self._run(self._local_grads(), exchange=self._exchange_momentum,
                       frozen_denom=self.flat.buffers["frozen_denom"])
+        else:
+            self._mask_unused(self.flat.buffers["exp_avg"])
+            self._run(None, frozen_denom=self.flat.buffers["frozen_denom"])
 
     def _extra_state(self) -> dict[str, Any]:
-        return {**self._two_stage_state(), "allreduce": self.allreduce.state_dict()}
+        state = self._two_stage_state()
+        if self._buckets is None:
+            state["allreduce"] = self.allreduce.state_dict()
+        else:
+            state["bucket_bounds"] = self._bucket_layout()
+            state["bucket_allreduce"] = [c.state_dict() for c in self._bucket_allreduce]
+        return state
+
+    def _bucket_layout(self) -> list[list[int]] | None:
+        return None if self._buckets is None else [[lo, hi] for lo, hi, _ in self._buckets.bounds]
 
     def _layout_for(self, state: Mapping[str, Any]) -> None:
         self._use_frozen_layout(state.get("frozen_at") is not None)
 
     def _load_extra_state(self, state: Mapping[str, Any], own_state: bool) -> None:
         self._load_two_stage_state(state)
-        self._restore_collective(self.allreduce, state["allreduce"], own_state)
+        saved = state["bucket_allreduce"] if "bucket_bounds" in state else [state["allreduce"]]
+        layout = state.get("bucket_bounds")
+        same = own_state and (None if layout is None else [list(b) for b in layout]) == self._bucket_layout()
+        if own_state and not same:
+            _log.warning("%s: checkpoint saved with another bucketing (overlap=%s): error-feedback buffers "
+                         "restart at zero", type(self).__name__, layout is not None)
+        for i, collective in enumerate(self._bucket_allreduce or [self.allreduce]):
+            self._restore_collective(collective, saved[i] if same else {}, same)
 
 
 class OnebitAdamNaive(_AdamFamily):
