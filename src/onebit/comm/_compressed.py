@@ -174,7 +174,8 @@ class CompressedAllReduce(_Sized):
     ) -> None:
         super().__init__(compressor, group, timeout, compressor_kwargs)
         self.server_error = ErrorFeedback("server")
-        self._inflight: Pending | None = None
+        self._inflight: Pending | None = None  # the all-to-all, then the all-gather, of start_added()
+        self._gathering = False
 
     def _size(self, numel: int, device: torch.device) -> None:
         self._bounds = chunk_bounds(numel, self._world_size, self.compressor.alignment)
@@ -220,27 +221,41 @@ class CompressedAllReduce(_Sized):
         if self._inflight is not None:
             raise RuntimeError(f"{type(self).__name__}: an exchange is already in flight")
         self._inflight = self._launch(None, self._added_input())
+        self._gathering = False
+
+    def advance_added(self) -> None:
+        """Phase 2 of the exchange :meth:`start_added` began (wait for the all-to-all, average,
+        re-compress), its all-gather left in flight: several buckets then wait on their
+        all-gathers together instead of one after another."""
+        if self._inflight is None or self._gathering:
+            raise RuntimeError(f"{type(self).__name__}: no all-to-all in flight")
+        self._inflight = self._complete(self._inflight, async_op=True)
+        self._gathering = True
+
+    def finish_added(self, out: Tensor) -> Tensor:
+        """The rest of the exchange :meth:`start_added` began, decoded into the flat fp32 ``out``."""
+        if self._inflight is None:
+            raise RuntimeError(f"{type(self).__name__}: no exchange in flight")
+        if not self._gathering:
+            self.advance_added()
+        inflight, self._inflight = self._inflight, None
+        with phase("all_gather"):
+            gathered = inflight.wait()
+        self._decode(gathered, out.view(-1))
+        return out
+
+    def abandon(self) -> None:
+        """Wait for the collective in flight and drop it (every rank skips the step); the errors
+        it already updated are the caller's to restore or reset."""
+        if self._inflight is not None:
+            inflight, self._inflight = self._inflight, None
+            inflight.wait()
 
     def _added_input(self) -> Tensor:
         error = self.worker_error.error
         if error is None:
             raise RuntimeError("nothing was added to the worker error: call input_buffer() first")
         return error
-
-    def finish_added(self, out: Tensor) -> Tensor:
-        """Phases 2-3 of the exchange :meth:`start_added` began, decoded into the flat fp32 ``out``."""
-        if self._inflight is None:
-            raise RuntimeError(f"{type(self).__name__}: no exchange in flight")
-        inflight, self._inflight = self._inflight, None
-        self._decode(self._complete(inflight), out.view(-1))
-        return out
-
-    def abandon(self) -> None:
-        """Wait for the all-to-all in flight and drop it (every rank skips the step); the errors it
-        already updated are the caller's to restore or reset."""
-        if self._inflight is not None:
-            inflight, self._inflight = self._inflight, None
-            inflight.wait()
 
     def _exchange(self, flat: Tensor | None, error: Tensor) -> Tensor:
         """Phases 1-2 and the all-gather of phase 3: every chunk's re-compressed bytes, in rank order
@@ -256,7 +271,7 @@ class CompressedAllReduce(_Sized):
                 write_payload(payload, self._send[j * slot : (j + 1) * slot])
         return all_to_all_bytes(self._send, self.group, self.timeout, self._link, async_op=True)
 
-    def _complete(self, inflight: Pending) -> Tensor:
+    def _complete(self, inflight: Pending, async_op: bool = False) -> Tensor | Pending:
         """Phase 2 and the all-gather of phase 3, once the all-to-all ``inflight`` has arrived."""
         comp, slot = self.compressor, self._slot
         with phase("all_to_all"):
@@ -270,7 +285,7 @@ class CompressedAllReduce(_Sized):
             comp.average(payloads, server_error, accumulate=True)
             write_payload(comp.compress_ef(None, server_error), self._gather_slot)
         with phase("all_gather"):
-            return all_gather_bytes(self._gather_slot, self.group, self.timeout, self._link)
+            return all_gather_bytes(self._gather_slot, self.group, self.timeout, self._link, async_op=async_op)
 
     def _decode(self, gathered: Tensor, result: Tensor) -> None:
         """Decompress the gathered chunks into the flat fp32 ``result``."""

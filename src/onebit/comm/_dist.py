@@ -270,16 +270,17 @@ def all_to_all_bytes(send: Tensor, group: Group = None, timeout: float | timedel
 
 
 def all_gather_bytes(slot: Tensor, group: Group = None, timeout: float | timedelta | None = None,
-                     link: str = "flat") -> Tensor:
-    """Concatenate every rank's equal-sized flat ``slot`` in rank order."""
+                     link: str = "flat", async_op: bool = False) -> Tensor | Pending:
+    """Concatenate every rank's equal-sized flat ``slot`` in rank order (``async_op``: a
+    :class:`Pending`; ``slot`` must stay untouched until it completes)."""
     t = _transport(group)
     world = t.size()
     if world == 1:
-        return slot
+        return _finish(slot, async_op)
     out = slot.new_empty(world * slot.numel())
-    _start("all_gather", t, timeout, lambda: t.all_gather(out, slot), out).wait()
+    pending = _start("all_gather", t, timeout, lambda: t.all_gather(out, slot), out)
     record("all_gather", slot.numel() * slot.element_size() * (world - 1), link)
-    return out
+    return _finish(pending, async_op)
 
 
 def all_gather_object_sizes(

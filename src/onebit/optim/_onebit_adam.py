@@ -249,12 +249,15 @@ class OnebitAdam(TwoStage, _AdamFamily):
     def _finish_buckets(self) -> None:
         """Wait for every bucket's exchange: the averaged gradients in ``_grad`` (warm-up), or the
         averaged momentum in ``exp_avg`` (compression)."""
-        for b, (lo, hi, _) in enumerate(self._buckets.bounds):
-            if self._frozen_at is None:
-                self._bucket_pending[b].wait()
+        if self._frozen_at is None:
+            for b, pending in enumerate(self._bucket_pending):
+                pending.wait()
                 self._bucket_pending[b] = None
-            else:
-                self._bucket_allreduce[b].finish_added(self.flat.buffers["exp_avg"][lo:hi])
+            return
+        for collective in self._bucket_allreduce:  # every all-gather in flight before waiting on one
+            collective.advance_added()
+        for (lo, hi, _), collective in zip(self._buckets.bounds, self._bucket_allreduce):
+            collective.finish_added(self.flat.buffers["exp_avg"][lo:hi])
 
     def _abandon_buckets(self) -> None:
         for b in range(len(self._bucket_pending)):

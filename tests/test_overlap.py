@@ -1,0 +1,240 @@
+"""The overlapped exchange of OnebitAdam (overlap=True), on real gloo ranks.
+
+Oracles: with one bucket the overlapped exchange must give the one-shot exchange's bits
+(the same collective on the same values, only started earlier); with several buckets the
+warm-up must too on two ranks (an fp32 sum of two values does not depend on where a bucket
+starts); replicas stay bit-identical; the bytes are those of one compressed all-reduce per
+bucket; gradient accumulation, skipped steps and checkpoints keep their meaning.
+"""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from _harness import run_ranks
+from onebit.optim import OnebitAdam
+from onebit.optim._overlap import bucket_bounds
+
+FREEZE = 3
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 48), nn.GELU(), nn.Linear(48, 40), nn.GELU(), nn.Linear(40, 3))
+
+
+def _batch(rank: int, step: int, micro: int = 0) -> torch.Tensor:
+    return torch.randn(6, 12, generator=torch.Generator().manual_seed(1000 * step + 10 * rank + micro))
+
+
+def _flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _digest(model: nn.Module) -> int:
+    return int(_flat(model).view(torch.int32).to(torch.int64).sum())
+
+
+def _opt(model: nn.Module, **kw) -> OnebitAdam:
+    return OnebitAdam(model.parameters(), lr=1e-2, freeze_step=FREEZE, **kw)
+
+
+def _sign_wire_bytes(numel: int, world: int) -> int:
+    """One compressed all-reduce of ``numel`` values (1-bit Adam, section 6): each rank sends
+    ``w - 1`` of its ``w`` chunks (signs packed 8 per byte plus one fp32 scale each) in the
+    all-to-all, and its re-compressed chunk to ``w - 1`` peers in the all-gather; chunks are
+    ``ceil(n / 8w) * 8`` values."""
+    chunk = math.ceil(numel / (8 * world)) * 8
+    slot = chunk // 8 + 4
+    return 2 * (world - 1) * slot
+
+
+def test_buckets_follow_backward_order_and_the_cap():
+    sizes = [10, 300, 5, 200, 7, 0, 40]
+    offsets, start = [], 0
+    for n in sizes:
+        offsets.append((start, start + n))
+        start += n
+    buckets = bucket_bounds(offsets, cap=250)
+    # last parameters first; together every parameter exactly once, each bucket a contiguous range
+    assert [m for _, _, m in buckets] == [[3, 4, 5, 6], [2], [1], [0]]  # 247, 5, 300 (alone), 10
+    for lo, hi, members in buckets:
+        assert (lo, hi) == (offsets[members[0]][0], offsets[members[-1]][1])
+        assert hi - lo <= 250 or len(members) == 1
+    assert bucket_bounds(offsets, cap=10**6) == [(0, start, list(range(len(sizes))))]
+
+
+def _lockstep(rank, world, cap, steps):
+    """An overlapped and a one-shot optimizer on identical models and data, stepped in turn."""
+    torch.set_num_threads(1)
+    a, b = _model(), _model()
+    oa, ob = _opt(a, overlap=True, bucket_cap_mb=cap), _opt(b)
+    out = {"same": [], "digest": [], "bytes": [], "in_backward": [], "buckets": len(oa._buckets.bounds)}
+    for step in range(1, steps + 1):
+        x = _batch(rank, step)
+        for model, opt in ((a, oa), (b, ob)):
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+        oa.step()
+        ob.step()
+        out["same"].append(torch.equal(_flat(a), _flat(b)))
+        out["digest"].append(_digest(a))
+        out["bytes"].append(oa.stats["bytes_sent"])
+        out["in_backward"].append(oa.stats["buckets_in_backward"])
+    out["bucket_sizes"] = [hi - lo for lo, hi, _ in oa._buckets.bounds]
+    out["stage"] = oa.stats["stage"]
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_one_bucket_gives_the_one_shot_bits_through_both_stages(world):
+    res = run_ranks(_lockstep, world, 25.0, FREEZE + 4)
+    for r in res:
+        assert r["buckets"] == 1 and r["stage"] == "compressed"
+        assert all(r["same"]), f"overlapped and one-shot differ at steps {[i + 1 for i, s in enumerate(r['same']) if not s]}"
+        assert all(n == 1 for n in r["in_backward"]), "the bucket was not launched during backward"
+
+
+def test_several_buckets_keep_replicas_identical_and_send_one_exchange_per_bucket():
+    world = 2
+    res = run_ranks(_lockstep, world, 0.004, FREEZE + 4)  # 0.004 MB: 1048 values per bucket at most
+    r0 = res[0]
+    assert r0["buckets"] >= 3
+    assert all(r["digest"] == r0["digest"] for r in res), "replicas differ"
+    # warm-up: the exact average on two ranks does not depend on the bucketing
+    assert all(r0["same"][:FREEZE])
+    assert all(n == r0["buckets"] for n in r0["in_backward"]), "buckets not all launched during backward"
+    agreement = 2 * (world - 1) * 4 * (1 + 6) // world  # non-finite flag + one per parameter tensor
+    fp32 = sum(2 * (world - 1) * 4 * n // world for n in r0["bucket_sizes"])
+    onebit = sum(_sign_wire_bytes(n, world) for n in r0["bucket_sizes"])
+    assert r0["bytes"][:FREEZE] == [fp32 + agreement] * FREEZE
+    assert r0["bytes"][FREEZE:] == [onebit + agreement] * (len(r0["bytes"]) - FREEZE)
+
+
+def _uneven(rank, world, steps):
+    """Rank 1 leaves the last layer's bias out of the graph on even steps: its first bucket
+    cannot start during backward there and goes at step(), after the other rank started it."""
+    torch.set_num_threads(1)
+    model = _model()
+    opt = _opt(model, overlap=True, bucket_cap_mb=0.004)
+    last = model[4]
+    for step in range(1, steps + 1):
+        opt.zero_grad()
+        h = model[:4](_batch(rank, step))
+        y = h @ last.weight.t() + (0 if rank == 1 and step % 2 == 0 else last.bias)
+        y.pow(2).mean().backward()
+        opt.step()
+    return _digest(model), opt.stats["stage"]
+
+
+def test_a_bucket_completed_on_some_ranks_only_still_goes_in_order():
+    res = run_ranks(_uneven, 2, FREEZE + 4)
+    assert res[0] == res[1] and res[0][1] == "compressed"
+
+
+def _accumulate(rank, world, steps, use_no_sync):
+    torch.set_num_threads(1)
+    a, b = _model(), _model()
+    oa, ob = _opt(a, overlap=True, bucket_cap_mb=0.004), _opt(b)
+    same = []
+    for step in range(1, steps + 1):
+        for model, opt in ((a, oa), (b, ob)):
+            opt.zero_grad()
+            with opt.no_sync() if use_no_sync else torch.enable_grad():
+                model(_batch(rank, step, 0)).pow(2).mean().backward()
+            model(_batch(rank, step, 1)).pow(2).mean().backward()
+        oa.step()
+        ob.step()
+        same.append(torch.equal(_flat(a), _flat(b)))
+    return same
+
+
+def test_gradient_accumulation_exchanges_the_last_micro_batch_only():
+    res = run_ranks(_accumulate, 2, FREEZE, True)
+    assert all(all(r) for r in res), "accumulated warm-up steps differ from the one-shot exchange"
+
+
+def test_a_second_backward_without_no_sync_is_refused():
+    with pytest.raises(Exception, match="no_sync"):
+        run_ranks(_accumulate, 2, 1, False, timeout=60)
+
+
+def _skip(rank, world):
+    torch.set_num_threads(1)
+    model = _model()
+    opt = _opt(model, overlap=True, bucket_cap_mb=0.004)
+    for step in range(1, FREEZE + 6):
+        opt.zero_grad()
+        model(_batch(rank, step)).pow(2).mean().backward()
+        if step == FREEZE + 2 and rank == 1:
+            model[2].weight.grad[0, 0] = float("nan")
+        before = (_flat(model), opt.flat.buffers["exp_avg"].clone())
+        opt.step()
+        if step == FREEZE + 2:
+            kept = torch.equal(before[0], _flat(model)) and torch.equal(before[1], opt.flat.buffers["exp_avg"])
+            errors = [c.worker_error.error for c in opt._bucket_allreduce]
+            zeroed = all(e is None or not e.any() for e in errors)
+    return kept, zeroed, opt.stats["skipped_steps"], _digest(model), bool(torch.isfinite(_flat(model)).all())
+
+
+def test_a_skipped_compressed_step_leaves_parameters_and_momentum_and_restarts_the_errors():
+    res = run_ranks(_skip, 2)
+    for kept, zeroed, skipped, _, finite in res:
+        assert kept and zeroed and skipped == 1 and finite
+    assert res[0][3] == res[1][3], "replicas differ"
+
+
+def _resume(rank, world, total, cut):
+    torch.set_num_threads(1)
+    model = _model()
+    opt = _opt(model, overlap=True, bucket_cap_mb=0.004)
+    saved = None
+    for step in range(1, total + 1):
+        if step == cut + 1:
+            saved = ({k: v.clone() for k, v in model.state_dict().items()}, opt.state_dict())
+        opt.zero_grad()
+        model(_batch(rank, step)).pow(2).mean().backward()
+        opt.step()
+    straight = _flat(model)
+    model2 = _model()
+    model2.load_state_dict(saved[0])
+    opt2 = _opt(model2, overlap=True, bucket_cap_mb=0.004)
+    opt2.load_state_dict(saved[1])
+    for step in range(cut + 1, total + 1):
+        opt2.zero_grad()
+        model2(_batch(rank, step)).pow(2).mean().backward()
+        opt2.step()
+    return torch.equal(straight, _flat(model2))
+
+
+def test_checkpoint_in_the_compression_stage_resumes_exactly():
+    assert all(run_ranks(_resume, 2, FREEZE + 5, FREEZE + 2))
+
+
+def _refusals(rank, world):
+    model = _model()
+    errors = []
+    for kw in (dict(max_grad_norm=1.0), dict(bucket_cap_mb=0), dict(bucket_cap_mb=True), dict(overlap=1),
+               dict(hierarchical=True, ranks_per_node=1)):
+        try:
+            _opt(model, **({"overlap": True} | kw))
+        except (TypeError, ValueError) as exc:
+            errors.append(str(exc))
+    opt = _opt(model, overlap=True)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(model(_batch(rank, 1)).pow(2).mean()).backward()
+    try:
+        scaler.step(opt)
+    except ValueError as exc:
+        errors.append(str(exc))
+    return errors
+
+
+def test_overlap_refuses_what_it_cannot_honour():
+    errors = run_ranks(_refusals, 2)[0]
+    assert len(errors) == 6, errors
+    for needle, msg in zip(("max_grad_norm", "bucket_cap_mb", "bucket_cap_mb", "overlap", "hierarchical",
+                            "GradScaler"), errors):
+        assert needle in msg
