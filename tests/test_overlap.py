@@ -64,6 +64,9 @@ def test_buckets_follow_backward_order_and_the_cap():
         assert (lo, hi) == (offsets[members[0]][0], offsets[members[-1]][1])
         assert hi - lo <= 250 or len(members) == 1
     assert bucket_bounds(offsets, cap=10**6) == [(0, start, list(range(len(sizes))))]
+    # a weight's bias (the 1-D parameters registered right after it) opens the next bucket with it
+    vectors = [False, False, True, False, True, True, True]
+    assert [m for _, _, m in bucket_bounds(offsets, 250, vectors)] == [[3, 4, 5, 6], [1, 2], [0]]
 
 
 def _lockstep(rank, world, cap, steps):

@@ -30,20 +30,31 @@ from .. import comm
 __all__ = ["Buckets", "bucket_bounds"]
 
 
-def bucket_bounds(offsets: Sequence[tuple[int, int]], cap: int) -> list[tuple[int, int, list[int]]]:
+def bucket_bounds(offsets: Sequence[tuple[int, int]], cap: int,
+                  vectors: Sequence[bool] | None = None) -> list[tuple[int, int, list[int]]]:
     """``(lo, hi, parameter indices)`` of each bucket, last parameters first; a bucket is closed
     before a parameter that would take it past ``cap`` values (a larger parameter is a bucket of
-    its own), so the first bucket -- the last layers -- leaves as early as possible."""
-    buckets: list[tuple[int, int, list[int]]] = []
+    its own), so the first bucket -- the last layers -- leaves as early as possible.
+
+    ``vectors[i]``: parameter ``i`` is 1-D. The 1-D parameters registered right after the one
+    that opens a new bucket move into it with it: a layer registers its weight and then its
+    bias, and backward produces both at once, so a bucket that kept the bias would wait for
+    the weight anyway."""
+    vectors = vectors or [False] * len(offsets)
+    groups: list[list[int]] = []
     members: list[int] = []
     for i in reversed(range(len(offsets))):
         if members and offsets[members[0]][1] - offsets[i][0] > cap:
-            buckets.append((offsets[members[-1]][0], offsets[members[0]][1], members[::-1]))
-            members = []
+            keep = len(members)
+            while keep and vectors[members[keep - 1]]:
+                keep -= 1
+            if keep:
+                groups.append(members[:keep])
+            members = members[keep:]
         members.append(i)
     if members:
-        buckets.append((offsets[members[-1]][0], offsets[members[0]][1], members[::-1]))
-    return buckets
+        groups.append(members)
+    return [(offsets[m[-1]][0], offsets[m[0]][1], m[::-1]) for m in groups]
 
 
 class Buckets:
@@ -61,7 +72,7 @@ class Buckets:
         if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) \
                 or not math.isfinite(bucket_cap_mb) or bucket_cap_mb <= 0:
             raise ValueError(f"Invalid bucket_cap_mb value: {bucket_cap_mb!r} (expected a positive number)")
-        self.bounds = bucket_bounds(offsets, max(1, int(bucket_cap_mb * 2**20 / 4)))
+        self.bounds = bucket_bounds(offsets, max(1, int(bucket_cap_mb * 2**20 / 4)), [p.dim() == 1 for p in params])
         self._launch = launch
         self._params = params
         self._bucket_of = [0] * len(params)
