@@ -7,12 +7,13 @@ from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from .. import comm
 from ._base import OnebitOptimizer, check_adam_args, check_betas, check_bool, check_optional_positive
 from ._freeze import TwoStage
-from ._functional import _ema_, adam_denominator, onebit_adam
+from ._functional import _BLOCK, adam_denominator, onebit_adam
 
 __all__ = ["OnebitAdam", "OnebitAdamNaive"]
 
@@ -235,15 +236,23 @@ class OnebitAdam(TwoStage, _AdamFamily):
         c = collective.input_buffer(hi - lo, self.flat.device)
         m = self.flat.buffers["exp_avg"]
         betas = self._hyper("betas")
+        scratch = torch.empty(min(_BLOCK, hi - lo), dtype=torch.float32, device=c.device)
         for i in members:
             p, (start, end) = self.flat.params[i], self.flat.offsets[i]
-            piece = c[start - lo : end - lo]
-            if not (p.requires_grad or p.grad is not None):  # frozen: its momentum is exchanged as it is
-                piece.add_(m[start:end])
-                continue
-            # m' = beta1 m + (1 - beta1) g in a parameter-sized temporary, then c = e + m': the
-            # one-shot exchange's arithmetic, so one bucket gives its bits exactly.
-            piece.add_(_ema_(m[start:end].clone(), p.grad, betas[i][0]))
+            trainable = p.requires_grad or p.grad is not None  # a frozen momentum is exchanged as it is
+            g = p.grad.reshape(-1) if p.grad is not None else None  # logical order (a copy if channels_last)
+            # m' = beta1 m + (1 - beta1) g block by block in scratch, then c = e + m': the one-shot
+            # exchange's arithmetic (one bucket gives its bits exactly) without touching m.
+            for at in range(start, end, _BLOCK):
+                to = min(at + _BLOCK, end)
+                piece = c[at - lo : to - lo]
+                if not trainable:
+                    piece.add_(m[at:to])
+                    continue
+                t = torch.mul(m[at:to], betas[i][0], out=scratch[: to - at])
+                if g is not None:
+                    t.add_(g[at - start : to - start], alpha=1.0 - betas[i][0])
+                piece.add_(t)
         collective.start_added()
 
     def _finish_buckets(self) -> None:
