@@ -315,8 +315,8 @@ class OnebitAdam(TwoStage, _AdamFamily):
         if self._frozen_at is None:
             if self._buckets is None:
                 grads = self._averaged_grads(self._clipped(self._allreduce))
-            else:
-                grads = self.flat.split(self._clip_grad_(self._grad))
+            else:  # averaged by the buckets' all-reduces (overlap refuses max_grad_norm)
+                grads = self.flat.split(self._grad)
             self._run(grads)
             self._after_warmup_step(self.flat.buffers["exp_avg_sq"])
         elif self._buckets is None:  # no averaged gradient in this stage: the local one, clipped locally
