@@ -10,7 +10,7 @@ learning rate:
 counterpart         compressed
 ==================  =====================================================================
 AdamW               1-bit Adam, freeze at 10/20/40% of the steps, with the one-shot and the
-                    overlapped exchange (``overlap=True``)
+                    overlapped exchange (``overlap=True`` in 0.5 MB buckets)
 LAMB                1-bit LAMB, freeze at 10/20/40%
 AMSGrad             Comp-AMS Top-k 1% and Block-Sign, each with and without error feedback;
                     Block-Sign with one block per layer (the paper's layout)
@@ -183,7 +183,8 @@ def build_optimizer(cell: Cell, params: list[nn.Parameter], steps: int, seed: in
     makers: dict[str, Callable[[], torch.optim.Optimizer]] = {
         "adamw": lambda: OnebitAdam(params, freeze_step=_NEVER, **kw),
         "onebit_adam": lambda: OnebitAdam(params, freeze_step=freeze, **kw),
-        "onebit_adam_overlap": lambda: OnebitAdam(params, freeze_step=freeze, overlap=True, **kw),
+        # 0.5 MB buckets: every task's model is split into several, each compressed on its own
+        "onebit_adam_overlap": lambda: OnebitAdam(params, freeze_step=freeze, overlap=True, bucket_cap_mb=0.5, **kw),
         "lamb": lambda: OnebitLamb(params, freeze_step=_NEVER, **kw),
         "onebit_lamb": lambda: OnebitLamb(params, freeze_step=freeze, **kw),
         "amsgrad": lambda: CompAMS(params, compressor="none", **kw),

@@ -26,8 +26,8 @@ from torch.optim import Optimizer
 from .. import comm
 from ..comm import _dist
 from ..ops import max_abs
-from ._overlap import Buckets
 from ._ddp import ddp_modules_holding, has_local_gradient_hook, register_local_gradient_hook
+from ._overlap import Buckets
 
 __all__ = ["FlatState", "OnebitOptimizer", "ReplicaDivergence", "check_adam_args", "check_betas", "check_bool", "check_nonneg", "check_optional_positive", "check_positive"]
 

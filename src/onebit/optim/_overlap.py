@@ -61,10 +61,10 @@ class Buckets:
     """The hooks and bookkeeping of the overlapped exchange of one optimizer.
 
     ``launch(b)`` starts bucket ``b``'s exchange (called once per step for every bucket, in
-    order); the optimizer finishes them in ``step()``. Of the last step: ``launched_in_backward``
-    buckets, and ``overlap``, the fraction of the exchange's wall
-    time (first launch to the last bucket finished) that passed before ``step()`` began,
-    i.e. alongside backward.
+    order); the optimizer finishes them in ``step()``. Of the last step: the number of buckets
+    ``launched_in_backward``, and ``overlap``, the fraction of the exchange's wall time (first
+    launch to the last bucket finished) that passed before ``step()`` began, i.e. alongside
+    backward.
     """
 
     def __init__(self, params: Sequence[Tensor], offsets: Sequence[tuple[int, int]], bucket_cap_mb: float,
@@ -81,7 +81,9 @@ class Buckets:
                 self._bucket_of[i] = b
         self._index = {id(p): i for i, p in enumerate(params)}
         self._hooked = [p.requires_grad for p in params]
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params if p.requires_grad]
+        for p in params:
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._on_grad)
         self._paused = False
         self.bytes_sent = 0
         self._in_backward = 0
@@ -149,9 +151,3 @@ class Buckets:
         self.launched_in_backward, self._in_backward = self._in_backward, 0
         self._reset()
         return sent
-
-    def remove(self) -> None:
-        """Unregister the hooks."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
