@@ -176,8 +176,9 @@ def test_bench_convergence_small_matrix_with_deepspeed_cells(tmp_path, capsys):
             "--batch-size", "4", "--world-size", "2", "--out", str(out), "--quiet"]
     assert main(argv) == 0
     cells = json.loads((out / "summary.json").read_text())["cells"]
-    assert [c["label"] for c in cells] == ["adamw", "onebit_adam@10%", "onebit_adam@20%", "onebit_adam@40%"] * 2
-    assert [c["freeze_step"] for c in cells[:4]] == [None, 1, 1, 2]
+    one_lr = ["adamw"] + [f"{name}@{f}%" for name in ("onebit_adam", "onebit_adam_overlap") for f in (10, 20, 40)]
+    assert [c["label"] for c in cells] == one_lr * 2
+    assert [c["freeze_step"] for c in cells[:7]] == [None, 1, 1, 2, 1, 1, 2]
     assert all(c["replicas"] == "identical" and c["first_nonfinite_step"] is None for c in cells)
     assert cells[0]["gap_pct"] == 0.0 and len(cells[1]["losses"]) == 5
     # DeepSpeed's cells, written next to the summary by benchmarks/deepspeed_convergence.py
@@ -186,10 +187,12 @@ def test_bench_convergence_small_matrix_with_deepspeed_cells(tmp_path, capsys):
                                                      "lr": 1e-3, "heldout_loss": base * 1.1,
                                                      "first_nonfinite_step": None}) + "\n")
     assert main(["bench", "convergence", "--out", str(out), "--report-only"]) == 0
-    table = (out / "table.md").read_text().splitlines()
-    assert table[0].split(" | ")[-1] == "deepspeed_OneBitAdam@20% |"
-    assert table[2].startswith(f"| byte_mlp | low | {base:.3f} |") and table[2].endswith("| +10.0% |")
-    assert table[3].endswith("|  |")  # no DeepSpeed cell at the high learning rate
+    table = [line.split("|") for line in (out / "table.md").read_text().splitlines()]
+    column = [c.strip() for c in table[0]].index("deepspeed_OneBitAdam@20%")  # beside onebit_adam's cells
+    assert table[0][column - 1].strip() == "onebit_adam@40%"
+    assert [c.strip() for c in table[2][1:4]] == ["byte_mlp", "low", f"{base:.3f}"]
+    assert table[2][column].strip() == "+10.0%"
+    assert table[3][column].strip() == ""  # no DeepSpeed cell at the high learning rate
 
 
 def test_bench_memory_writes_the_table_and_summary(tmp_path, capsys):
