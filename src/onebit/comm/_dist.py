@@ -13,8 +13,8 @@ behaves as world size 1.
 from __future__ import annotations
 
 import time
-from datetime import timedelta
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, Protocol, Union
 
 import torch

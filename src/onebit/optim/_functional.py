@@ -85,13 +85,15 @@ def apply_update_(
         param.copy_(x.view(param.shape))
 
 
-def _ema_(state: Tensor, value: Tensor | None, beta: float) -> Tensor:
+def _ema_(state: Tensor, value: Tensor | None, beta: float, out: Tensor | None = None) -> Tensor:
     """``state <- beta state + (1 - beta) value`` in place, ``value=None`` counting as zero;
-    ``state`` is a flat slice, ``value`` may have its parameter's shape and layout (``p.grad``)."""
-    state.mul_(beta)
+    ``state`` is a flat slice, ``value`` may have its parameter's shape and layout (``p.grad``).
+    With ``out`` (flat, ``state``'s size) the result goes there and ``state`` is left as it is:
+    the same operations, so the same bits."""
+    out = state.mul_(beta) if out is None else torch.mul(state, beta, out=out)
     if value is not None:
-        state.view(value.shape).add_(value, alpha=1.0 - beta)
-    return state
+        out.view(value.shape).add_(value, alpha=1.0 - beta)
+    return out
 
 
 class UpdateByChunks:
@@ -166,18 +168,19 @@ def onebit_adam(
     ``1 - beta2^t`` (frozen at the freeze step), as ``torch.optim.AdamW``.
     """
     compressed = frozen_denom is not None
-    for i, (p, (lo, hi)) in enumerate(zip(params, offsets)):
-        if not active[i] or grads is None:
-            continue
-        beta1, beta2 = betas[i]
-        g = grads[i]
+    if grads is not None:
+        for i, (p, (lo, hi)) in enumerate(zip(params, offsets)):
+            if not active[i]:
+                continue
+            beta1, beta2 = betas[i]
+            g = grads[i]
+            if compressed:
+                _ema_(exp_avg[lo:hi], g, beta1)
+            else:
+                exp_avg[lo:hi].view(p.shape).lerp_(g, 1.0 - beta1)
+                exp_avg_sq[lo:hi].view(p.shape).mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
         if compressed:
-            _ema_(exp_avg[lo:hi], g, beta1)
-        else:
-            exp_avg[lo:hi].view(p.shape).lerp_(g, 1.0 - beta1)
-            exp_avg_sq[lo:hi].view(p.shape).mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-    if compressed and grads is not None:
-        exchange(exp_avg)
+            exchange(exp_avg)
     for i, (p, (lo, hi)) in enumerate(zip(params, offsets)):
         if not active[i]:
             continue

@@ -13,7 +13,7 @@ from torch import Tensor
 from .. import comm
 from ._base import OnebitOptimizer, check_adam_args, check_betas, check_bool, check_optional_positive
 from ._freeze import TwoStage
-from ._functional import _BLOCK, adam_denominator, onebit_adam
+from ._functional import _BLOCK, _ema_, adam_denominator, onebit_adam
 
 __all__ = ["OnebitAdam", "OnebitAdamNaive"]
 
@@ -239,40 +239,38 @@ class OnebitAdam(TwoStage, _AdamFamily):
         scratch = torch.empty(min(_BLOCK, hi - lo), dtype=torch.float32, device=c.device)
         for i in members:
             p, (start, end) = self.flat.params[i], self.flat.offsets[i]
-            trainable = p.requires_grad or p.grad is not None  # a frozen momentum is exchanged as it is
+            if not (p.requires_grad or p.grad is not None):  # frozen: its momentum is exchanged as it is
+                c[start - lo : end - lo].add_(m[start:end])
+                continue
             g = p.grad.reshape(-1) if p.grad is not None else None  # logical order (a copy if channels_last)
             # m' = beta1 m + (1 - beta1) g block by block in scratch, then c = e + m': the one-shot
             # exchange's arithmetic (one bucket gives its bits exactly) without touching m.
             for at in range(start, end, _BLOCK):
                 to = min(at + _BLOCK, end)
-                piece = c[at - lo : to - lo]
-                if not trainable:
-                    piece.add_(m[at:to])
-                    continue
-                t = torch.mul(m[at:to], betas[i][0], out=scratch[: to - at])
-                if g is not None:
-                    t.add_(g[at - start : to - start], alpha=1.0 - betas[i][0])
-                piece.add_(t)
+                g_block = None if g is None else g[at - start : to - start]
+                c[at - lo : to - lo].add_(_ema_(m[at:to], g_block, betas[i][0], out=scratch[: to - at]))
         collective.start_added()
 
     def _finish_buckets(self) -> None:
         """Wait for every bucket's exchange: the averaged gradients in ``_grad`` (warm-up), or the
         averaged momentum in ``exp_avg`` (compression)."""
         if self._frozen_at is None:
-            for b, pending in enumerate(self._bucket_pending):
-                pending.wait()
-                self._bucket_pending[b] = None
+            self._wait_allreduces()
             return
         for collective in self._bucket_allreduce:  # every all-gather in flight before waiting on one
             collective.advance_added()
         for (lo, hi, _), collective in zip(self._buckets.bounds, self._bucket_allreduce):
             collective.finish_added(self.flat.buffers["exp_avg"][lo:hi])
 
-    def _abandon_buckets(self) -> None:
-        for b in range(len(self._bucket_pending)):
-            if self._bucket_pending[b] is not None:
-                self._bucket_pending[b].wait()
+    def _wait_allreduces(self) -> None:
+        """Wait for the warm-up's bucket all-reduces in flight (the averages land in ``_grad``)."""
+        for b, pending in enumerate(self._bucket_pending):
+            if pending is not None:
+                pending.wait()
                 self._bucket_pending[b] = None
+
+    def _abandon_buckets(self) -> None:
+        self._wait_allreduces()
         if self._frozen_at is not None:
             for collective in self._bucket_allreduce:
                 collective.abandon()
