@@ -2,11 +2,10 @@
 
 A fused kernel's first call loads it from numba's cache (~0.5 s) or compiles it (~2 s);
 before, that landed on the first compressed step, a visible gap in the middle of a run.
-Run in fresh spawned processes, as a user's job starts.
+Run in fresh spawned processes, as a user's job starts. The check is on numba's own record
+of what each kernel has loaded (its signatures), never on a timing: a timed assertion on a
+shared 2-core machine measures the neighbours as much as the code.
 """
-
-import statistics
-import time
 
 import torch
 
@@ -14,34 +13,37 @@ import onebit
 from _harness import run_ranks
 
 
-def _steps(rank, world):
+def _kernels() -> dict:
+    """Every numba kernel of the fused CPU path and the signatures it has loaded so far."""
+    import numba.core.registry
+
     from onebit.ops import _cpu
 
+    return {name: len(k.signatures) for name, k in vars(_cpu).items()
+            if isinstance(k, numba.core.registry.CPUDispatcher)}
+
+
+def _steps(rank, world):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 512))
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64))
+    fresh = _kernels()
     opt = onebit.OnebitAdam(model.parameters(), lr=1e-3, freeze_step=3)
-    loaded = (len(_cpu._pack_signs_update.signatures), len(_cpu._average_signs.signatures))
+    loaded = _kernels()
     gen = torch.Generator().manual_seed(rank)
-    times, stages = [], []
-    for _ in range(14):
-        x = torch.randn(64, 512, generator=gen)
+    stages = []
+    for _ in range(6):
+        x = torch.randn(16, 64, generator=gen)
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), x).backward()
-        t0 = time.perf_counter()
         opt.step()
-        times.append(time.perf_counter() - t0)
         stages.append(opt.stats["stage"])
-    after = (len(_cpu._pack_signs_update.signatures), len(_cpu._average_signs.signatures))
-    return {"loaded": loaded, "after": after, "times": times, "stages": stages}
+    return {"fresh": fresh, "loaded": loaded, "after": _kernels(), "stages": stages}
 
 
-def test_kernels_are_loaded_at_construction_and_the_first_compressed_step_does_not_stall():
-    ratios = []
+def test_kernels_are_loaded_at_construction_and_none_during_training():
     for r in run_ranks(_steps, 2):
-        assert r["stages"][:4] == ["warmup", "warmup", "warmup", "compressed"]
-        assert min(r["loaded"]) > 0, "kernels not loaded at construction"
-        assert r["after"] == r["loaded"], "a kernel was compiled during training"
-        ratios.append(r["times"][3] / statistics.median(r["times"][4:]))
-    # A kernel load stalls every rank by ~0.5 s (20x these ~25 ms steps); one rank's scheduling
-    # noise on a shared 2-core machine reaches ~1.8x, so the quieter rank is the measure.
-    assert min(ratios) <= 2.0, f"first compressed step / the next ones' median: {ratios}"
+        assert r["stages"] == ["warmup"] * 3 + ["compressed"] * 3
+        assert set(r["loaded"]) == {"_pack_signs_update", "_average_signs"}
+        assert all(n == 0 for n in r["fresh"].values()), f"kernels loaded before the optimizer: {r['fresh']}"
+        assert all(n > 0 for n in r["loaded"].values()), f"kernels not loaded at construction: {r['loaded']}"
+        assert r["after"] == r["loaded"], "a kernel was loaded or compiled during training"
