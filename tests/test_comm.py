@@ -79,6 +79,43 @@ def test_odd_and_tiny_sizes_world_3():
             assert torch.allclose(res[0][n][s], expect, rtol=1e-5), (n, s)
 
 
+def _stages_worker(rank, world):
+    n = 10_001
+    plain = [comm.CompressedAllReduce("sign") for _ in range(2)]
+    flagged = [comm.CompressedAllReduce("sign", flag_nonfinite=True) for _ in range(2)]
+    same, flags, sent = [], [], []
+    for step in range(3):
+        xs = [_inputs(world, n, 10 * step + k)[rank] for k in range(2)]
+        if step == 1 and rank == 1:
+            xs[1][0] = float("inf")  # in chunk 0, which rank 0 owns: not the rank that overflowed
+        expect = [c(x) for c, x in zip(plain, xs)]
+        with comm.measure() as m:
+            a, b = (c.stages(x) for c, x in zip(flagged, xs))
+            next(a), next(b), next(a), next(b)  # the two exchanges' stages interleaved
+            got = [comm.run_stages(a), comm.run_stages(b)]
+        same.append([_digest(g) == _digest(e) for g, e in zip(got, expect)])
+        flags.append([bool(c.nonfinite) for c in flagged])
+        sent.append(m.bytes_sent)
+        if step == 1:  # the caller restarts the errors that took in the Inf
+            plain[1].reset()
+            flagged[1].reset()
+    return {"same": same, "flags": flags, "bytes": sent, "unflagged": plain[0].nonfinite}
+
+
+def test_stages_interleave_and_carry_the_nonfinite_flag_world_3():
+    """Two exchanges run stage by stage, interleaved, give the bits of two plain calls; with
+    ``flag_nonfinite`` every rank learns that one rank's input held an Inf -- though the Inf
+    sat in a chunk another rank owns -- for one byte more per slot and no extra collective."""
+    world = 3
+    res = run_ranks(_stages_worker, world)
+    slot = compress.get("sign").wire_bytes(chunks(10_001, world, 8)[0][1]) + 1
+    for r in res:
+        assert r["same"] == [[True, True]] * 3
+        assert r["flags"] == [[False, False], [False, True], [False, False]]
+        assert r["bytes"] == [2 * 2 * (world - 1) * slot] * 3
+        assert r["unflagged"] is None
+
+
 def _gather_worker(rank, world, name, kwargs, ef):
     exch = comm.CompressedAllGather(name, error_feedback=ef, **kwargs)
     outs = []

@@ -19,16 +19,23 @@ def _digest(t: torch.Tensor) -> str:
 
 def _hier_worker(rank, world, n, per_node, steps):
     car = comm.HierarchicalAllReduce("sign", ranks_per_node=per_node)
+    flagged = comm.HierarchicalAllReduce("sign", ranks_per_node=per_node, flag_nonfinite=True)
     flat = comm.CompressedAllReduce("sign")
-    outs, flat_outs, links = [], [], []
+    outs, flat_outs, links, flags = [], [], [], []
     for step in range(steps):
         x = _inputs(world, n, step)[rank]
         with comm.measure() as m:
             outs.append(car(x))
         links.append(dict(m.by_link))
         flat_outs.append(flat(x))
+        assert torch.equal(comm.run_stages(flagged.stages(x)), outs[-1])
+        flags.append(bool(flagged.nonfinite))
+    if rank == world - 1:
+        x[0] = float("nan")  # in the first shard, which another node member reduces
+    flagged(x)
+    flags.append(bool(flagged.nonfinite))
     return {"outs": outs, "flat": flat_outs, "digests": [_digest(y) for y in outs], "links": links,
-            "state": car.state_dict()}
+            "state": car.state_dict(), "flags": flags}
 
 
 class SimulatedHierarchical:
@@ -72,6 +79,8 @@ def test_two_nodes_of_two_match_the_oracle_and_send_fewer_inter_node_bytes():
         # Flat scheme: each rank's all-to-all and all-gather reach the (world - per_node) ranks on the other node.
         flat_inter = 2 * (world - per_node) * sign.wire_bytes(flat_chunk)
         assert links["inter"] * 1.9 < flat_inter, (links["inter"], flat_inter)
+        # flag_nonfinite, staged: the same bits; a NaN on the last rank reaches every rank's flag
+        assert r["flags"] == [False] * steps + [True]
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -81,6 +90,7 @@ def test_one_rank_per_node_equals_the_flat_scheme(world):
         for hier, flat in zip(r["outs"], r["flat"]):
             assert torch.equal(hier, flat)
         assert "intra" not in r["links"][0]
+        assert r["flags"] == [False] * 3 + [True]
 
 
 def test_one_node_sends_nothing_between_nodes_and_averages():
@@ -89,6 +99,7 @@ def test_one_node_sends_nothing_between_nodes_and_averages():
     assert len({r["digests"][1] for r in res}) == 1
     for r in res:
         assert set(r["links"][0]) == {"intra"}
+        assert r["flags"] == [False] * 2 + [True]
     # One quantisation of the exact average per shard: sign * rms of each shard.
     exact = torch.stack(_inputs(world, n, 0)).mean(0)
     got = res[0]["outs"][0]

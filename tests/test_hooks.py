@@ -9,6 +9,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _harness import run_ranks
+from onebit import comm
 from onebit.hooks import BirderState, ErrorFeedbackState, birder_hook, error_feedback_hook
 
 
@@ -103,6 +104,59 @@ def test_identity_hook_equals_plain_ddp_exactly():
     assert plain[0]["digests"] == plain[1]["digests"]
     assert [r["digests"] for r in hooked] == [r["digests"] for r in plain]
     assert hooked[0]["iter"] == 6
+
+
+def _schedule_worker(rank, world):
+    """Per kind and iteration: each hook call's (index, is_last, future done on return), the
+    ops that went on the wire, and whether each bucket's result equals that bucket exchanged
+    alone and blocking (a plain all-reduce, then one CompressedAllReduce per bucket index)."""
+    out = {}
+    for kind in ("sign", "birder"):
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(16, 32)] + [torch.nn.Linear(32, 32) for _ in range(3)] + [torch.nn.Linear(32, 1)]
+        ddp = DDP(torch.nn.Sequential(*layers), bucket_cap_mb=0.002)
+        state, hook = _make_state(kind)
+        calls = []
+
+        def spy(state, bucket):
+            grad_in = bucket.buffer().clone()
+            fut = hook(state, bucket)
+            calls[-1].append([bucket.index(), bucket.is_last(), fut.done(), grad_in, fut])
+            return fut
+
+        ddp.register_comm_hook(state, spy)
+        gen = torch.Generator().manual_seed(rank)
+        ops = []
+        for _ in range(4):
+            calls.append([])
+            with comm.measure() as m:
+                ddp(torch.randn(8, 16, generator=gen)).pow(2).mean().backward()
+            ops.append(sorted(m.by_op))
+            for call in calls[-1]:
+                call[4] = call[4].value().clone()  # DDP reuses the bucket's buffer next iteration
+        same = None
+        if kind == "sign":
+            alone: dict[int, comm.CompressedAllReduce] = {}
+            same = [torch.equal(got, comm.all_reduce_mean(grad_in) if it < 2 else
+                                alone.setdefault(index, comm.CompressedAllReduce("sign"))(grad_in))
+                    for it, iteration in enumerate(calls) for index, _, _, grad_in, got in iteration]
+        out[kind] = {"calls": [[tuple(c[:3]) for c in it] for it in calls], "ops": ops, "same": same}
+    return out
+
+
+def test_hooks_return_before_their_exchange_ends_and_give_the_blocking_bits():
+    """Every bucket but the last returns a future still pending (its exchange overlaps the rest
+    of backward); no collective beyond the exchanges themselves (no per-bucket flag agreement);
+    and each bucket's result is bit-identical to exchanging it alone, blocking."""
+    for r in run_ranks(_schedule_worker, 3):
+        for kind, res in r.items():
+            rebuilt = res["calls"][1:]
+            assert all(len(it) >= 3 for it in rebuilt), res["calls"]
+            for it in res["calls"]:
+                assert [index for index, _, _ in it] == list(range(len(it)))
+                assert [done for _, _, done in it] == [last for _, last, _ in it], (kind, it)
+            assert res["ops"] == [["all_reduce"]] * 2 + [["all_gather", "all_to_all"]] * 2, kind
+        assert all(r["sign"]["same"]), r["sign"]["same"]
 
 
 def test_one_bit_hooks_train_near_the_ddp_loss():

@@ -8,6 +8,7 @@ from ._dist import (
     CollectiveError,
     Group,
     Pending,
+    Stages,
     all_reduce_max,
     all_reduce_mean,
     backend_of,
@@ -17,6 +18,7 @@ from ._dist import (
     get_world_size,
     is_distributed,
     resolve_group,
+    run_stages,
 )
 from ._mpi import MPIGroup
 from ._meter import Meter, measure
@@ -32,6 +34,7 @@ __all__ = [
     "MPIGroup",
     "Meter",
     "Pending",
+    "Stages",
     "all_reduce_max",
     "all_reduce_mean",
     "backend_of",
@@ -44,4 +47,5 @@ __all__ = [
     "is_distributed",
     "measure",
     "resolve_group",
+    "run_stages",
 ]

@@ -15,7 +15,8 @@ from .. import compress as _compress
 from ..compress import Compressor
 from ..feedback import ErrorFeedback
 from ._dist import (
-    Group, Pending, all_gather_bytes, all_to_all_bytes, check_world_size, get_rank, get_world_size, resolve_group, to_timedelta,
+    Group, Pending, Stages, all_gather_bytes, all_to_all_bytes, check_world_size, get_rank, get_world_size, resolve_group,
+    run_stages, to_timedelta,
 )
 from ._meter import phase
 from ._wire import read_payload, write_payload
@@ -155,6 +156,12 @@ class CompressedAllReduce(_Sized):
     The object owns the worker error (size of ``tensor``) and the server error (size of
     this rank's chunk), sized on the first call; ``tensor`` is not modified. Without an
     initialised process group it behaves as world size 1 (it still compresses).
+
+    ``flag_nonfinite``: every wire slot carries one more byte, set when its sender's input
+    held a NaN/Inf, and the owners pass the flags on in the all-gather; after each exchange
+    :attr:`nonfinite` (a 0-dim bool tensor on the input's device: no host read) says
+    whether any rank's input did -- the same on every rank, with no collective of its own.
+    Some compressors' codes (Birder's ``+-1``) cannot carry a NaN themselves.
     """
 
     # Byte-meter label, and the chunk length the wire slots are sized for (at least): the
@@ -170,16 +177,22 @@ class CompressedAllReduce(_Sized):
         group: Group = None,
         *,
         timeout: float | timedelta | None = None,
+        flag_nonfinite: bool = False,
         **compressor_kwargs: Any,
     ) -> None:
         super().__init__(compressor, group, timeout, compressor_kwargs)
+        if not isinstance(flag_nonfinite, bool):
+            raise TypeError(f"flag_nonfinite must be a bool, got {flag_nonfinite!r}")
+        self.flag_nonfinite = flag_nonfinite
+        self.nonfinite: Tensor | None = None
         self.server_error = ErrorFeedback("server")
-        self._inflight: Pending | None = None  # the all-to-all, then the all-gather, of start_added()
+        self._flight: tuple[Stages, Pending] | None = None  # start_added()'s stages and what is in flight
         self._gathering = False
 
     def _size(self, numel: int, device: torch.device) -> None:
         self._bounds = chunk_bounds(numel, self._world_size, self.compressor.alignment)
-        self._slot = self.compressor.wire_bytes(max(self._bounds[0][1] - self._bounds[0][0], self._min_chunk))
+        chunk = max(self._bounds[0][1] - self._bounds[0][0], self._min_chunk)
+        self._slot = self.compressor.wire_bytes(chunk) + self.flag_nonfinite  # the flag: the slot's last byte
         self._send = torch.zeros(self._world_size * self._slot, dtype=torch.uint8, device=device)
         self._gather_slot = torch.zeros(self._slot, dtype=torch.uint8, device=device)
 
@@ -190,10 +203,24 @@ class CompressedAllReduce(_Sized):
 
     def __call__(self, tensor: Tensor, out: Tensor | None = None) -> Tensor:
         """Compressed average of ``tensor`` over the group; written to ``out`` when given."""
+        return run_stages(self.stages(tensor, out))
+
+    def stages(self, tensor: Tensor, out: Tensor | None = None) -> Stages:
+        """``self(tensor, out)`` as three stages, for a caller that overlaps them with other work.
+
+        Each ``next()`` waits for the collective the previous stage left in flight, computes,
+        and yields the next one's :class:`Pending`: compress and all-to-all; average,
+        re-compress and all-gather; decode (the generator then returns the result, see
+        :func:`run_stages`). Several exchanges may interleave their stages, in the same order
+        on every rank: that order is the order of their collectives. ``tensor`` and ``out``
+        must stay untouched until the last stage.
+        """
         tensor = self._prepare(tensor, out)
         flat = tensor.detach().reshape(-1)
+        gathered = yield from self._stages(flat, self.worker_error.buffer(flat.numel(), flat.device))
+        self._read_flags(gathered)
         result = self._output(out, flat)
-        self._decode(self._exchange(flat, self.worker_error.buffer(flat.numel(), flat.device)), result)
+        self._decode(gathered, result)
         return self._finish(result, tensor, out)
 
     def input_buffer(self, numel: int, device: torch.device | str) -> Tensor:
@@ -209,7 +236,7 @@ class CompressedAllReduce(_Sized):
         written to a model-sized output (``values`` is scratch: valid during the call only).
 
         The same bytes and the same arithmetic as ``self(x)``."""
-        gathered = self._exchange(None, self._added_input())
+        gathered = run_stages(self._stages(None, self._added_input()))
         scratch = torch.empty(max(hi - lo for lo, hi in self._bounds), dtype=torch.float32, device=gathered.device)
         for j, (lo, hi) in enumerate(self._bounds):
             consume(lo, hi, self._decode_chunk(gathered, j, scratch[: hi - lo]))
@@ -218,38 +245,35 @@ class CompressedAllReduce(_Sized):
         """Phase 1 on the ``x`` added into :meth:`input_buffer`, now, its all-to-all left in flight:
         the overlapped exchange starts a bucket while backward computes earlier layers.
         :meth:`finish_added` (or :meth:`abandon`) must follow, in the same order on every rank."""
-        if self._inflight is not None:
+        if self._flight is not None:
             raise RuntimeError(f"{type(self).__name__}: an exchange is already in flight")
-        self._inflight = self._launch(None, self._added_input())
-        self._gathering = False
+        stages = self._stages(None, self._added_input())
+        self._flight, self._gathering = (stages, next(stages)), False
 
     def advance_added(self) -> None:
         """Phase 2 of the exchange :meth:`start_added` began (wait for the all-to-all, average,
         re-compress), its all-gather left in flight: several buckets then wait on their
         all-gathers together instead of one after another."""
-        if self._inflight is None or self._gathering:
+        if self._flight is None or self._gathering:
             raise RuntimeError(f"{type(self).__name__}: no all-to-all in flight")
-        self._inflight = self._complete(self._inflight, async_op=True)
-        self._gathering = True
+        stages = self._flight[0]
+        self._flight, self._gathering = (stages, next(stages)), True
 
     def finish_added(self, out: Tensor) -> Tensor:
         """The rest of the exchange :meth:`start_added` began, decoded into the flat fp32 ``out``."""
-        if self._inflight is None:
+        if self._flight is None:
             raise RuntimeError(f"{type(self).__name__}: no exchange in flight")
-        if not self._gathering:
-            self.advance_added()
-        inflight, self._inflight = self._inflight, None
-        with phase("all_gather"):
-            gathered = inflight.wait()
-        self._decode(gathered, out.view(-1))
+        (stages, _), self._flight = self._flight, None
+        self._decode(run_stages(stages), out.view(-1))
         return out
 
     def abandon(self) -> None:
         """Wait for the collective in flight and drop it (every rank skips the step); the errors
         it already updated are the caller's to restore or reset."""
-        if self._inflight is not None:
-            inflight, self._inflight = self._inflight, None
+        if self._flight is not None:
+            (stages, inflight), self._flight = self._flight, None
             inflight.wait()
+            stages.close()
 
     def _added_input(self) -> Tensor:
         error = self.worker_error.error
@@ -257,23 +281,19 @@ class CompressedAllReduce(_Sized):
             raise RuntimeError("nothing was added to the worker error: call input_buffer() first")
         return error
 
-    def _exchange(self, flat: Tensor | None, error: Tensor) -> Tensor:
-        """Phases 1-2 and the all-gather of phase 3: every chunk's re-compressed bytes, in rank order
-        (``flat=None``: ``error`` already holds ``x + e``)."""
-        return self._complete(self._launch(flat, error))
-
-    def _launch(self, flat: Tensor | None, error: Tensor) -> Pending:
-        """Phase 1: every chunk of ``x + e`` compressed into the send slots; the all-to-all in flight."""
+    def _stages(self, flat: Tensor | None, error: Tensor) -> Stages:
+        """Phases 1-2 and the all-gather of phase 3 in stages; returns every chunk's re-compressed
+        bytes, in rank order (``flat=None``: ``error`` already holds ``x + e``)."""
         comp, slot = self.compressor, self._slot
         with phase("compress"):
             for j, (lo, hi) in enumerate(self._bounds):
                 payload = comp.compress_ef(None if flat is None else flat[lo:hi], error[lo:hi])
                 write_payload(payload, self._send[j * slot : (j + 1) * slot])
-        return all_to_all_bytes(self._send, self.group, self.timeout, self._link, async_op=True)
-
-    def _complete(self, inflight: Pending, async_op: bool = False) -> Tensor | Pending:
-        """Phase 2 and the all-gather of phase 3, once the all-to-all ``inflight`` has arrived."""
-        comp, slot = self.compressor, self._slot
+            if self.flag_nonfinite:
+                # What is left of a NaN/Inf input (or of a code overflowing to Inf) is not finite.
+                self._send.view(-1, slot)[:, -1] = ~torch.isfinite(error).all()
+        inflight = all_to_all_bytes(self._send, self.group, self.timeout, self._link, async_op=True)
+        yield inflight
         with phase("all_to_all"):
             received = inflight.wait()
         with phase("server"):
@@ -284,8 +304,17 @@ class CompressedAllReduce(_Sized):
             server_error = self.server_error.buffer(hi - lo, received.device)
             comp.average(payloads, server_error, accumulate=True)
             write_payload(comp.compress_ef(None, server_error), self._gather_slot)
+            if self.flag_nonfinite:
+                self._gather_slot[-1] = received.view(-1, slot)[:, -1].amax()
+        inflight = all_gather_bytes(self._gather_slot, self.group, self.timeout, self._link, async_op=True)
+        yield inflight
         with phase("all_gather"):
-            return all_gather_bytes(self._gather_slot, self.group, self.timeout, self._link, async_op=async_op)
+            return inflight.wait()
+
+    def _read_flags(self, gathered: Tensor) -> None:
+        """:attr:`nonfinite` from the flag bytes of the gathered slots (any rank's input)."""
+        if self.flag_nonfinite:
+            self.nonfinite = gathered.view(-1, self._slot)[:, -1].amax() > 0
 
     def _decode(self, gathered: Tensor, result: Tensor) -> None:
         """Decompress the gathered chunks into the flat fp32 ``result``."""

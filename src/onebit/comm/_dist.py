@@ -13,7 +13,7 @@ behaves as world size 1.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from datetime import timedelta
 from typing import Any, Protocol, Union
 
@@ -29,6 +29,7 @@ __all__ = [
     "CollectiveError",
     "Group",
     "Pending",
+    "Stages",
     "Transport",
     "all_gather_bytes",
     "all_gather_object_sizes",
@@ -44,6 +45,7 @@ __all__ = [
     "is_distributed",
     "reduce_scatter_mean",
     "resolve_group",
+    "run_stages",
     "split",
     "to_timedelta",
 ]
@@ -237,6 +239,20 @@ class Pending:
         return self._result
 
 
+# An exchange in stages: each ``next()`` waits for the collective the previous stage left in
+# flight, computes, and yields the next one's Pending; the generator returns the result.
+Stages = Generator[Pending, None, Any]
+
+
+def run_stages(stages: Stages) -> Any:
+    """Run every remaining stage of ``stages`` (one after another) and return its result."""
+    while True:
+        try:
+            next(stages)
+        except StopIteration as done:
+            return done.value
+
+
 def _start(op: str, transport: Transport, timeout: float | timedelta | None, launch: Callable[[], _Work | None],
            result: Tensor, then: Callable[[Tensor], Tensor] | None = None) -> Pending:
     limit = to_timedelta(timeout)
@@ -298,16 +314,18 @@ def all_gather_object_sizes(
 
 
 def reduce_scatter_mean(tensor: Tensor, group: Group = None, timeout: float | timedelta | None = None,
-                        link: str = "flat") -> Tensor:
-    """Average of slot ``rank`` of ``tensor`` (``world`` equal slots) over the group; returns that slot."""
+                        link: str = "flat", async_op: bool = False) -> Tensor | Pending:
+    """Average of slot ``rank`` of ``tensor`` (``world`` equal slots) over the group; returns that slot
+    (``async_op``: a :class:`Pending` of it; ``tensor`` must stay untouched until it completes)."""
     t = _transport(group)
     world = t.size()
     if world == 1:
-        return tensor
+        return _finish(tensor, async_op)
     out = tensor.new_empty(tensor.numel() // world)
-    _start("reduce_scatter", t, timeout, lambda: t.reduce_scatter_sum(out, tensor), out).wait()
+    pending = _start("reduce_scatter", t, timeout, lambda: t.reduce_scatter_sum(out, tensor), out,
+                     lambda summed: summed.div_(world))
     record("reduce_scatter", (world - 1) * out.numel() * out.element_size(), link)
-    return out.div_(world)
+    return _finish(pending, async_op)
 
 
 def split(partition: list[list[int]], group: Group, timeout: timedelta) -> Any:

@@ -14,7 +14,9 @@ from torch import Tensor
 from ..compress import Compressor
 from ._compressed import CompressedAllReduce, _Sized, chunk_bounds
 from ._wire import read_payload
-from ._dist import Group, all_gather_bytes, get_rank, get_world_size, reduce_scatter_mean, split, to_timedelta
+from ._dist import (
+    Group, Stages, all_gather_bytes, get_rank, get_world_size, reduce_scatter_mean, run_stages, split, to_timedelta,
+)
 
 __all__ = ["HierarchicalAllReduce", "compressed_allreduce", "resolve_ranks_per_node"]
 
@@ -79,7 +81,8 @@ class HierarchicalAllReduce(_Sized):
     the flat scheme's ``2 (w - 1) / w`` of the whole tensor's. With one rank per node it
     computes exactly what :class:`CompressedAllReduce` computes; on one node it is an
     fp32 reduce-scatter, one error-compensated quantisation per shard and a 1-bit all-gather.
-    The byte meter labels the phases' links ``"intra"`` and ``"inter"``. Sub-groups are
+    ``flag_nonfinite`` / :attr:`nonfinite`: as :class:`CompressedAllReduce`'s, over every
+    rank's input. The byte meter labels the phases' links ``"intra"`` and ``"inter"``. Sub-groups are
     created at construction, collectively: every rank of the default group must construct it.
     """
 
@@ -90,6 +93,7 @@ class HierarchicalAllReduce(_Sized):
         *,
         ranks_per_node: int | None = None,
         timeout: float | timedelta | None = None,
+        flag_nonfinite: bool = False,
         **compressor_kwargs: Any,
     ) -> None:
         super().__init__(compressor, group, timeout, compressor_kwargs)
@@ -103,7 +107,11 @@ class HierarchicalAllReduce(_Sized):
         else:
             self.node_group = cross_group = self.group
         # The inner collective owns the worker and server errors of this rank's shard.
-        self.inter = _InterNode(self.compressor, cross_group, timeout=self.timeout)
+        self.inter = _InterNode(self.compressor, cross_group, timeout=self.timeout, flag_nonfinite=flag_nonfinite)
+
+    @property
+    def nonfinite(self) -> Tensor | None:
+        return self.inter.nonfinite
 
     def _size(self, numel: int, device: torch.device) -> None:
         align = self.compressor.alignment * self.nodes
@@ -115,14 +123,24 @@ class HierarchicalAllReduce(_Sized):
 
     def __call__(self, tensor: Tensor, out: Tensor | None = None) -> Tensor:
         """Compressed average of ``tensor`` over the group; written to ``out`` when given."""
+        return run_stages(self.stages(tensor, out))
+
+    def stages(self, tensor: Tensor, out: Tensor | None = None) -> Stages:
+        """``self(tensor, out)`` in stages, as :meth:`CompressedAllReduce.stages`: the intra-node
+        reduce-scatter, the inter-node exchange's two, the intra-node all-gather, then decode."""
         tensor = self._prepare(tensor, out)
         flat = tensor.detach().reshape(-1)
         self._padded[: flat.numel()].copy_(flat)
-        shard = reduce_scatter_mean(self._padded, self.node_group, self.timeout, "intra")
+        inflight = reduce_scatter_mean(self._padded, self.node_group, self.timeout, "intra", async_op=True)
+        yield inflight
+        shard = inflight.wait()
         lo, hi = self._shards[get_rank(self.node_group)]
         mine = self.inter._prepare(shard[: hi - lo], None)
-        gathered = self.inter._exchange(mine, self.inter.worker_error.buffer(mine.numel(), mine.device))
-        everything = all_gather_bytes(gathered, self.node_group, self.timeout, "intra")
+        gathered = yield from self.inter._stages(mine, self.inter.worker_error.buffer(mine.numel(), mine.device))
+        inflight = all_gather_bytes(gathered, self.node_group, self.timeout, "intra", async_op=True)
+        yield inflight
+        everything = inflight.wait()
+        self.inter._read_flags(everything)  # every shard's flags, all ranks' inputs between them
         result = self._output(out, flat)
         comp, slot, per_shard = self.compressor, self.inter._slot, gathered.numel()
         for s, (lo, _) in enumerate(self._shards):
@@ -169,6 +187,7 @@ def compressed_allreduce(
     hierarchical: bool | str = False,
     ranks_per_node: int | None = None,
     timeout: float | timedelta | None = None,
+    flag_nonfinite: bool = False,
     **compressor_kwargs: Any,
 ) -> CompressedAllReduce | HierarchicalAllReduce:
     """The compressed all-reduce an optimizer or hook should use.
@@ -176,7 +195,8 @@ def compressed_allreduce(
     ``hierarchical``: ``False`` -- :class:`CompressedAllReduce`; ``True`` --
     :class:`HierarchicalAllReduce` (``ranks_per_node`` or ``LOCAL_WORLD_SIZE`` required);
     ``"auto"`` -- hierarchical when the node size is known and the group spans more than
-    one node with more than one rank on each, flat otherwise.
+    one node with more than one rank on each, flat otherwise. ``flag_nonfinite``: see
+    :class:`CompressedAllReduce`.
     """
     if hierarchical not in (True, False, "auto"):
         raise ValueError(f"hierarchical must be True, False or 'auto', got {hierarchical!r}")
@@ -187,8 +207,9 @@ def compressed_allreduce(
         hierarchical = per_node is not None and 1 < per_node < world
     if hierarchical:
         return HierarchicalAllReduce(
-            compressor, group, ranks_per_node=ranks_per_node, timeout=timeout, **compressor_kwargs
+            compressor, group, ranks_per_node=ranks_per_node, timeout=timeout, flag_nonfinite=flag_nonfinite,
+            **compressor_kwargs
         )
     if ranks_per_node is not None:
         resolve_ranks_per_node(ranks_per_node, get_world_size(group))
-    return CompressedAllReduce(compressor, group, timeout=timeout, **compressor_kwargs)
+    return CompressedAllReduce(compressor, group, timeout=timeout, flag_nonfinite=flag_nonfinite, **compressor_kwargs)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import comm
-from ..comm import _dist
+from ..comm import Stages, _dist
 from ..compress import Compressor, StochasticSignCompressor, get
 from ..optim._base import check_positive
 from ..optim._birder import check_beta, check_seed, soft_sign_direction
@@ -22,18 +22,53 @@ __all__ = ["BirderState", "ErrorFeedbackState", "birder_hook", "error_feedback_h
 _log = logging.getLogger(__name__)
 
 
+class _Flight:
+    """One bucket's exchange in flight: its stages, the future DDP waits on, its gradients."""
+
+    __slots__ = ("stages", "future", "grad", "entry", "done")
+
+    def __init__(self, stages: Stages, grad: Tensor, entry: dict[str, Any] | None) -> None:
+        self.stages, self.grad, self.entry = stages, grad, entry
+        self.future: torch.futures.Future[Tensor] = torch.futures.Future()
+        self.done = False
+
+    def advance(self) -> None:
+        """Run the next stage: wait for the collective in flight, compute, launch the next one."""
+        try:
+            next(self.stages)
+        except StopIteration:
+            self.done = True
+
+
 class _HookState:
-    """Shared bookkeeping: iteration count, per-bucket collectives keyed by bucket index, pickling.
+    """Shared bookkeeping: iteration count, per-bucket collectives keyed by bucket index, the
+    exchanges in flight, pickling.
 
     Per-bucket state is keyed by ``bucket.index()``. DDP builds its buckets in reverse
     parameter order, then rebuilds them once from the order gradients became ready in the
     first iteration, so an index names the same parameters only from iteration 1 on;
     compression therefore starts at ``start_iter >= 2`` (as PowerSGD requires with error
     feedback), and iterations before it use an exact fp32 all-reduce.
+
+    The hooks do not block. DDP calls them in bucket-index order while backward computes
+    earlier layers; each call starts its bucket's exchange (its first collective left in
+    flight) and moves every earlier bucket of the iteration on by one stage -- wait for the
+    collective that stage began a bucket ago, compute, launch the next -- and returns a
+    future that the last bucket's call completes once every exchange has finished. All
+    collectives are thus issued from the backward thread, in an order that is the same on
+    every rank, never from a communication thread's callback (where ranks could issue two
+    buckets' collectives in different orders).
+
+    Non-finite gradients (an fp16 overflow, say) are flagged in the compressed exchange's own
+    payload (``flag_nonfinite``), so no bucket waits for an agreement of its own. The last
+    call reads, once per iteration, which buckets any rank flagged: those come back as NaN on
+    every rank, so every rank's GradScaler skips the step, and restart their errors (and
+    Birder's moments) at zero on every rank -- some took in the values before any rank could
+    know. Before ``start_iter`` the exact all-reduce carries the NaN/Inf itself.
     """
 
     __slots__ = ("process_group", "start_iter", "iter", "hierarchical", "ranks_per_node", "timeout", "_buckets",
-                 "_saved", "_restore_iters")
+                 "_saved", "_restore_iters", "_flights")
     _unpickled: tuple[str, ...] = ("process_group",)  # objects of the live job, None after unpickling
 
     def __init__(
@@ -65,6 +100,7 @@ class _HookState:
         self._buckets: dict[int, dict[str, Any]] = {}
         self._saved: dict[int, dict[str, Any]] = {}
         self._restore_iters = 0
+        self._flights: list[_Flight] = []
 
     # ------------------------------------------------------------------ per bucket
     def _compressor(self, index: int) -> str | Compressor:
@@ -95,6 +131,7 @@ class _HookState:
             hierarchical=self.hierarchical,
             ranks_per_node=self.ranks_per_node,
             timeout=self.timeout,
+            flag_nonfinite=True,
         )
         entry = self._buckets[index] = {"allreduce": allreduce, **self._new_buffers(grad)}
         if saved is not None:
@@ -107,25 +144,59 @@ class _HookState:
     def _new_buffers(self, grad: Tensor) -> dict[str, Tensor]:
         return {}
 
-    def _advance(self, bucket: dist.GradBucket) -> None:
-        # Bucket 0 is the last one DDP reduces in an iteration.
+    def _entry(self, bucket: dist.GradBucket) -> dict[str, Any] | None:
+        """The bucket's compressed collective and buffers; ``None`` before ``start_iter`` (exact)."""
+        return self._bucket(bucket.index(), bucket.buffer()) if self.iter >= self.start_iter else None
+
+    def _mean(self, grad: Tensor) -> Stages:
+        """The exact fp32 average of ``grad``, in place, as stages."""
+        inflight = comm.all_reduce_mean(grad, self.process_group, self.timeout, async_op=True)
+        yield inflight
+        return inflight.wait()
+
+    def _schedule(self, bucket: dist.GradBucket, entry: dict[str, Any] | None,
+                  stages: Stages) -> torch.futures.Future[Tensor]:
+        """Start ``bucket``'s exchange, move the iteration's earlier ones on by a stage, and
+        return the future of its gradients (the last bucket finishes them all)."""
+        if bucket.index() == 0 and self._flights:
+            # The previous backward stopped part-way (an exception), leaving exchanges behind
+            # on this rank whose peers are lost with them.
+            _log.warning("dropping %d bucket exchanges of an unfinished backward pass", len(self._flights))
+            self._flights = []
+        earlier = [f for f in self._flights if not f.done]
+        flight = _Flight(stages, bucket.buffer(), entry)
+        self._flights.append(flight)
+        flight.advance()  # this bucket's first collective goes out before the others are waited on
+        for f in earlier:
+            f.advance()
         if bucket.is_last():
+            self._finish_iteration()
             self.iter += 1
             if self._saved:
                 self._restore_iters += 1
+        return flight.future
 
-    def _compressing(self, grad: Tensor) -> bool:
-        """Compress this bucket: past ``start_iter`` and finite on every rank.
-
-        A non-finite bucket anywhere (an fp16 overflow, say) is all-reduced exactly instead:
-        the NaN/Inf reaches every rank, so every rank's GradScaler skips the step, and no
-        rank's error feedback (or Birder's moments) takes in the non-finite values.
-        """
-        if self.iter < self.start_iter:
-            return False
-        flag = (~torch.isfinite(grad)).any().float().reshape(1)
-        comm.all_reduce_max(flag, self.process_group, self.timeout)
-        return not flag.item()
+    def _finish_iteration(self) -> None:
+        """Run every exchange to its end (stage by stage across buckets), restart the buckets
+        that came back non-finite, and complete the futures."""
+        flights, self._flights = self._flights, []
+        live = [f for f in flights if not f.done]
+        while live:
+            for f in live:
+                f.advance()
+            live = [f for f in live if not f.done]
+        compressed = [f for f in flights if f.entry is not None]
+        if compressed:
+            flags = torch.stack([f.entry["allreduce"].nonfinite for f in compressed]).tolist()  # the one read
+            for f, nonfinite in zip(compressed, flags):
+                if nonfinite:
+                    f.grad.fill_(float("nan"))
+                    f.entry["allreduce"].reset()
+                    for name, buffer in f.entry.items():
+                        if name != "allreduce":
+                            buffer.zero_()
+        for f in flights:
+            f.future.set_result(f.grad)
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
@@ -149,13 +220,14 @@ class _HookState:
         self._buckets = {}
         self._saved = dict(state["buckets"])
         self._restore_iters = 0
+        self._flights = []
 
     def __getstate__(self) -> dict[str, Any]:
         """Everything but the process group, which cannot be pickled (as ``PowerSGDState``), and the
         other live objects in ``_unpickled``."""
         _log.warning("the process group is not pickled; the unpickled state uses the default group")
         slots = [s for cls in type(self).__mro__ for s in getattr(cls, "__slots__", ())]
-        skip = self._unpickled + ("_buckets", "_saved", "_restore_iters")
+        skip = self._unpickled + ("_buckets", "_saved", "_restore_iters", "_flights")
         options = {s: getattr(self, s) for s in slots if s not in skip}
         return {**options, "state": self.state_dict()}
 
@@ -166,12 +238,6 @@ class _HookState:
             if slot != "state":
                 setattr(self, slot, value)
         self.load_state_dict(state["state"])
-
-
-def _finished(tensor: Tensor) -> torch.futures.Future[Tensor]:
-    fut: torch.futures.Future[Tensor] = torch.futures.Future()
-    fut.set_result(tensor)
-    return fut
 
 
 class ErrorFeedbackState(_HookState):
@@ -217,16 +283,12 @@ def error_feedback_hook(state: ErrorFeedbackState, bucket: dist.GradBucket) -> t
     chunk averages, adds its server error, re-compresses; everyone decodes the same
     all-gathered bytes (:class:`onebit.comm.CompressedAllReduce`), so replicas stay
     identical. The result replaces the bucket's gradients: use any optimizer on top. The
-    hook blocks while it exchanges (no overlap with the rest of the backward pass).
+    exchange overlaps the rest of the backward pass (see the state's class notes).
     """
+    entry = state._entry(bucket)
     grad = bucket.buffer()
-    entry = state._bucket(bucket.index(), grad) if state._compressing(grad) else None
-    if entry is not None:
-        entry["allreduce"](grad, out=grad)
-    else:
-        comm.all_reduce_mean(grad, state.process_group, state.timeout)
-    state._advance(bucket)
-    return _finished(grad)
+    stages = state._mean(grad) if entry is None else entry["allreduce"].stages(grad, out=grad)
+    return state._schedule(bucket, entry, stages)
 
 
 class BirderState(_HookState):
@@ -242,7 +304,7 @@ class BirderState(_HookState):
     not pickled with the state (pass it again after loading).
     """
 
-    __slots__ = ("beta", "eps", "seed", "rank", "grad_scaler")
+    __slots__ = ("beta", "eps", "seed", "rank", "grad_scaler", "_loss_scale")
     _unpickled = ("process_group", "grad_scaler")
 
     def __init__(
@@ -262,6 +324,7 @@ class BirderState(_HookState):
         if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
             raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {type(grad_scaler).__name__}")
         self.grad_scaler = grad_scaler
+        self._loss_scale = 1.0
         self.beta = check_beta(beta)
         self.eps = check_positive("epsilon", eps)
         self.seed = check_seed(seed)
@@ -284,28 +347,30 @@ def birder_hook(state: BirderState, bucket: dist.GradBucket) -> torch.futures.Fu
     ``torch.optim.SGD(params, lr, weight_decay=wd)`` (no momentum): ``x <- x (1 - lr wd) -
     lr u_bar`` is Birder's step with decoupled weight decay. Before ``start_iter`` the
     gradient is averaged exactly and ``g / (|g| + eps)`` (Birder's update from zero
-    moments, a soft sign) is returned. The hook blocks while it exchanges.
+    moments, a soft sign) is returned. The exchange overlaps the rest of the backward pass.
     """
-    grad = bucket.buffer()
-    entry = state._bucket(bucket.index(), grad) if state._compressing(grad) else None
-    # The loss scale of a GradScaler loop: out of the moments, back onto the +-1 output.
-    scale = 1.0 if state.grad_scaler is None or not state.grad_scaler.is_enabled() else state.grad_scaler.get_scale()
-    if entry is not None:
-        update = soft_sign_direction(
-            [(0, grad.numel())],
-            grads=[grad.float().div_(scale)],
-            active=[True],
-            exp_avg=entry["exp_avg"],
-            exp_avg_abs=entry["exp_avg_abs"],
-            max_exp_avg_abs=None,
-            use_max=False,
-            betas=[state.beta],
-            eps=state.eps,
-            out=torch.empty(grad.numel(), dtype=torch.float32, device=grad.device),
-        )
-        grad.copy_(entry["allreduce"](update, out=update).mul_(scale))
-    else:
-        comm.all_reduce_mean(grad, state.process_group, state.timeout)
-        grad.div_(grad.abs().add_(state.eps * scale)).mul_(scale)
-    state._advance(bucket)
-    return _finished(grad)
+    if bucket.index() == 0:  # the loss scale, read once per iteration: out of the moments, back onto the output
+        scaler = state.grad_scaler
+        state._loss_scale = 1.0 if scaler is None or not scaler.is_enabled() else scaler.get_scale()
+    entry = state._entry(bucket)
+    return state._schedule(bucket, entry, _birder_stages(state, entry, bucket.buffer(), state._loss_scale))
+
+
+def _birder_stages(state: BirderState, entry: dict[str, Any] | None, grad: Tensor, scale: float) -> Stages:
+    if entry is None:
+        yield from state._mean(grad)
+        return grad.div_(grad.abs().add_(state.eps * scale)).mul_(scale)
+    update = soft_sign_direction(
+        [(0, grad.numel())],
+        grads=[grad.float().div_(scale)],
+        active=[True],
+        exp_avg=entry["exp_avg"],
+        exp_avg_abs=entry["exp_avg_abs"],
+        max_exp_avg_abs=None,
+        use_max=False,
+        betas=[state.beta],
+        eps=state.eps,
+        out=torch.empty(grad.numel(), dtype=torch.float32, device=grad.device),
+    )
+    yield from entry["allreduce"].stages(update, out=update)
+    return grad.copy_(update.mul_(scale))
