@@ -51,13 +51,15 @@ class _HookState:
     feedback), and iterations before it use an exact fp32 all-reduce.
 
     The hooks do not block. DDP calls them in bucket-index order while backward computes
-    earlier layers; each call starts its bucket's exchange (its first collective left in
-    flight) and moves every earlier bucket of the iteration on by one stage -- wait for the
-    collective that stage began a bucket ago, compute, launch the next -- and returns a
-    future that the last bucket's call completes once every exchange has finished. All
-    collectives are thus issued from the backward thread, in an order that is the same on
-    every rank, never from a communication thread's callback (where ranks could issue two
-    buckets' collectives in different orders).
+    earlier layers; each call starts its bucket's exchange (compresses it and leaves its
+    first collective in flight) and returns a pending future. The last bucket's call runs
+    every exchange to its end, stage by stage across buckets (one bucket's all-gather is in
+    flight while the next is averaged), and completes the futures. Nothing waits during
+    backward: a wait there for an earlier bucket's collective would stall the layers still
+    to compute whenever the wire is slower than they are. All collectives are issued from
+    the backward thread, in an order that is the same on every rank, never from a
+    communication thread's callback (where ranks could issue two buckets' collectives in
+    different orders).
 
     Non-finite gradients (an fp16 overflow, say) are flagged in the compressed exchange's own
     payload (``flag_nonfinite``), so no bucket waits for an agreement of its own. The last
@@ -156,19 +158,16 @@ class _HookState:
 
     def _schedule(self, bucket: dist.GradBucket, entry: dict[str, Any] | None,
                   stages: Stages) -> torch.futures.Future[Tensor]:
-        """Start ``bucket``'s exchange, move the iteration's earlier ones on by a stage, and
-        return the future of its gradients (the last bucket finishes them all)."""
+        """Start ``bucket``'s exchange and return the future of its gradients (the last bucket
+        finishes them all)."""
         if bucket.index() == 0 and self._flights:
             # The previous backward stopped part-way (an exception), leaving exchanges behind
             # on this rank whose peers are lost with them.
             _log.warning("dropping %d bucket exchanges of an unfinished backward pass", len(self._flights))
             self._flights = []
-        earlier = [f for f in self._flights if not f.done]
         flight = _Flight(stages, bucket.buffer(), entry)
         self._flights.append(flight)
-        flight.advance()  # this bucket's first collective goes out before the others are waited on
-        for f in earlier:
-            f.advance()
+        flight.advance()
         if bucket.is_last():
             self._finish_iteration()
             self.iter += 1
