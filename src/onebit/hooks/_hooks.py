@@ -356,6 +356,8 @@ def birder_hook(state: BirderState, bucket: dist.GradBucket) -> torch.futures.Fu
 
 
 def _birder_stages(state: BirderState, entry: dict[str, Any] | None, grad: Tensor, scale: float) -> Stages:
+    """The bucket's ``u_bar`` (times the loss ``scale``) into ``grad``, as stages; the moments
+    take in the gradient in the first one, inside the hook call."""
     if entry is None:
         yield from state._mean(grad)
         return grad.div_(grad.abs().add_(state.eps * scale)).mul_(scale)
