@@ -13,6 +13,7 @@ behaves as world size 1.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Generator
 from datetime import timedelta
 from typing import Any, Protocol, Union
@@ -211,21 +212,32 @@ def to_timedelta(timeout: float | timedelta | None) -> timedelta:
     return timedelta(seconds=seconds)
 
 
+# The tensors of the last collectives, kept alive a little after they complete. A gloo worker
+# thread drops its own references to a collective's tensors just after it signals completion.
+# If Python's references are gone by then (a receive buffer decoded and dropped), that drop
+# frees the tensors' Python objects and needs the GIL: a deadlock when the main thread is
+# joining the workers in destroy_process_group, an abort at interpreter exit (the race of
+# pytorch#179291). Held a few collectives longer, the worker's drop is a plain decrement.
+_RETIRED: deque[tuple[Tensor, ...]] = deque(maxlen=8)
+
+
 class Pending:
     """A collective in flight (``async_op=True``): :meth:`wait` blocks until it completes, or
     raises :class:`CollectiveError` after the timeout, and returns its result."""
 
-    __slots__ = ("_where", "_work", "_limit", "_result", "_then", "_start")
+    __slots__ = ("_where", "_work", "_limit", "_result", "_then", "_start", "_tensors")
 
     def __init__(self, where: str, work: _Work | None, limit: timedelta, result: Tensor,
-                 then: Callable[[Tensor], Tensor] | None = None) -> None:
+                 then: Callable[[Tensor], Tensor] | None = None, inputs: tuple[Tensor, ...] = ()) -> None:
         self._where, self._work, self._limit, self._result, self._then = where, work, limit, result, then
+        self._tensors = (result, *inputs)
         self._start = time.perf_counter()
 
     def wait(self) -> Tensor:
         """The result (the same tensor on every call); the first call waits for it."""
         if self._work is not None:
             work, self._work = self._work, None
+            _RETIRED.append(self._tensors)
             try:
                 completed = work.wait(self._limit)
             except RuntimeError as exc:
@@ -254,14 +266,14 @@ def run_stages(stages: Stages) -> Any:
 
 
 def _start(op: str, transport: Transport, timeout: float | timedelta | None, launch: Callable[[], _Work | None],
-           result: Tensor, then: Callable[[Tensor], Tensor] | None = None) -> Pending:
+           result: Tensor, then: Callable[[Tensor], Tensor] | None = None, inputs: tuple[Tensor, ...] = ()) -> Pending:
     limit = to_timedelta(timeout)
     where = f"{op} on {transport.describe()} (rank {transport.rank()} of {transport.size()})"
     try:
         work = launch()
     except RuntimeError as exc:
         raise CollectiveError(f"{where} failed: {exc}") from exc
-    return Pending(where, work, limit, result, then)
+    return Pending(where, work, limit, result, then, inputs)
 
 
 def _finish(result: Tensor | Pending, async_op: bool) -> Tensor | Pending:
@@ -280,7 +292,7 @@ def all_to_all_bytes(send: Tensor, group: Group = None, timeout: float | timedel
     if world == 1:
         return _finish(send, async_op)
     recv = torch.empty_like(send)
-    pending = _start("all_to_all", t, timeout, lambda: t.all_to_all(recv, send), recv)
+    pending = _start("all_to_all", t, timeout, lambda: t.all_to_all(recv, send), recv, inputs=(send,))
     record("all_to_all", send.numel() * send.element_size() * (world - 1) // world, link)
     return _finish(pending, async_op)
 
@@ -294,7 +306,7 @@ def all_gather_bytes(slot: Tensor, group: Group = None, timeout: float | timedel
     if world == 1:
         return _finish(slot, async_op)
     out = slot.new_empty(world * slot.numel())
-    pending = _start("all_gather", t, timeout, lambda: t.all_gather(out, slot), out)
+    pending = _start("all_gather", t, timeout, lambda: t.all_gather(out, slot), out, inputs=(slot,))
     record("all_gather", slot.numel() * slot.element_size() * (world - 1), link)
     return _finish(pending, async_op)
 
@@ -323,7 +335,7 @@ def reduce_scatter_mean(tensor: Tensor, group: Group = None, timeout: float | ti
         return _finish(tensor, async_op)
     out = tensor.new_empty(tensor.numel() // world)
     pending = _start("reduce_scatter", t, timeout, lambda: t.reduce_scatter_sum(out, tensor), out,
-                     lambda summed: summed.div_(world))
+                     lambda summed: summed.div_(world), inputs=(tensor,))
     record("reduce_scatter", (world - 1) * out.numel() * out.element_size(), link)
     return _finish(pending, async_op)
 
