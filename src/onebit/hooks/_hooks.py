@@ -25,19 +25,20 @@ _log = logging.getLogger(__name__)
 class _Flight:
     """One bucket's exchange in flight: its stages, the future DDP waits on, its gradients."""
 
-    __slots__ = ("stages", "future", "grad", "entry", "done")
+    __slots__ = ("stages", "future", "grad", "entry")
 
     def __init__(self, stages: Stages, grad: Tensor, entry: dict[str, Any] | None) -> None:
         self.stages, self.grad, self.entry = stages, grad, entry
         self.future: torch.futures.Future[Tensor] = torch.futures.Future()
-        self.done = False
 
-    def advance(self) -> None:
-        """Run the next stage: wait for the collective in flight, compute, launch the next one."""
+    def advance(self) -> bool:
+        """Run the next stage (wait for the collective in flight, compute, launch the next one);
+        whether stages remain."""
         try:
             next(self.stages)
         except StopIteration:
-            self.done = True
+            return False
+        return True
 
 
 class _HookState:
@@ -179,11 +180,9 @@ class _HookState:
         """Run every exchange to its end (stage by stage across buckets), restart the buckets
         that came back non-finite, and complete the futures."""
         flights, self._flights = self._flights, []
-        live = [f for f in flights if not f.done]
+        live = flights
         while live:
-            for f in live:
-                f.advance()
-            live = [f for f in live if not f.done]
+            live = [f for f in live if f.advance()]
         compressed = [f for f in flights if f.entry is not None]
         if compressed:
             flags = torch.stack([f.entry["allreduce"].nonfinite for f in compressed]).tolist()  # the one read
