@@ -1,10 +1,13 @@
-"""The overlapped exchange of OnebitAdam (overlap=True), on real gloo ranks.
+"""The overlapped exchange (overlap=True) of every optimizer that has one, on real gloo ranks.
 
 Oracles: with one bucket the overlapped exchange must give the one-shot exchange's bits
 (the same collective on the same values, only started earlier); with several buckets the
 warm-up must too on two ranks (an fp32 sum of two values does not depend on where a bucket
 starts); replicas stay bit-identical; the bytes are those of one compressed all-reduce per
 bucket; gradient accumulation, skipped steps and checkpoints keep their meaning.
+
+Adding an optimizer's overlap is one row of ``OPTIMIZERS``; each test runs every row in one
+job of ranks (a job's start costs more than its steps).
 """
 
 import math
@@ -14,10 +17,20 @@ import torch
 from torch import nn
 
 from _harness import run_ranks
-from onebit.optim import OnebitAdam
+from onebit.optim import Birder, OnebitAdam, OnebitAdamNaive, OnebitLamb
 from onebit.optim._overlap import bucket_bounds
 
 FREEZE = 3
+
+# name -> (maker, warm-up steps, fp32 scales per chunk of the compressed code)
+OPTIMIZERS = {
+    "onebit_adam": (lambda params, **kw: OnebitAdam(params, lr=1e-2, freeze_step=FREEZE, **kw), FREEZE, 1),
+    "onebit_lamb": (lambda params, **kw: OnebitLamb(params, lr=1e-2, freeze_step=FREEZE, **kw), FREEZE, 1),
+    "birder": (lambda params, **kw: Birder(params, lr=1e-2, seed=7, **kw), 0, 0),
+    # line 7's running maximum of b from step 3 on
+    "birder_max": (lambda params, **kw: Birder(params, lr=1e-2, seed=7, threshold_step=2, **kw), 0, 0),
+    "onebit_adam_naive": (lambda params, **kw: OnebitAdamNaive(params, lr=1e-2, **kw), 0, 1),
+}
 
 
 def _model() -> nn.Module:
@@ -37,17 +50,17 @@ def _digest(model: nn.Module) -> int:
     return int(_flat(model).view(torch.int32).to(torch.int64).sum())
 
 
-def _opt(model: nn.Module, **kw) -> OnebitAdam:
-    return OnebitAdam(model.parameters(), lr=1e-2, freeze_step=FREEZE, **kw)
+def _opt(model: nn.Module, name: str = "onebit_adam", **kw):
+    return OPTIMIZERS[name][0](model.parameters(), **kw)
 
 
-def _sign_wire_bytes(numel: int, world: int) -> int:
+def _sign_wire_bytes(numel: int, world: int, scales: int) -> int:
     """One compressed all-reduce of ``numel`` values (1-bit Adam, section 6): each rank sends
-    ``w - 1`` of its ``w`` chunks (signs packed 8 per byte plus one fp32 scale each) in the
-    all-to-all, and its re-compressed chunk to ``w - 1`` peers in the all-gather; chunks are
-    ``ceil(n / 8w) * 8`` values."""
+    ``w - 1`` of its ``w`` chunks (signs packed 8 per byte, plus ``scales`` fp32 scales each)
+    in the all-to-all, and its re-compressed chunk to ``w - 1`` peers in the all-gather;
+    chunks are ``ceil(n / 8w) * 8`` values."""
     chunk = math.ceil(numel / (8 * world)) * 8
-    slot = chunk // 8 + 4
+    slot = chunk // 8 + 4 * scales
     return 2 * (world - 1) * slot
 
 
@@ -69,11 +82,22 @@ def test_buckets_follow_backward_order_and_the_cap():
     assert [m for _, _, m in bucket_bounds(offsets, 250, vectors)] == [[3, 4, 5, 6], [1, 2], [0]]
 
 
-def _lockstep(rank, world, cap, steps):
+def _each(rank, world, fn, names, *args):
+    """``fn(rank, world, name, *args)`` for every name of ``names``, in one job of ranks."""
+    return {name: fn(rank, world, name, *args) for name in names}
+
+
+def _for_each(world, fn, *args, names=tuple(OPTIMIZERS)):
+    """``{name: [fn's result on each rank]}``."""
+    res = run_ranks(_each, world, fn, list(names), *args)
+    return {name: [r[name] for r in res] for name in names}
+
+
+def _lockstep(rank, world, name, cap, steps, kw=None):
     """An overlapped and a one-shot optimizer on identical models and data, stepped in turn."""
     torch.set_num_threads(1)
     a, b = _model(), _model()
-    oa, ob = _opt(a, overlap=True, bucket_cap_mb=cap), _opt(b)
+    oa, ob = _opt(a, name, overlap=True, bucket_cap_mb=cap, **(kw or {})), _opt(b, name, **(kw or {}))
     out = {"same": [], "digest": [], "bytes": [], "in_backward": [], "buckets": len(oa._buckets.bounds)}
     for step in range(1, steps + 1):
         x = _batch(rank, step)
@@ -82,7 +106,8 @@ def _lockstep(rank, world, cap, steps):
             model(x).pow(2).mean().backward()
         oa.step()
         ob.step()
-        out["same"].append(torch.equal(_flat(a), _flat(b)))
+        out["same"].append(torch.equal(_flat(a), _flat(b)) and all(
+            torch.equal(oa.flat.buffers[k], ob.flat.buffers[k]) for k in ob.flat.buffers))
         out["digest"].append(_digest(a))
         out["bytes"].append(oa.stats["bytes_sent"])
         out["in_backward"].append(oa.stats["buckets_in_backward"])
@@ -93,27 +118,36 @@ def _lockstep(rank, world, cap, steps):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_one_bucket_gives_the_one_shot_bits_through_both_stages(world):
-    res = run_ranks(_lockstep, world, 25.0, FREEZE + 4)
-    for r in res:
-        assert r["buckets"] == 1 and r["stage"] == "compressed"
-        assert all(r["same"]), f"overlapped and one-shot differ at steps {[i + 1 for i, s in enumerate(r['same']) if not s]}"
-        assert all(n == 1 for n in r["in_backward"]), "the bucket was not launched during backward"
+    names = OPTIMIZERS if world == 3 else ["onebit_adam"]
+    for name, res in _for_each(world, _lockstep, 25.0, FREEZE + 4, names=names).items():
+        for r in res:
+            assert r["buckets"] == 1 and r["stage"] == "compressed"
+            assert all(r["same"]), f"{name}: overlapped and one-shot differ at steps " \
+                                   f"{[i + 1 for i, s in enumerate(r['same']) if not s]}"
+            assert all(n == 1 for n in r["in_backward"]), f"{name}: the bucket was not launched during backward"
+
+
+def test_the_naive_control_clips_the_average_with_overlap():
+    # max_grad_norm clips the averaged gradient there, which step() has in full
+    res = run_ranks(_lockstep, 2, "onebit_adam_naive", 25.0, 4, {"max_grad_norm": 0.05})
+    assert all(all(r["same"]) for r in res)
 
 
 def test_several_buckets_keep_replicas_identical_and_send_one_exchange_per_bucket():
     world = 2
-    res = run_ranks(_lockstep, world, 0.004, FREEZE + 4)  # 0.004 MB: 1048 values per bucket at most
-    r0 = res[0]
-    assert r0["buckets"] >= 3
-    assert all(r["digest"] == r0["digest"] for r in res), "replicas differ"
-    # warm-up: the exact average on two ranks does not depend on the bucketing
-    assert all(r0["same"][:FREEZE])
-    assert all(n == r0["buckets"] for n in r0["in_backward"]), "buckets not all launched during backward"
-    agreement = 2 * (world - 1) * 4 * (1 + 6) // world  # non-finite flag + one per parameter tensor
-    fp32 = sum(2 * (world - 1) * 4 * n // world for n in r0["bucket_sizes"])
-    onebit = sum(_sign_wire_bytes(n, world) for n in r0["bucket_sizes"])
-    assert r0["bytes"][:FREEZE] == [fp32 + agreement] * FREEZE
-    assert r0["bytes"][FREEZE:] == [onebit + agreement] * (len(r0["bytes"]) - FREEZE)
+    for name, res in _for_each(world, _lockstep, 0.004, FREEZE + 4).items():  # 0.004 MB: 1048 values at most
+        _, warmup, scales = OPTIMIZERS[name]
+        r0 = res[0]
+        assert r0["buckets"] >= 3
+        assert all(r["digest"] == r0["digest"] for r in res), f"{name}: replicas differ"
+        # warm-up: the exact average on two ranks does not depend on the bucketing
+        assert all(r0["same"][:warmup]), name
+        assert all(n == r0["buckets"] for n in r0["in_backward"]), f"{name}: buckets not all launched in backward"
+        agreement = 2 * (world - 1) * 4 * (1 + 6) // world  # non-finite flag + one per parameter tensor
+        fp32 = sum(2 * (world - 1) * 4 * n // world for n in r0["bucket_sizes"])
+        onebit = sum(_sign_wire_bytes(n, world, scales) for n in r0["bucket_sizes"])
+        assert r0["bytes"][:warmup] == [fp32 + agreement] * warmup, name
+        assert r0["bytes"][warmup:] == [onebit + agreement] * (len(r0["bytes"]) - warmup), name
 
 
 def _uneven(rank, world, steps):
@@ -164,35 +198,36 @@ def test_a_second_backward_without_no_sync_is_refused():
         run_ranks(_accumulate, 2, 1, False, timeout=60)
 
 
-def _skip(rank, world):
+def _skip(rank, world, name):
     torch.set_num_threads(1)
     model = _model()
-    opt = _opt(model, overlap=True, bucket_cap_mb=0.004)
+    opt = _opt(model, name, overlap=True, bucket_cap_mb=0.004)
     for step in range(1, FREEZE + 6):
         opt.zero_grad()
         model(_batch(rank, step)).pow(2).mean().backward()
         if step == FREEZE + 2 and rank == 1:
             model[2].weight.grad[0, 0] = float("nan")
-        before = (_flat(model), opt.flat.buffers["exp_avg"].clone())
+        before = [_flat(model)] + [b.clone() for b in opt.flat.buffers.values()]
         opt.step()
         if step == FREEZE + 2:
-            kept = torch.equal(before[0], _flat(model)) and torch.equal(before[1], opt.flat.buffers["exp_avg"])
+            after = [_flat(model)] + list(opt.flat.buffers.values())
+            kept = all(torch.equal(x, y) for x, y in zip(before, after))
             errors = [c.worker_error.error for c in opt._bucket_allreduce]
             zeroed = all(e is None or not e.any() for e in errors)
     return kept, zeroed, opt.stats["skipped_steps"], _digest(model), bool(torch.isfinite(_flat(model)).all())
 
 
-def test_a_skipped_compressed_step_leaves_parameters_and_momentum_and_restarts_the_errors():
-    res = run_ranks(_skip, 2)
-    for kept, zeroed, skipped, _, finite in res:
-        assert kept and zeroed and skipped == 1 and finite
-    assert res[0][3] == res[1][3], "replicas differ"
+def test_a_skipped_compressed_step_leaves_parameters_and_state_and_restarts_the_errors():
+    for name, res in _for_each(2, _skip).items():
+        for kept, zeroed, skipped, _, finite in res:
+            assert (kept, zeroed, skipped, finite) == (True, True, 1, True), name
+        assert res[0][3] == res[1][3], f"{name}: replicas differ"
 
 
-def _resume(rank, world, total, cut):
+def _resume(rank, world, name, total, cut):
     torch.set_num_threads(1)
     model = _model()
-    opt = _opt(model, overlap=True, bucket_cap_mb=0.004)
+    opt = _opt(model, name, overlap=True, bucket_cap_mb=0.004)
     saved = None
     for step in range(1, total + 1):
         if step == cut + 1:
@@ -203,7 +238,7 @@ def _resume(rank, world, total, cut):
     straight = _flat(model)
     model2 = _model()
     model2.load_state_dict(saved[0])
-    opt2 = _opt(model2, overlap=True, bucket_cap_mb=0.004)
+    opt2 = _opt(model2, name, overlap=True, bucket_cap_mb=0.004)
     opt2.load_state_dict(saved[1])
     for step in range(cut + 1, total + 1):
         opt2.zero_grad()
@@ -213,19 +248,20 @@ def _resume(rank, world, total, cut):
 
 
 def test_checkpoint_in_the_compression_stage_resumes_exactly():
-    assert all(run_ranks(_resume, 2, FREEZE + 5, FREEZE + 2))
+    for name, res in _for_each(2, _resume, FREEZE + 5, FREEZE + 2).items():
+        assert all(res), name
 
 
-def _refusals(rank, world):
+def _refusals(rank, world, name):
     model = _model()
     errors = []
     for kw in (dict(max_grad_norm=1.0), dict(bucket_cap_mb=0), dict(bucket_cap_mb=True), dict(overlap=1),
                dict(hierarchical=True, ranks_per_node=1)):
         try:
-            _opt(model, **({"overlap": True} | kw))
+            _opt(model, name, **({"overlap": True} | kw))
         except (TypeError, ValueError) as exc:
             errors.append(str(exc))
-    opt = _opt(model, overlap=True)
+    opt = _opt(model, name, overlap=True)
     scaler = torch.amp.GradScaler("cpu")
     scaler.scale(model(_batch(rank, 1)).pow(2).mean()).backward()
     try:
@@ -236,8 +272,11 @@ def _refusals(rank, world):
 
 
 def test_overlap_refuses_what_it_cannot_honour():
-    errors = run_ranks(_refusals, 2)[0]
-    assert len(errors) == 6, errors
-    for needle, msg in zip(("max_grad_norm", "bucket_cap_mb", "bucket_cap_mb", "overlap", "hierarchical",
-                            "GradScaler"), errors):
-        assert needle in msg
+    for name, res in _for_each(2, _refusals).items():
+        errors = res[0]
+        needles = ["max_grad_norm", "bucket_cap_mb", "bucket_cap_mb", "overlap", "hierarchical", "GradScaler"]
+        if name == "onebit_adam_naive":  # its clip is on the average: allowed
+            needles.remove("max_grad_norm")
+        assert len(errors) == len(needles), (name, errors)
+        for needle, msg in zip(needles, errors):
+            assert needle in msg, (name, msg)

@@ -236,10 +236,7 @@ class CompressedAllReduce(_Sized):
         written to a model-sized output (``values`` is scratch: valid during the call only).
 
         The same bytes and the same arithmetic as ``self(x)``."""
-        gathered = run_stages(self._stages(None, self._added_input()))
-        scratch = torch.empty(max(hi - lo for lo, hi in self._bounds), dtype=torch.float32, device=gathered.device)
-        for j, (lo, hi) in enumerate(self._bounds):
-            consume(lo, hi, self._decode_chunk(gathered, j, scratch[: hi - lo]))
+        self._hand_out(run_stages(self._stages(None, self._added_input())), consume)
 
     def start_added(self) -> None:
         """Phase 1 on the ``x`` added into :meth:`input_buffer`, now, its all-to-all left in flight:
@@ -266,6 +263,14 @@ class CompressedAllReduce(_Sized):
         (stages, _), self._flight = self._flight, None
         self._decode(run_stages(stages), out.view(-1))
         return out
+
+    def finish_added_by_chunks(self, consume: Callable[[int, int, Tensor], None]) -> None:
+        """The rest of the exchange :meth:`start_added` began, handed to ``consume`` chunk by chunk
+        as :meth:`reduce_added` does (no output buffer of the input's size)."""
+        if self._flight is None:
+            raise RuntimeError(f"{type(self).__name__}: no exchange in flight")
+        (stages, _), self._flight = self._flight, None
+        self._hand_out(run_stages(stages), consume)
 
     def abandon(self) -> None:
         """Wait for the collective in flight and drop it (every rank skips the step); the errors
@@ -310,6 +315,12 @@ class CompressedAllReduce(_Sized):
         yield inflight
         with phase("all_gather"):
             return inflight.wait()
+
+    def _hand_out(self, gathered: Tensor, consume: Callable[[int, int, Tensor], None]) -> None:
+        """Decode the gathered chunks one at a time into scratch, each handed to ``consume``."""
+        scratch = torch.empty(max(hi - lo for lo, hi in self._bounds), dtype=torch.float32, device=gathered.device)
+        for j, (lo, hi) in enumerate(self._bounds):
+            consume(lo, hi, self._decode_chunk(gathered, j, scratch[: hi - lo]))
 
     def _read_flags(self, gathered: Tensor) -> None:
         """:attr:`nonfinite` from the flag bytes of the gathered slots (any rank's input)."""

@@ -231,7 +231,7 @@ class OnebitOptimizer(Optimizer):
         self._bytes_last = 0
         self._last_stage: str | None = None
         self._ddp_checked = False
-        self._buckets: Buckets | None = None  # the overlapped exchange, where a subclass turns it on
+        self._buckets: Buckets | None = None  # the overlapped exchange (_overlap.OverlappedExchange)
         for name in self._flat_names:
             self.flat.new(name)
         self._link_state()
@@ -382,11 +382,6 @@ class OnebitOptimizer(Optimizer):
         accumulate; the next one outside it starts the exchange (as ``DistributedDataParallel.no_sync``).
         Without overlap the exchange happens in ``step()`` anyway, and the block changes nothing."""
         return self._buckets.no_sync() if self._buckets is not None else contextlib.nullcontext()
-
-    def _use_buckets(self, bucket_cap_mb: float, launch: Callable[[int], None]) -> Buckets:
-        """Turn on the overlapped exchange (:mod:`._overlap`): ``launch(b)`` starts bucket ``b``'s."""
-        self._buckets = Buckets(self.flat.params, self.flat.offsets, bucket_cap_mb, launch)
-        return self._buckets
 
     def _abandon_buckets(self) -> None:
         """Every rank skips this step: wait for and drop the exchanges already launched."""

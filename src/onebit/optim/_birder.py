@@ -11,10 +11,12 @@ from torch import Tensor
 
 from .. import comm
 from ..compress import StochasticSignCompressor
-from ._base import OnebitOptimizer, check_nonneg, check_positive
+from ._base import OnebitOptimizer, check_bool, check_nonneg, check_positive
 from ._functional import _BLOCK, UpdateByChunks, _ema_
+from ._overlap import OverlappedExchange
 
-__all__ = ["Birder", "SoftSignSGD", "birder", "check_beta", "check_seed", "soft_sign_direction", "soft_sign_sgd"]
+__all__ = ["Birder", "SoftSignSGD", "birder", "check_beta", "check_seed", "soft_sign_direction", "soft_sign_moments",
+           "soft_sign_sgd"]
 
 # exchange(send, consume): average ``send`` over the group, handing consume(lo, hi, values) its chunks
 Exchange = Callable[[Tensor, Callable[[int, int, Tensor], None]], None]
@@ -36,6 +38,32 @@ def check_beta(beta: object) -> float:
     return float(beta)
 
 
+def soft_sign_moments(
+    offsets: Sequence[tuple[int, int]],
+    *,
+    grads: Sequence[Tensor | None],
+    active: Sequence[bool],
+    exp_avg: Tensor,
+    exp_avg_abs: Tensor,
+    max_exp_avg_abs: Tensor | None,
+    use_max: bool,
+    betas: Sequence[float],
+) -> Tensor:
+    """``m = b m + (1-b) g``, ``b^ = b b^ + (1-b)|g|`` (lines 5-6) and ``b = max(b_prev, b^)``
+    when ``use_max`` else ``b^`` (line 7), in place; returns ``b``. ``grads[i]`` is parameter
+    ``i``'s gradient, shaped like it (``None``: zero)."""
+    for (lo, hi), g, beta, on in zip(offsets, grads, betas, active):
+        if not on:  # no gradient on any rank: moments untouched
+            continue
+        _ema_(exp_avg[lo:hi], g, beta)
+        _ema_(exp_avg_abs[lo:hi], None if g is None else g.abs(), beta)
+    if max_exp_avg_abs is None:
+        return exp_avg_abs
+    if use_max:
+        return torch.maximum(max_exp_avg_abs, exp_avg_abs, out=max_exp_avg_abs)
+    return max_exp_avg_abs.copy_(exp_avg_abs)
+
+
 def soft_sign_direction(
     offsets: Sequence[tuple[int, int]],
     *,
@@ -50,23 +78,11 @@ def soft_sign_direction(
     out: Tensor,
     accumulate: bool = False,
 ) -> Tensor:
-    """``m = b m + (1-b) g``, ``b^ = b b^ + (1-b)|g|`` (lines 5-6), ``b = max(b_prev, b^)`` when
-    ``use_max`` else ``b^`` (line 7), and ``out = m / (b + eps)``, each element in ``[-1, 1]``
-    -- added to ``out`` with ``accumulate`` (a worker error, through block-sized scratch).
-    ``grads[i]`` is parameter ``i``'s gradient, shaped like it (``None``: zero); ``out`` may be
-    the buffer the gradients lie in."""
-    for (lo, hi), g, beta, on in zip(offsets, grads, betas, active):
-        if not on:  # no gradient on any rank: moments untouched
-            continue
-        _ema_(exp_avg[lo:hi], g, beta)
-        _ema_(exp_avg_abs[lo:hi], None if g is None else g.abs(), beta)
-    denom = exp_avg_abs
-    if max_exp_avg_abs is not None:
-        if use_max:
-            torch.maximum(max_exp_avg_abs, exp_avg_abs, out=max_exp_avg_abs)
-        else:
-            max_exp_avg_abs.copy_(exp_avg_abs)
-        denom = max_exp_avg_abs
+    """The moments (:func:`soft_sign_moments`), then ``out = m / (b + eps)``, each element in
+    ``[-1, 1]`` -- added to ``out`` with ``accumulate`` (a worker error, through block-sized
+    scratch). ``out`` may be the buffer the gradients lie in."""
+    denom = soft_sign_moments(offsets, grads=grads, active=active, exp_avg=exp_avg, exp_avg_abs=exp_avg_abs,
+                              max_exp_avg_abs=max_exp_avg_abs, use_max=use_max, betas=betas)
     if not accumulate:
         torch.add(denom, eps, out=out)
         return torch.div(exp_avg, out, out=out)
@@ -172,7 +188,7 @@ class _SoftSign(OnebitOptimizer):
             check_beta(g["beta"])
 
 
-class Birder(_SoftSign):
+class Birder(OverlappedExchange, _SoftSign):
     """Birder: element-wise 1-bit stochastic adaptive updates, no warm-up (Algorithm 1).
 
     Each rank keeps ``m`` and ``b`` (EMAs of ``g`` and ``|g|`` with the same ``beta``, so
@@ -197,6 +213,14 @@ class Birder(_SoftSign):
             paper's experiments.
         compressor: the quantiser of the exchange; ``"identity"`` sends fp32 and gives the
             average of the workers' ``m / (b + eps)`` (SoftSignSGD at world size 1).
+        overlap, bucket_cap_mb: start each bucket's exchange during backward, as
+            :class:`onebit.OnebitAdam` does: a bucket's launch sends ``e + m' / (b' + eps)``
+            with the moments ``m'``, ``b'`` formed in scratch; ``step()`` applies each
+            bucket's ``u_bar`` as it arrives, then moves ``m`` and ``b`` (so a skipped step
+            leaves them; only the error-feedback buffers restart at zero). Each bucket is
+            quantised on its own, drawing from the same generator in bucket order. The
+            requirements are :class:`onebit.OnebitAdam`'s (flat exchange, no
+            ``max_grad_norm``, no GradScaler, :meth:`no_sync` for accumulation).
 
     A ``+-1`` code cannot say "no update", so a parameter's code is exchanged every step;
     missing gradients follow :class:`onebit.optim.OnebitOptimizer`'s rule (a parameter
@@ -217,6 +241,8 @@ class Birder(_SoftSign):
         ranks_per_node: int | None = None,
         threshold_step: int | None = None,
         compressor: str = "stochastic_sign",
+        overlap: bool = False,
+        bucket_cap_mb: float = 25.0,
         timeout: float | timedelta | None = None,
         broadcast_parameters: bool = True,
         on_nonfinite: str = "skip",
@@ -224,6 +250,7 @@ class Birder(_SoftSign):
         max_grad_norm: float | None = None,
     ) -> None:
         check_seed(seed)
+        check_bool("overlap", overlap)
         if threshold_step is not None and (
             isinstance(threshold_step, bool) or not isinstance(threshold_step, int) or threshold_step < 0
         ):
@@ -238,15 +265,36 @@ class Birder(_SoftSign):
         quantiser = (
             StochasticSignCompressor(seed + self.rank * 2**32) if compressor == "stochastic_sign" else "identity"
         )
-        self.allreduce = comm.compressed_allreduce(
-            quantiser, self.process_group, hierarchical=hierarchical, ranks_per_node=ranks_per_node, timeout=self.timeout
-        )
+        def collective() -> Any:  # the buckets' collectives share the quantiser and its generator
+            return comm.compressed_allreduce(quantiser, self.process_group, hierarchical=hierarchical,
+                                             ranks_per_node=ranks_per_node, timeout=self.timeout)
+
+        self.allreduce = collective()
         self.allreduce.warm_up(self.flat.device)  # kernels loaded now, not at the first compressed step
+        if overlap:
+            self._use_buckets(bucket_cap_mb, collective, hierarchical=hierarchical)
         # The flat exchange takes u added straight into its worker error and hands its average
         # back chunk by chunk: no model-sized buffer for either. The hierarchical one reduces
         # the fp32 u within the node first, so u needs a buffer of its own there.
         self._update = None if self.allreduce.reduces_added_input else \
             torch.zeros(self.flat.numel, dtype=torch.float32, device=self.flat.device)
+
+    def _use_max(self, step: int) -> bool:
+        """Line 7's running maximum is on at ``step``."""
+        return self.threshold_step is not None and step > self.threshold_step
+
+    def _bucket_input(self, i: int, lo: int, hi: int, grad: Tensor | None, live: bool, options: dict[str, Any],
+                      scratch: Tensor) -> Tensor:
+        """``m' / (b' + eps)`` (lines 5-7) with ``m'``, ``b'`` in scratch, the moments untouched (a
+        frozen parameter's as they are): the one-shot step's operations."""
+        b = self.flat.buffers
+        m, b_abs = b["exp_avg"][lo:hi], b["exp_avg_abs"][lo:hi]
+        if live:
+            m = _ema_(m, grad, options["beta"], out=scratch[0])
+            b_abs = _ema_(b_abs, None if grad is None else grad.abs(), options["beta"], out=scratch[1])
+        if "max_exp_avg_abs" in b and self._use_max(self._step_count + 1):
+            b_abs = torch.maximum(b["max_exp_avg_abs"][lo:hi], b_abs, out=scratch[1])
+        return torch.div(m, b_abs + self.eps, out=scratch[0])
 
     def _exchange_update(self, u: Tensor, consume: Callable[[int, int, Tensor], None]) -> None:
         if self._update is None:
@@ -256,6 +304,15 @@ class Birder(_SoftSign):
 
     def _step(self) -> None:
         b = self.flat.buffers
+        if self._buckets is not None:  # the exchanges started during backward: apply u_bar, then move m, b
+            self._finish_buckets(consume=UpdateByChunks(self.flat.params, self.flat.offsets, lrs=self._hyper("lr"),
+                                                        weight_decays=self._hyper("weight_decay"),
+                                                        active=self._active))
+            soft_sign_moments(self.flat.offsets, grads=self._local_grads(), active=self._active,
+                              exp_avg=b["exp_avg"], exp_avg_abs=b["exp_avg_abs"],
+                              max_exp_avg_abs=b.get("max_exp_avg_abs"), use_max=self._use_max(self._step_count),
+                              betas=self._hyper("beta"))
+            return
         streamed = self._update is None
         birder(
             self.flat.params,
@@ -277,10 +334,10 @@ class Birder(_SoftSign):
         )
 
     def _extra_state(self) -> dict[str, Any]:
-        return {"allreduce": self.allreduce.state_dict()}
+        return self._collectives_state()
 
     def _load_extra_state(self, state: Mapping[str, Any], own_state: bool) -> None:
-        self._restore_collective(self.allreduce, state["allreduce"], own_state)
+        self._load_collectives_state(state, own_state)
 
 
 class SoftSignSGD(_SoftSign):

@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from .. import comm
 from ._base import OnebitOptimizer, check_adam_args, check_betas, check_bool, check_optional_positive
 from ._freeze import TwoStage
-from ._functional import _BLOCK, _ema_, adam_denominator, onebit_adam
+from ._functional import _ema_, adam_denominator, onebit_adam
+from ._overlap import OverlappedExchange
 
 __all__ = ["OnebitAdam", "OnebitAdamNaive"]
-
-_log = logging.getLogger("onebit.optim")
 
 
 class _AdamFamily(OnebitOptimizer):
@@ -79,7 +76,7 @@ class _AdamFamily(OnebitOptimizer):
         )
 
 
-class OnebitAdam(TwoStage, _AdamFamily):
+class OnebitAdam(TwoStage, OverlappedExchange, _AdamFamily):
     """1-bit Adam (Algorithm 1 of Tang et al., 2021). Use it WITHOUT DDP.
 
     * Warm-up (steps ``1 .. freeze_step``): gradients are averaged with a full-precision
@@ -178,10 +175,7 @@ class OnebitAdam(TwoStage, _AdamFamily):
         max_grad_norm: float | None = None,
     ) -> None:
         self.clip_update = check_optional_positive("clip_update", clip_update)
-        if check_bool("overlap", overlap) and max_grad_norm is not None:
-            raise ValueError(f"Invalid max_grad_norm value with overlap=True: {max_grad_norm!r} (the compression "
-                             "stage clips each rank's gradient over all parameters, which the first bucket's "
-                             "exchange cannot wait for); use overlap=False to clip")
+        check_bool("overlap", overlap)
         self._init_two_stage(
             freeze_step,
             check_betas(betas)[1],
@@ -210,73 +204,15 @@ class OnebitAdam(TwoStage, _AdamFamily):
 
         self.allreduce = collective()
         self.allreduce.warm_up(self.flat.device)  # kernels loaded now, not at the first compressed step
-        self._bucket_allreduce: list[Any] = []
-        self._bucket_pending: list[comm.Pending | None] = []
         if overlap:
-            if not self.allreduce.reduces_added_input:
-                raise ValueError(f"Invalid hierarchical value with overlap=True: {hierarchical!r} (the overlapped "
-                                 "exchange needs the flat compressed all-reduce)")
-            buckets = self._use_buckets(bucket_cap_mb, self._launch_bucket)
-            # One collective per bucket (its own chunks, errors and wire buffers: together the
-            # one-shot collective's sizes); the one-shot collective then never runs.
-            self._bucket_allreduce = [self.allreduce] + [collective() for _ in buckets.bounds[1:]]
-            self._bucket_pending = [None] * len(buckets.bounds)
+            self._use_buckets(bucket_cap_mb, collective, hierarchical=hierarchical)
 
-    def _launch_bucket(self, b: int) -> None:
-        """Start bucket ``b``'s exchange: its gradients' exact average (warm-up), or its momentum's
-        compressed all-to-all with ``c = e + beta1 m + (1 - beta1) g`` formed in the worker error
-        (``m`` itself changes only when the average comes back, so a skipped step leaves it)."""
-        lo, hi, members = self._buckets.bounds[b]
-        if self._frozen_at is None:
-            self.flat.gather_grads(self._grad[lo:hi], members, base=lo)
-            self._bucket_pending[b] = comm.all_reduce_mean(self._grad[lo:hi], self.process_group, self.timeout,
-                                                           async_op=True)
-            return
-        collective = self._bucket_allreduce[b]
-        c = collective.input_buffer(hi - lo, self.flat.device)
-        m = self.flat.buffers["exp_avg"]
-        betas = self._hyper("betas")
-        scratch = torch.empty(min(_BLOCK, hi - lo), dtype=torch.float32, device=c.device)
-        for i in members:
-            p, (start, end) = self.flat.params[i], self.flat.offsets[i]
-            if not (p.requires_grad or p.grad is not None):  # frozen: its momentum is exchanged as it is
-                c[start - lo : end - lo].add_(m[start:end])
-                continue
-            g = p.grad.reshape(-1) if p.grad is not None else None  # logical order (a copy if channels_last)
-            # m' = beta1 m + (1 - beta1) g block by block in scratch, then c = e + m': the one-shot
-            # exchange's arithmetic (one bucket gives its bits exactly) without touching m.
-            for at in range(start, end, _BLOCK):
-                to = min(at + _BLOCK, end)
-                g_block = None if g is None else g[at - start : to - start]
-                c[at - lo : to - lo].add_(_ema_(m[at:to], g_block, betas[i][0], out=scratch[: to - at]))
-        collective.start_added()
-
-    def _finish_buckets(self) -> None:
-        """Wait for every bucket's exchange: the averaged gradients in ``_grad`` (warm-up), or the
-        averaged momentum in ``exp_avg`` (compression)."""
-        if self._frozen_at is None:
-            self._wait_allreduces()
-            return
-        for collective in self._bucket_allreduce:  # every all-gather in flight before waiting on one
-            collective.advance_added()
-        for (lo, hi, _), collective in zip(self._buckets.bounds, self._bucket_allreduce):
-            collective.finish_added(self.flat.buffers["exp_avg"][lo:hi])
-
-    def _wait_allreduces(self) -> None:
-        """Wait for the warm-up's bucket all-reduces in flight (the averages land in ``_grad``)."""
-        for b, pending in enumerate(self._bucket_pending):
-            if pending is not None:
-                pending.wait()
-                self._bucket_pending[b] = None
-
-    def _abandon_buckets(self) -> None:
-        self._wait_allreduces()
-        if self._frozen_at is not None:
-            for collective in self._bucket_allreduce:
-                collective.abandon()
-                collective.reset()
-            _log.warning("%s: step skipped after the overlapped exchange had started: error-feedback buffers "
-                         "restarted at zero", type(self).__name__)
+    def _bucket_input(self, i: int, lo: int, hi: int, grad: Tensor | None, live: bool, options: dict[str, Any],
+                      scratch: Tensor) -> Tensor:
+        """``m' = beta1 m + (1 - beta1) g`` in scratch, ``m`` untouched (a frozen parameter's ``m``
+        as it is): with one bucket, the one-shot exchange's bits."""
+        m = self.flat.buffers["exp_avg"][lo:hi]
+        return _ema_(m, grad, options["betas"][0], out=scratch[0]) if live else m
 
     def _on_freeze(self) -> None:
         """Freeze the variance (Algorithm 1 line 2)."""
@@ -309,7 +245,7 @@ class OnebitAdam(TwoStage, _AdamFamily):
 
     def _step(self) -> None:
         if self._buckets is not None:  # the exchanges started during backward
-            self._finish_buckets()
+            self._finish_buckets(out=self.flat.buffers["exp_avg"])
         if self._frozen_at is None:
             if self._buckets is None:
                 grads = self._averaged_grads(self._clipped(self._allreduce))
@@ -325,33 +261,17 @@ class OnebitAdam(TwoStage, _AdamFamily):
             self._run(None, frozen_denom=self.flat.buffers["frozen_denom"])
 
     def _extra_state(self) -> dict[str, Any]:
-        state = self._two_stage_state()
-        if self._buckets is None:
-            state["allreduce"] = self.allreduce.state_dict()
-        else:
-            state["bucket_bounds"] = self._bucket_layout()
-            state["bucket_allreduce"] = [c.state_dict() for c in self._bucket_allreduce]
-        return state
-
-    def _bucket_layout(self) -> list[list[int]] | None:
-        return None if self._buckets is None else [[lo, hi] for lo, hi, _ in self._buckets.bounds]
+        return {**self._two_stage_state(), **self._collectives_state()}
 
     def _layout_for(self, state: Mapping[str, Any]) -> None:
         self._use_frozen_layout(state.get("frozen_at") is not None)
 
     def _load_extra_state(self, state: Mapping[str, Any], own_state: bool) -> None:
         self._load_two_stage_state(state)
-        saved = state["bucket_allreduce"] if "bucket_bounds" in state else [state["allreduce"]]
-        layout = state.get("bucket_bounds")
-        same = own_state and (None if layout is None else [list(b) for b in layout]) == self._bucket_layout()
-        if own_state and not same:
-            _log.warning("%s: checkpoint saved with another bucketing (overlap=%s): error-feedback buffers "
-                         "restart at zero", type(self).__name__, layout is not None)
-        for i, collective in enumerate(self._bucket_allreduce or [self.allreduce]):
-            self._restore_collective(collective, saved[i] if same else {}, same)
+        self._load_collectives_state(state, own_state)
 
 
-class OnebitAdamNaive(_AdamFamily):
+class OnebitAdamNaive(OverlappedExchange, _AdamFamily):
     """The paper's control "Adam (1-bit naive)" (sections 3.2 and 7.2): error-compensated
     1-bit compression of the *gradient*, with both Adam moments updated from the
     compressed average. It shows why 1-bit Adam freezes the variance: the squared
@@ -359,7 +279,9 @@ class OnebitAdamNaive(_AdamFamily):
 
     Every step exchanges the gradient with :class:`onebit.comm.CompressedAllReduce` (worker
     and server error feedback) and runs Adam, eq. (1), on the result. Arguments as
-    :class:`OnebitAdam`, without the freeze options.
+    :class:`OnebitAdam`, without the freeze options; with ``overlap=True`` each bucket's
+    gradients leave during backward, and ``max_grad_norm`` (which clips the average) is
+    allowed.
     """
 
     def __init__(
@@ -375,12 +297,15 @@ class OnebitAdamNaive(_AdamFamily):
         compressor: str = "sign",
         hierarchical: bool | str = False,
         ranks_per_node: int | None = None,
+        overlap: bool = False,
+        bucket_cap_mb: float = 25.0,
         timeout: float | timedelta | None = None,
         broadcast_parameters: bool = True,
         on_nonfinite: str = "skip",
         check_replicas_every: int = 0,
         max_grad_norm: float | None = None,
     ) -> None:
+        check_bool("overlap", overlap)
         super().__init__(
             params,
             lr=lr,
@@ -395,19 +320,32 @@ class OnebitAdamNaive(_AdamFamily):
             check_replicas_every=check_replicas_every,
             max_grad_norm=max_grad_norm,
         )
-        self.allreduce = comm.compressed_allreduce(
-            compressor, self.process_group, hierarchical=hierarchical, ranks_per_node=ranks_per_node, timeout=self.timeout
-        )
+        def collective() -> Any:
+            return comm.compressed_allreduce(compressor, self.process_group, hierarchical=hierarchical,
+                                             ranks_per_node=ranks_per_node, timeout=self.timeout)
+
+        self.allreduce = collective()
         self.allreduce.warm_up(self.flat.device)  # kernels loaded now, not at the first compressed step
+        if overlap:  # the clip is on the average, which step() has in full
+            self._use_buckets(bucket_cap_mb, collective, hierarchical=hierarchical, clips_locally=False)
+
+    def _bucket_input(self, i: int, lo: int, hi: int, grad: Tensor | None, live: bool, options: dict[str, Any],
+                      scratch: Tensor) -> Tensor | None:
+        """The gradient itself: what the naive variant compresses."""
+        return grad
 
     def _exchange_gradient(self, buffer: Tensor) -> Tensor:
         return self.allreduce(buffer, out=buffer)
 
     def _step(self) -> None:
-        self._run(self._averaged_grads(self._clipped(self._exchange_gradient)))
+        if self._buckets is None:
+            self._run(self._averaged_grads(self._clipped(self._exchange_gradient)))
+            return
+        self._finish_buckets(out=self._grad)  # the exchanges started during backward
+        self._run(self.flat.split(self._clip_grad_(self._grad)))
 
     def _extra_state(self) -> dict[str, Any]:
-        return {"allreduce": self.allreduce.state_dict()}
+        return self._collectives_state()
 
     def _load_extra_state(self, state: Mapping[str, Any], own_state: bool) -> None:
-        self._restore_collective(self.allreduce, state["allreduce"], own_state)
+        self._load_collectives_state(state, own_state)

@@ -12,8 +12,9 @@ import torch
 from torch import Tensor
 
 from .. import comm
-from ._base import OnebitOptimizer, check_adam_args, check_optional_positive, check_nonneg
+from ._base import OnebitOptimizer, check_adam_args, check_bool, check_nonneg, check_optional_positive
 from ._freeze import TwoStage
+from ._overlap import OverlappedExchange
 from ._functional import _ema_, apply_update_, clip_to_adam_step_
 
 __all__ = ["OnebitLamb", "lamb_coefficient", "onebit_lamb"]
@@ -35,7 +36,7 @@ def onebit_lamb(
     params: Sequence[Tensor],
     offsets: Sequence[tuple[int, int]],
     *,
-    grads: Sequence[Tensor | None],
+    grads: Sequence[Tensor | None] | None,
     active: Sequence[bool],
     exp_avg: Tensor,
     exp_avg_sq: Tensor,
@@ -74,7 +75,9 @@ def onebit_lamb(
     ``u = m / (sqrt(v) + eps) + wd x`` and ``c_avg <- b3 c_avg + (1 - b3) c_t`` (line 2).
     Compression (lines 6-21): local momentum from this rank's ``grads`` (``None`` counts as
     zero); momenta scaled by ``momentum_scale`` (A.5.2);
-    ``exchange(exp_avg)`` replaces the fused momentum (A.5.1) by its 1-bit average; unscale;
+    ``exchange(exp_avg)`` replaces the fused momentum (A.5.1) by its 1-bit average
+    (``grads=None``: the overlapped exchange already did all three, bucket by bucket, and
+    ``last_exp_avg`` holds ``m_{t-1}``, ``exp_avg`` the scaled average); unscale;
     ``g = (m_t - b1 m_{t-1}) / (1 - b1)``; fresh ``v``; ``r = max(v_frozen / v)`` clipped to
     ``(1 +- r_threshold) r_prev`` then ``[r_min, r_max]``; ``c = r c_avg``;
     ``x <- x - lr c (m / (sqrt(v_frozen) + eps) + wd x)``. Unless ``clip_update`` is None the
@@ -101,12 +104,13 @@ def onebit_lamb(
             coeffs.append(c)
         return torch.stack(coeffs)
 
-    last_exp_avg.copy_(exp_avg)
-    for i, (lo, hi) in enumerate(offsets):
-        if active[i]:
-            _ema_(exp_avg[lo:hi], grads[i], betas[i][0])
-        exp_avg[lo:hi].mul_(momentum_scale[i])
-    exchange(exp_avg)
+    if grads is not None:
+        last_exp_avg.copy_(exp_avg)
+        for i, (lo, hi) in enumerate(offsets):
+            if active[i]:
+                _ema_(exp_avg[lo:hi], grads[i], betas[i][0])
+            exp_avg[lo:hi].mul_(momentum_scale[i])
+        exchange(exp_avg)
     for i, (p, (lo, hi)) in enumerate(zip(params, offsets)):
         b1, b2 = betas[i]
         if not active[i]:
@@ -142,7 +146,7 @@ def onebit_lamb(
     return torch.stack(coeffs)
 
 
-class OnebitLamb(TwoStage, OnebitOptimizer):
+class OnebitLamb(TwoStage, OverlappedExchange, OnebitOptimizer):
     """1-bit LAMB (Algorithm 1 of Li et al., 2022). Use it WITHOUT DDP.
 
     * Warm-up (steps ``1 .. freeze_step``): gradients averaged by an fp32 all-reduce, exact
@@ -171,8 +175,13 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
     ``coeff_beta`` is ``beta_3``, ``factor_max``/``factor_min``/``factor_threshold`` are
     ``r_max``/``r_min``/``r_threshold``. ``freeze_step="auto"`` uses 1-bit Adam's variance
     criterion (the paper shows LAMB's variance stabilising the same way, section 3); the
-    other options (``compressor``, ``hierarchical``, ...) are those of :class:`onebit.OnebitAdam`. Weight decay enters the update
-    inside the trust ratio, as in LAMB.
+    other options (``compressor``, ``hierarchical``, ``overlap``, ``bucket_cap_mb``, ...) are those of
+    :class:`onebit.OnebitAdam`. Weight decay enters the update inside the trust ratio, as in LAMB.
+
+    With ``overlap=True`` a bucket's launch sends ``e + s_l (beta1 m + (1 - beta1) g)`` (its
+    scaled momentum) in the compression stage; ``step()`` keeps ``m_{t-1}``, takes the
+    averages and goes on as above. The requirements and the two behaviours that differ are
+    :class:`onebit.OnebitAdam`'s.
     """
 
     _flat_names = ("exp_avg", "exp_avg_sq", "frozen_exp_avg_sq", "last_exp_avg")
@@ -201,6 +210,8 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
         clip_update: float | None = 10.0,
         hierarchical: bool | str = False,
         ranks_per_node: int | None = None,
+        overlap: bool = False,
+        bucket_cap_mb: float = 25.0,
         timeout: float | timedelta | None = None,
         broadcast_parameters: bool = True,
         on_nonfinite: str = "skip",
@@ -208,6 +219,7 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
         max_grad_norm: float | None = None,
     ) -> None:
         beta2 = check_adam_args(lr, betas, eps, weight_decay)[1]
+        check_bool("overlap", overlap)
         for name, value in (("max_coeff", max_coeff), ("min_coeff", min_coeff), ("factor_max", factor_max),
                             ("factor_min", factor_min)):
             if check_nonneg(name, value) == 0:
@@ -258,10 +270,22 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
         # The averaged gradient of the warm-up (the fp32 all-reduce needs one flat buffer);
         # dropped at the freeze, when each rank's momentum takes its own gradient where it lies.
         self._grad: Tensor | None = self._new_grad_buffer()
-        self.allreduce = comm.compressed_allreduce(
-            compressor, self.process_group, hierarchical=hierarchical, ranks_per_node=ranks_per_node, timeout=self.timeout
-        )
+        def collective() -> Any:
+            return comm.compressed_allreduce(compressor, self.process_group, hierarchical=hierarchical,
+                                             ranks_per_node=ranks_per_node, timeout=self.timeout)
+
+        self.allreduce = collective()
         self.allreduce.warm_up(self.flat.device)  # kernels loaded now, not at the first compressed step
+        if overlap:
+            self._use_buckets(bucket_cap_mb, collective, hierarchical=hierarchical)
+
+    def _bucket_input(self, i: int, lo: int, hi: int, grad: Tensor | None, live: bool, options: dict[str, Any],
+                      scratch: Tensor) -> Tensor:
+        """``s_l (beta1 m + (1 - beta1) g)`` in scratch (``s_l m`` for a frozen parameter), ``m``
+        untouched: the one-shot exchange's operations."""
+        m = self.flat.buffers["exp_avg"][lo:hi]
+        x = _ema_(m, grad, options["betas"][0], out=scratch[0]) if live else scratch[0].copy_(m)
+        return x.mul_(self.momentum_scale[i])
 
     def _on_freeze(self) -> None:
         """Line 3 and A.5.2: store v_Tw (c_avg stops moving), derive the momentum scale coefficients."""
@@ -286,7 +310,14 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
     def _step(self) -> None:
         b = self.flat.buffers
         compressed = self._frozen_at is not None
-        if compressed:  # no averaged gradient in this stage: the local one, clipped locally
+        if self._buckets is not None:  # the exchanges started during backward
+            if compressed:  # m_{t-1} before the averages replace it
+                b["last_exp_avg"].copy_(b["exp_avg"])
+            self._finish_buckets(out=b["exp_avg"])
+            if compressed:
+                self._mask_unused(b["exp_avg"])
+            grads = None if compressed else self.flat.split(self._grad)
+        elif compressed:  # no averaged gradient in this stage: the local one, clipped locally
             grads = self._local_grads()
         else:
             grads = self._averaged_grads(self._clipped(self._allreduce))
@@ -320,7 +351,7 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
             "coeff_avg": self.coeff_avg.clone(),
             "ratio": self.ratio.clone(),
             "momentum_scale": self.momentum_scale.clone(),
-            "allreduce": self.allreduce.state_dict(),
+            **self._collectives_state(),
         }
 
     def _load_extra_state(self, state: Mapping[str, Any], own_state: bool) -> None:
@@ -329,4 +360,4 @@ class OnebitLamb(TwoStage, OnebitOptimizer):
         self.coeff_avg = state["coeff_avg"].to(**as_vector)
         self.ratio = state["ratio"].to(**as_vector)
         self.momentum_scale = state["momentum_scale"].to(**as_vector)
-        self._restore_collective(self.allreduce, state["allreduce"], own_state)
+        self._load_collectives_state(state, own_state)

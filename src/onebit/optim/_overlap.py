@@ -13,21 +13,30 @@ before it. A bucket that never completes during backward (a parameter unused on 
 or trainable only here) is launched by :meth:`Buckets.flush` at the start of ``step()``,
 still in order and before the step's non-finite agreement, so every rank issues the same
 sequence whatever its own timing.
+
+:class:`OverlappedExchange` is what an optimizer adds to use them: one collective per bucket,
+the exact fp32 all-reduce of a warm-up stage, and the compressed all-reduce whose input
+each optimizer forms block by block (:meth:`OverlappedExchange._bucket_input`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from .. import comm
+from ._functional import _BLOCK
 
-__all__ = ["Buckets", "bucket_bounds"]
+__all__ = ["Buckets", "OverlappedExchange", "bucket_bounds"]
+
+_log = logging.getLogger("onebit.optim")
 
 
 def bucket_bounds(offsets: Sequence[tuple[int, int]], cap: int,
@@ -151,3 +160,137 @@ class Buckets:
         self.launched_in_backward, self._in_backward = self._in_backward, 0
         self._reset()
         return sent
+
+
+class OverlappedExchange:
+    """The overlapped exchange (``overlap=True``) of an :class:`~onebit.optim.OnebitOptimizer`
+    whose compressed all-reduce takes its input added into the worker error
+    (``reduces_added_input``).
+
+    Each bucket has its own collective (its own chunks, errors and wire buffers: together
+    the one-shot collective's sizes); ``self.allreduce`` is the first bucket's, so the
+    one-shot exchange never runs. A bucket's launch, during backward, is the exact fp32
+    all-reduce of its gradients into ``self._grad`` in a ``"warmup"`` stage, else the
+    compressed all-to-all of ``e + x`` with ``x`` the subclass's
+    :meth:`_bucket_input`, formed block by block from the state as it was before the
+    step and the gradients -- the state itself changes only in ``step()``, after every
+    rank agreed the gradients are finite. The subclass's ``_step`` calls
+    :meth:`_finish_buckets`. A skipped step restarts the error-feedback buffers at zero:
+    they took in the values before any rank could know.
+    """
+
+    allreduce: Any
+    flat: Any
+    process_group: comm.Group
+    timeout: Any
+    max_grad_norm: float | None
+    _grad: Tensor | None
+    _buckets: Buckets | None
+    param_groups: list[dict[str, Any]]
+    _stage: Callable[[], str]
+    _restore_collective: Callable[[Any, Mapping[str, Any], bool], None]
+
+    def _use_buckets(self, bucket_cap_mb: float, collective: Callable[[], Any], *, hierarchical: object,
+                     clips_locally: bool = True) -> None:
+        """Turn the overlapped exchange on; ``collective()`` makes a bucket's compressed all-reduce.
+        ``clips_locally``: ``max_grad_norm`` clips each rank's own gradients over all parameters,
+        which the first bucket's exchange cannot wait for (refused)."""
+        if clips_locally and self.max_grad_norm is not None:
+            raise ValueError(f"Invalid max_grad_norm value with overlap=True: {self.max_grad_norm!r} (the "
+                             f"{type(self).__name__} step clips each rank's gradient over all parameters, which the "
+                             "first bucket's exchange cannot wait for); use overlap=False to clip")
+        if not self.allreduce.reduces_added_input:
+            raise ValueError(f"Invalid hierarchical value with overlap=True: {hierarchical!r} (the overlapped "
+                             "exchange needs the flat compressed all-reduce)")
+        self._buckets = Buckets(self.flat.params, self.flat.offsets, bucket_cap_mb, self._launch_bucket)
+        self._bucket_allreduce = [self.allreduce] + [collective() for _ in self._buckets.bounds[1:]]
+        self._bucket_pending: list[comm.Pending | None] = [None] * len(self._buckets.bounds)
+
+    def _bucket_input(self, i: int, lo: int, hi: int, grad: Tensor | None, live: bool, options: dict[str, Any],
+                      scratch: Tensor) -> Tensor | None:
+        """Values ``[lo, hi)`` (flat offsets, inside parameter ``i``) of what this rank exchanges,
+        as ``step()`` without overlap would form them (the same operations: the same bits), or
+        None for zeros. ``grad``: that block of the parameter's gradient in logical order (None
+        where it has none here); ``live``: the parameter can have one (trainable, or holding
+        one), else it is frozen and its state enters as it is; ``options``: its param group;
+        ``scratch``: two rows of ``hi - lo`` fp32 values."""
+        raise NotImplementedError
+
+    def _launch_bucket(self, b: int) -> None:
+        """Start bucket ``b``'s exchange (see the class docstring)."""
+        lo, hi, members = self._buckets.bounds[b]
+        if self._stage() == "warmup":
+            self.flat.gather_grads(self._grad[lo:hi], members, base=lo)
+            self._bucket_pending[b] = comm.all_reduce_mean(self._grad[lo:hi], self.process_group, self.timeout,
+                                                           async_op=True)
+            return
+        collective = self._bucket_allreduce[b]
+        c = collective.input_buffer(hi - lo, self.flat.device)
+        scratch = torch.empty(2, min(_BLOCK, hi - lo), dtype=torch.float32, device=c.device)
+        groups = [g for g in self.param_groups for _ in g["params"]]  # read now: LR schedulers change them
+        for i in members:
+            p, (start, end) = self.flat.params[i], self.flat.offsets[i]
+            g = p.grad.reshape(-1) if p.grad is not None else None  # logical order (a copy if channels_last)
+            live = p.requires_grad or p.grad is not None
+            for at in range(start, end, _BLOCK):
+                to = min(at + _BLOCK, end)
+                x = self._bucket_input(i, at, to, None if g is None else g[at - start : to - start], live,
+                                       groups[i], scratch[:, : to - at])
+                if x is not None:
+                    c[at - lo : to - lo].add_(x)
+        collective.start_added()
+
+    def _finish_buckets(self, out: Tensor | None = None,
+                        consume: Callable[[int, int, Tensor], None] | None = None) -> None:
+        """Wait for every bucket's exchange: the averaged gradients in ``self._grad`` (warm-up), or
+        the compressed averages written to the flat ``out`` or handed to ``consume(lo, hi,
+        values)`` chunk by chunk (flat offsets; ``values`` is scratch)."""
+        if self._stage() == "warmup":
+            self._wait_allreduces()
+            return
+        for collective in self._bucket_allreduce:  # every all-gather in flight before waiting on one
+            collective.advance_added()
+        for (lo, hi, _), collective in zip(self._buckets.bounds, self._bucket_allreduce):
+            if out is not None:
+                collective.finish_added(out[lo:hi])
+            else:
+                collective.finish_added_by_chunks(lambda a, b, values, lo=lo: consume(lo + a, lo + b, values))
+
+    def _wait_allreduces(self) -> None:
+        """Wait for the warm-up's bucket all-reduces in flight (the averages land in ``_grad``)."""
+        for b, pending in enumerate(self._bucket_pending):
+            if pending is not None:
+                pending.wait()
+                self._bucket_pending[b] = None
+
+    def _abandon_buckets(self) -> None:
+        """Every rank skips this step: wait for and drop the exchanges already launched."""
+        self._wait_allreduces()
+        if self._stage() != "warmup":
+            for collective in self._bucket_allreduce:
+                collective.abandon()
+                collective.reset()
+            _log.warning("%s: step skipped after the overlapped exchange had started: error-feedback buffers "
+                         "restarted at zero", type(self).__name__)
+
+    def _collectives_state(self) -> dict[str, Any]:
+        """The collectives' errors (and random state), with the bucketing they belong to."""
+        if self._buckets is None:
+            return {"allreduce": self.allreduce.state_dict()}
+        return {"bucket_bounds": self._bucket_layout(),
+                "bucket_allreduce": [c.state_dict() for c in self._bucket_allreduce]}
+
+    def _bucket_layout(self) -> list[list[int]] | None:
+        return None if self._buckets is None else [[lo, hi] for lo, hi, _ in self._buckets.bounds]
+
+    def _load_collectives_state(self, state: Mapping[str, Any], own_state: bool) -> None:
+        """Restore :meth:`_collectives_state`; saved with another bucketing (or by another rank)
+        the errors restart at zero."""
+        saved = state["bucket_allreduce"] if "bucket_bounds" in state else [state["allreduce"]]
+        layout = state.get("bucket_bounds")
+        same = own_state and (None if layout is None else [list(b) for b in layout]) == self._bucket_layout()
+        if own_state and not same:
+            _log.warning("%s: checkpoint saved with another bucketing (overlap=%s): error-feedback buffers "
+                         "restart at zero", type(self).__name__, layout is not None)
+        for i, collective in enumerate(self._bucket_allreduce if self._buckets is not None else [self.allreduce]):
+            self._restore_collective(collective, saved[i] if same else {}, same)
