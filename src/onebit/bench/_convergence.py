@@ -11,10 +11,10 @@ counterpart         compressed
 ==================  =====================================================================
 AdamW               1-bit Adam, freeze at 10/20/40% of the steps, with the one-shot and the
                     overlapped exchange (``overlap=True`` in 0.5 MB buckets)
-LAMB                1-bit LAMB, freeze at 10/20/40%
+LAMB                1-bit LAMB, freeze at 10/20/40%, one-shot and overlapped
 AMSGrad             Comp-AMS Top-k 1% and Block-Sign, each with and without error feedback;
                     Block-Sign with one block per layer (the paper's layout)
-SoftSignSGD         Birder
+SoftSignSGD         Birder, one-shot and overlapped
 ==================  =====================================================================
 
 The counterparts are the same optimizers with an exact fp32 exchange (1-bit Adam/LAMB that
@@ -47,12 +47,12 @@ FREEZE_FRACTIONS = (0.1, 0.2, 0.4)
 # counterpart -> (its two learning rates, the compressed optimizers compared with it)
 FAMILIES: dict[str, tuple[tuple[float, float], tuple[str, ...]]] = {
     "adamw": ((1e-3, 3e-3), ("onebit_adam", "onebit_adam_overlap")),
-    "lamb": ((3e-3, 1e-2), ("onebit_lamb",)),
+    "lamb": ((3e-3, 1e-2), ("onebit_lamb", "onebit_lamb_overlap")),
     "amsgrad": ((1e-3, 3e-3), ("comp_ams_topk", "comp_ams_topk_no_ef", "comp_ams_block_sign",
                                "comp_ams_block_sign_no_ef", "comp_ams_block_sign_layers")),
-    "softsign_sgd": ((1e-3, 3e-3), ("birder",)),
+    "softsign_sgd": ((1e-3, 3e-3), ("birder", "birder_overlap")),
 }
-_TWO_STAGE = ("onebit_adam", "onebit_adam_overlap", "onebit_lamb")
+_TWO_STAGE = ("onebit_adam", "onebit_adam_overlap", "onebit_lamb", "onebit_lamb_overlap")
 # the cells of benchmarks/deepspeed_convergence.py: DeepSpeed's name -> (family, onebit's optimizer)
 _DEEPSPEED = {"deepspeed_OneBitAdam": ("adamw", "onebit_adam"), "deepspeed_OneBitLamb": ("lamb", "onebit_lamb")}
 _NEVER = 10**9  # a freeze step no run reaches: the two-stage optimizers' exact warm-up throughout
@@ -187,6 +187,7 @@ def build_optimizer(cell: Cell, params: list[nn.Parameter], steps: int, seed: in
         "onebit_adam_overlap": lambda: OnebitAdam(params, freeze_step=freeze, overlap=True, bucket_cap_mb=0.5, **kw),
         "lamb": lambda: OnebitLamb(params, freeze_step=_NEVER, **kw),
         "onebit_lamb": lambda: OnebitLamb(params, freeze_step=freeze, **kw),
+        "onebit_lamb_overlap": lambda: OnebitLamb(params, freeze_step=freeze, overlap=True, bucket_cap_mb=0.5, **kw),
         "amsgrad": lambda: CompAMS(params, compressor="none", **kw),
         "comp_ams_topk": lambda: CompAMS(params, compressor="topk", **kw),
         "comp_ams_topk_no_ef": lambda: CompAMS(params, compressor="topk", error_feedback=False, **kw),
@@ -196,6 +197,7 @@ def build_optimizer(cell: Cell, params: list[nn.Parameter], steps: int, seed: in
         "comp_ams_block_sign_layers": lambda: CompAMS(params, compressor="block_sign", block="tensor", **kw),
         "softsign_sgd": lambda: SoftSignSGD(params, **kw),
         "birder": lambda: Birder(params, seed=seed, **kw),
+        "birder_overlap": lambda: Birder(params, seed=seed, overlap=True, bucket_cap_mb=0.5, **kw),
     }
     return makers[name]()
 
@@ -297,7 +299,7 @@ def run_convergence(out: Path, tasks: tuple[str, ...] = CONVERGENCE_TASKS,
     for name in tasks:
         # overlap=True refuses max_grad_norm (the local clip needs every gradient before the first bucket leaves)
         cells = [c for c in convergence_cells((name,), families)
-                 if max_grad_norm is None or c.optimizer != "onebit_adam_overlap"]
+                 if max_grad_norm is None or not c.optimizer.endswith("_overlap")]
         if progress:
             print(f"task {name}: {len(cells)} runs of {steps} steps on {world} ranks", flush=True)
         results += spawn(_task_main, world, name, cells, steps, batch, seed, progress, max_grad_norm,

@@ -1,6 +1,6 @@
 """What ``onebit train --optimizer NAME`` builds: the model wrapper, the optimizer, and how to read its stage.
 
-onebit's optimizers average across ranks themselves (no DDP; ``onebit_adam_overlap`` starts
+onebit's optimizers average across ranks themselves (no DDP; the ``*_overlap`` variants start
 each bucket's exchange during backward); ``local_adam`` exchanges nothing (the compute
 floor of the same ranks); the ``ddp_*`` peers are
 PyTorch DDP with its own hooks (plain all-reduce, ``fp16_compress_hook``,
@@ -37,12 +37,14 @@ OPTIMIZERS = (
     "onebit_adam_naive",
     "lamb",
     "onebit_lamb",
+    "onebit_lamb_overlap",
     "amsgrad",
     "comp_ams",
     "comp_ams_block_sign",
     "qadam",
     "softsign_sgd",
     "birder",
+    "birder_overlap",
     "ddp_allreduce",
     "ddp_fp16",
     "ddp_powersgd",
@@ -189,10 +191,10 @@ def build_run(name: str, model: nn.Module, cfg, per_node: int | None) -> Run:
                          overlap=name == "onebit_adam_overlap", **exchange)
     elif name == "onebit_adam_naive":
         opt = OnebitAdamNaive(params, lr=cfg.lr, bias_correction=cfg.bias_correction, **exchange)
-    elif name in ("lamb", "onebit_lamb"):
+    elif name in ("lamb", "onebit_lamb", "onebit_lamb_overlap"):
         # "lamb" is 1-bit LAMB that never leaves its warm-up: exact LAMB on all-reduced gradients.
-        freeze = cfg.freeze_step if name == "onebit_lamb" else cfg.steps + 1
-        opt = OnebitLamb(params, lr=cfg.lr, freeze_step=freeze, **exchange)
+        freeze = cfg.steps + 1 if name == "lamb" else cfg.freeze_step
+        opt = OnebitLamb(params, lr=cfg.lr, freeze_step=freeze, overlap=name == "onebit_lamb_overlap", **exchange)
     elif name in ("amsgrad", "comp_ams", "comp_ams_block_sign"):
         compressor = {"amsgrad": "none", "comp_ams": "topk", "comp_ams_block_sign": "block_sign"}[name]
         opt = CompAMS(params, lr=cfg.lr, compressor=compressor, ratio=cfg.topk_ratio,
@@ -202,7 +204,7 @@ def build_run(name: str, model: nn.Module, cfg, per_node: int | None) -> Run:
     elif name == "softsign_sgd":
         opt = SoftSignSGD(params, lr=cfg.lr, group=group)
     else:
-        opt = Birder(params, lr=cfg.lr, seed=cfg.seed, **exchange)
+        opt = Birder(params, lr=cfg.lr, seed=cfg.seed, overlap=name == "birder_overlap", **exchange)
     if name in ("adam", NO_COMMUNICATION):
         return Run(model, opt, lambda: "warmup", lambda: None)
     return Run(model, opt, lambda: opt.stats["stage"], lambda: opt.stats["freeze_step"],
