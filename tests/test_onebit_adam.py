@@ -10,7 +10,6 @@ import onebit
 from _harness import run_ranks
 from _oracle import SimulatedCompressedAllReduce
 from _problem import DIM, flag_bytes, run_problem, teacher_student_loss
-from _problem import digest as _digest
 from _problem import grads as _grads
 from _problem import initial_params as _params
 
