@@ -139,7 +139,7 @@ def test_ddp_peers_count_their_bytes(name, per_value, tmp_path):
 
 def test_compare_writes_table_plot_and_summaries(tmp_path, capsys):
     out = tmp_path / "cmp"
-    names = "onebit_adam,birder,softsign_sgd,ddp_powersgd,ddp_birder"
+    names = "onebit_adam,birder_overlap,ddp_powersgd,ddp_birder"
     assert main(["compare", "--optimizers", names, "--steps", "4", "--freeze-step", "2", "--batch-size", "4",
                  "--hidden", "32", "--out", str(out), "--quiet"]) == 0
     text = capsys.readouterr().out
