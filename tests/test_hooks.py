@@ -171,6 +171,58 @@ def test_one_bit_hooks_train_near_the_ddp_loss():
     assert birder[0]["loss"] < 1.3 * ddp_adamw[0]["loss"], (birder[0]["loss"], ddp_adamw[0]["loss"])
 
 
+def _abort(rank, world, kind, explicit):
+    """Backward raises part-way at step 3, after the later buckets' exchanges started; DDP cannot
+    go on, so a new instance takes the state: the same live one (``explicit``: restored from its
+    own state_dict first, as the warning says it does)."""
+    opt_kind, lr = ("birder", 3e-3) if kind == "birder" else ("sgd", 0.05)
+    model, teacher = _model(), _teacher()
+    ddp, state = _ddp(kind, model)
+    opt = _make_opt(opt_kind, model.parameters(), lr)
+    gen = torch.Generator().manual_seed(100 + rank)
+    digests, left = [], None
+    for step in range(8):
+        x = torch.randn(32, 16, generator=gen)
+        loss = torch.nn.functional.mse_loss(ddp(x), teacher(x).detach())
+        opt.zero_grad()
+        if step != 3:
+            loss.backward()
+            opt.step()
+            digests.append(_digest(model))
+            continue
+        handle = model[0].weight.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("abort")))
+        with pytest.raises(RuntimeError, match="abort"):
+            loss.backward()
+        handle.remove()
+        left = len(state._flights)
+        opt.zero_grad()
+        if explicit:
+            state.load_state_dict(state.state_dict())
+        ddp = DDP(model, bucket_cap_mb=0.01)
+        ddp.register_comm_hook(state, _make_state(kind)[1])
+    # The same live state on yet another DDP instance, without a restore: its first iteration
+    # has DDP's initial bucket layout, which the live buckets were not built for.
+    ddp = DDP(model, bucket_cap_mb=0.01)
+    ddp.register_comm_hook(state, _make_state(kind)[1])
+    try:
+        ddp(torch.randn(32, 16, generator=gen)).sum().backward()
+        error = None
+    except ValueError as exc:
+        error = str(exc)
+    return {"digests": digests, "left": left, "iter": state.iter, "error": error}
+
+
+@pytest.mark.parametrize("kind", ["sign", "birder"])
+def test_a_backward_that_raised_part_way_is_dropped_and_the_state_restored(kind):
+    auto = run_ranks(_abort, 2, kind, False)
+    explicit = run_ranks(_abort, 2, kind, True)
+    assert auto[0]["left"] >= 1, "no exchange was in flight when backward raised"
+    assert auto[0]["digests"] == auto[1]["digests"], "replicas differ"
+    assert auto[0]["digests"] == explicit[0]["digests"]
+    assert auto[0]["iter"] == 7
+    assert "state.load_state_dict(state.state_dict())" in auto[0]["error"]
+
+
 @pytest.mark.parametrize("kind,via", [("sign", "pickle"), ("birder", "state_dict")])
 def test_restored_state_resumes_on_a_new_ddp_instance(kind, via):
     """The new DDP's first (pre-rebuild) iteration is exact; the saved errors and moments then take over."""

@@ -95,6 +95,11 @@ class _Sized:
     def _size(self, numel: int, device: torch.device) -> None:
         raise NotImplementedError
 
+    @property
+    def numel(self) -> int | None:
+        """The values per call this collective was sized for on its first (``None`` before it)."""
+        return self._numel
+
     def warm_up(self, device: torch.device | str) -> None:
         """Load the compressor's kernels for ``device`` now (see :meth:`Compressor.warm_up`)."""
         self.compressor.warm_up(torch.device(device))

@@ -68,6 +68,12 @@ class _HookState:
     every rank, so every rank's GradScaler skips the step, and restart their errors (and
     Birder's moments) at zero on every rank -- some took in the values before any rank could
     know. Before ``start_iter`` the exact all-reduce carries the NaN/Inf itself.
+
+    On a new DDP instance a live state must be restored first,
+    ``state.load_state_dict(state.state_dict())`` (a bucket of another size raises saying
+    so): the new instance's first iteration has DDP's initial bucket layout. After a
+    backward that raised part-way (DDP cannot go on; the job builds a new instance) the
+    state does that itself, dropping the exchanges left in flight, with a warning.
     """
 
     __slots__ = ("process_group", "start_iter", "iter", "hierarchical", "ranks_per_node", "timeout", "_buckets",
@@ -118,6 +124,13 @@ class _HookState:
         """
         entry = self._buckets.get(index)
         if entry is not None:
+            if entry["allreduce"].numel not in (None, grad.numel()):
+                raise ValueError(
+                    f"bucket {index} has {grad.numel()} values but this state's was built with "
+                    f"{entry['allreduce'].numel}: the state was used by another DDP instance (or the bucket "
+                    "layout changed); to register it on a new one, restore it first: "
+                    "state.load_state_dict(state.state_dict())"
+                )
             return entry
         saved = self._saved.get(index)
         if self._saved and (saved is None or saved["numel"] != grad.numel()):
@@ -149,6 +162,13 @@ class _HookState:
 
     def _entry(self, bucket: dist.GradBucket) -> dict[str, Any] | None:
         """The bucket's compressed collective and buffers; ``None`` before ``start_iter`` (exact)."""
+        if bucket.index() == 0 and self._flights:
+            # The previous backward stopped part-way (an exception), leaving exchanges behind.
+            # DDP cannot go on after that, so this is a new DDP instance, whose first iteration
+            # has DDP's initial bucket layout: take the buckets back as from a checkpoint.
+            _log.warning("dropping %d bucket exchanges of an unfinished backward pass; the buckets' state "
+                         "is restored as from a checkpoint", len(self._flights))
+            self.load_state_dict(self.state_dict())
         return self._bucket(bucket.index(), bucket.buffer()) if self.iter >= self.start_iter else None
 
     def _mean(self, grad: Tensor) -> Stages:
@@ -161,11 +181,6 @@ class _HookState:
                   stages: Stages) -> torch.futures.Future[Tensor]:
         """Start ``bucket``'s exchange and return the future of its gradients (the last bucket
         finishes them all)."""
-        if bucket.index() == 0 and self._flights:
-            # The previous backward stopped part-way (an exception), leaving exchanges behind
-            # on this rank whose peers are lost with them.
-            _log.warning("dropping %d bucket exchanges of an unfinished backward pass", len(self._flights))
-            self._flights = []
         flight = _Flight(stages, bucket.buffer(), entry)
         self._flights.append(flight)
         flight.advance()
