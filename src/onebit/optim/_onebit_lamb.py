@@ -14,8 +14,8 @@ from torch import Tensor
 from .. import comm
 from ._base import OnebitOptimizer, check_adam_args, check_bool, check_nonneg, check_optional_positive
 from ._freeze import TwoStage
-from ._overlap import OverlappedExchange
 from ._functional import _ema_, apply_update_, clip_to_adam_step_
+from ._overlap import OverlappedExchange
 
 __all__ = ["OnebitLamb", "lamb_coefficient", "onebit_lamb"]
 
