@@ -1,6 +1,6 @@
 """Property tests on real ranks: random shapes (zero-size included), dtypes, optimizers, NaN
 faults and the gradients real models give -- zero, missing on every rank, missing on some
-ranks, frozen parameters -- world sizes 1-3; the overlapped exchanges too (the gradients are
+ranks, frozen parameters -- world sizes 1-4; the overlapped exchanges too (the gradients are
 set, not accumulated by backward, so every bucket starts at ``step()``).
 
 Every rank runs the same derandomized hypothesis sequence (no shrinking, so ranks never
@@ -99,7 +99,7 @@ def _fuzz(rank, world, examples):
     return checked
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_invariants_hold_for_random_problems_and_faults(world):
     results = run_ranks(_fuzz, world, 6, timeout=600)
     assert results[0] == results[-1] and len(results[0]) == 6 * len(OPTIMIZERS)
