@@ -21,7 +21,7 @@ from mpi4py import MPI  # noqa: E402
 
 import onebit  # noqa: E402
 from onebit import comm  # noqa: E402
-from _problem import OPTIMIZERS, run_problem  # noqa: E402
+from _problem import OPTIMIZERS, digest, run_problem  # noqa: E402
 
 def _inputs(rank: int, step: int, n: int = 1001) -> torch.Tensor:
     return torch.randn(n, generator=torch.Generator().manual_seed(100 * step + rank))
@@ -65,6 +65,30 @@ def optimizers(rank: int, world: int) -> dict:
     return res
 
 
+def overlap(rank: int, world: int) -> dict:
+    """The overlapped exchanges on a 3-layer MLP in 0.004 MB buckets: each bucket's non-blocking
+    collectives start during backward, several in flight at once."""
+    res = {}
+    for backend in ("torch", "mpi"):
+        for name, kwargs in (("OnebitAdam", dict(freeze_step=2)), ("Birder", dict(seed=1))):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(12, 48), torch.nn.GELU(), torch.nn.Linear(48, 40),
+                                        torch.nn.GELU(), torch.nn.Linear(40, 3))
+            opt = getattr(onebit, name)(model.parameters(), lr=0.01, group=backend, overlap=True,
+                                        bucket_cap_mb=0.004, **kwargs)
+            run = {"digests": [], "bytes": [], "in_backward": [], "buckets": len(opt._buckets.bounds)}
+            for step in range(6):
+                opt.zero_grad()
+                x = torch.randn(6, 12, generator=torch.Generator().manual_seed(100 * step + rank))
+                model(x).pow(2).mean().backward()
+                opt.step()
+                run["digests"].append(digest([p.detach() for p in model.parameters()]))
+                run["bytes"].append(opt.stats["bytes_sent"])
+                run["in_backward"].append(opt.stats["buckets_in_backward"])
+            res[backend, name] = run
+    return res
+
+
 def stall(rank: int, world: int) -> dict:
     """Rank 1 never arrives; the others must give up after their 1.5 s timeout."""
     car = comm.CompressedAllReduce("sign", "mpi", timeout=1.5)
@@ -79,7 +103,7 @@ def stall(rank: int, world: int) -> dict:
     return {"error": None, "elapsed": time.monotonic() - start}
 
 
-CHECKS = {"collectives": collectives, "optimizers": optimizers, "stall": stall}
+CHECKS = {"collectives": collectives, "optimizers": optimizers, "overlap": overlap, "stall": stall}
 
 
 def main() -> None:

@@ -69,23 +69,33 @@ class _Staged:
 
 
 class _Work:
-    """Stages of non-blocking MPI calls run in order, polled until done or the deadline."""
+    """Stages of non-blocking MPI calls run in order, polled until done or the deadline.
+
+    The first stage starts at once, as a gloo/NCCL ``async_op`` collective does, so that an
+    overlapped exchange (several in flight, issued in the same order on every rank, as
+    MPI-3 requires) moves while the caller computes; each later stage starts in
+    :meth:`wait`, when the one before it has completed."""
 
     def __init__(self, stages: list[Callable[[], Any]], finish: Callable[[], None]) -> None:
-        self._stages = stages
+        self._stages = iter(stages)
+        self._request = next(self._stages)()
         self._finish = finish
 
     def wait(self, timeout: timedelta) -> bool:
         deadline = time.monotonic() + timeout.total_seconds()
-        for stage in self._stages:
-            request, delay = stage(), 0.0
+        while True:
+            delay = 0.0
             # Back off from a spin to 1 ms sleeps: ranks often outnumber cores in tests and
             # benchmarks, and a spinning rank would steal the core its peer needs.
-            while not request.Test():
+            while not self._request.Test():
                 if time.monotonic() > deadline:
                     return False
                 time.sleep(delay)
                 delay = min(2 * delay + 1e-5, 1e-3)
+            stage = next(self._stages, None)
+            if stage is None:
+                break
+            self._request = stage()
         self._finish()
         return True
 
