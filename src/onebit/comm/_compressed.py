@@ -263,19 +263,20 @@ class CompressedAllReduce(_Sized):
 
     def finish_added(self, out: Tensor) -> Tensor:
         """The rest of the exchange :meth:`start_added` began, decoded into the flat fp32 ``out``."""
-        if self._flight is None:
-            raise RuntimeError(f"{type(self).__name__}: no exchange in flight")
-        (stages, _), self._flight = self._flight, None
-        self._decode(run_stages(stages), out.view(-1))
+        self._decode(self._land(), out.view(-1))
         return out
 
     def finish_added_by_chunks(self, consume: Callable[[int, int, Tensor], None]) -> None:
         """The rest of the exchange :meth:`start_added` began, handed to ``consume`` chunk by chunk
         as :meth:`reduce_added` does (no output buffer of the input's size)."""
+        self._hand_out(self._land(), consume)
+
+    def _land(self) -> Tensor:
+        """Run the rest of the exchange in flight; every chunk's gathered bytes."""
         if self._flight is None:
             raise RuntimeError(f"{type(self).__name__}: no exchange in flight")
         (stages, _), self._flight = self._flight, None
-        self._hand_out(run_stages(stages), consume)
+        return run_stages(stages)
 
     def abandon(self) -> None:
         """Wait for the collective in flight and drop it (every rank skips the step); the errors

@@ -310,13 +310,14 @@ class OnebitLamb(TwoStage, OverlappedExchange, OnebitOptimizer):
     def _step(self) -> None:
         b = self.flat.buffers
         compressed = self._frozen_at is not None
-        if self._buckets is not None:  # the exchanges started during backward
-            if compressed:  # m_{t-1} before the averages replace it
-                b["last_exp_avg"].copy_(b["exp_avg"])
+        if self._buckets is not None and compressed:  # the exchanges started during backward
+            b["last_exp_avg"].copy_(b["exp_avg"])  # m_{t-1}, before the averages replace it
             self._finish_buckets(out=b["exp_avg"])
-            if compressed:
-                self._mask_unused(b["exp_avg"])
-            grads = None if compressed else self.flat.split(self._grad)
+            self._mask_unused(b["exp_avg"])
+            grads = None
+        elif self._buckets is not None:  # the warm-up's averages, into _grad
+            self._finish_buckets()
+            grads = self.flat.split(self._grad)
         elif compressed:  # no averaged gradient in this stage: the local one, clipped locally
             grads = self._local_grads()
         else:
