@@ -15,8 +15,9 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 def check_fused_ops(n: int, world: int, g: torch.Generator, accumulate: bool,
                     where: str = "") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``ef_sign_compress_`` and ``average_signs`` (separate payloads, and the same payloads as
-    slots of one received buffer) equal the reference bit for bit; returns ``(x, packed, scale)``."""
+    """``ef_sign_compress_``, ``unpack_signs`` and ``average_signs`` (separate payloads, and the
+    same payloads as slots of one received buffer) equal the reference bit for bit; returns
+    ``(x, packed, scale)``."""
     x, e = torch.randn(n, generator=g), torch.randn(n, generator=g)
     fast_e, ref_e = e.clone(), e.clone()
     packed, scale = ops.ef_sign_compress_(fast_e, x)
@@ -24,6 +25,9 @@ def check_fused_ops(n: int, world: int, g: torch.Generator, accumulate: bool,
         ref_packed, ref_scale = ops.ef_sign_compress_(ref_e, x)
     assert torch.equal(packed, ref_packed) and torch.equal(scale, ref_scale), f"ef_sign_compress_ {where}"
     assert torch.equal(bits(fast_e), bits(ref_e)), f"ef_sign_compress_ error {where}"
+    with ops.reference_kernels():
+        ref_values = ops.unpack_signs(packed, n, scale)
+    assert torch.equal(bits(ops.unpack_signs(packed, n, scale)), bits(ref_values)), f"unpack_signs {where}"
     payloads = [ops.pack_signs(torch.randn(n, generator=g)) for _ in range(world)]
     scales = [torch.rand(1, generator=g) for _ in range(world)]
     base = torch.randn(n, generator=g)

@@ -35,7 +35,7 @@ class KernelResult:
 def _fast_name(device: torch.device, kernel: str) -> str:
     """Which implementation the dispatch picks for ``kernel`` on ``device``."""
     if device.type == "cpu":
-        if kernel in ("pack_signs", "unpack_signs"):
+        if kernel == "pack_signs":
             return "numpy"
         return "numba" if _cpu.pack_signs_update is not None else "torch"
     return "triton" if _triton.available(torch.empty(0, device=device)) else "torch"

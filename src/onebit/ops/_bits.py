@@ -8,7 +8,8 @@ kernel uses to form the dequantized value.
 
 Three implementations produce the same bytes: a pure-torch reference that runs on any
 device, a CPU fast path on numpy's vectorised ``packbits``/``unpackbits`` (5-10x faster
-than the reference), and one-pass Triton kernels for CUDA tensors (:mod:`._triton`).
+than the reference) with a one-pass numba kernel decoding signs (:mod:`._cpu`), and
+one-pass Triton kernels for CUDA tensors (:mod:`._triton`).
 ``reference_kernels()`` forces the reference.
 """
 
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import _triton
+from . import _cpu, _triton
 
 __all__ = [
     "packed_numel",
@@ -159,9 +160,10 @@ def _sign_table(device: torch.device) -> Tensor:
 def unpack_signs(packed: Tensor, numel: int, scale: float | Tensor = 1.0, out: Tensor | None = None) -> Tensor:
     """Decode :func:`pack_signs` output to ``+scale``/``-scale`` float32 values.
 
-    ``scale`` may be a Python float or a 0-d/1-element tensor (kept on device: no sync).
-    The fast path looks each byte up in a 256x8 table pre-multiplied by ``scale`` (one
-    write pass); the reference expands bits and computes ``(2 b - 1) * scale``.
+    ``scale`` may be a Python float or a 0-d/1-element tensor (kept on device: no sync on
+    CUDA). On CPU a numba kernel writes ``+-scale`` in one pass (without numba: a lookup in
+    a 256x8 table pre-multiplied by ``scale``); the reference expands bits and computes
+    ``(2 b - 1) * scale``. All give the same bits.
     """
     if packed.dtype != torch.uint8:
         raise TypeError(f"packed must be a uint8 tensor, got dtype={packed.dtype}")
@@ -181,6 +183,9 @@ def unpack_signs(packed: Tensor, numel: int, scale: float | Tensor = 1.0, out: T
         bits = unpack_bits(packed, numel)
         torch.mul(bits.to(torch.float32), 2.0, out=out)
         return out.sub_(1.0).mul_(scale)
+    if _cpu.unpack_signs is not None and packed.device.type == "cpu":
+        _cpu.unpack_signs(packed.numpy(), np.float32(scale.item()), out.numpy())
+        return out
     table = _sign_table(packed.device) * scale
     full = numel // 8
     if full:

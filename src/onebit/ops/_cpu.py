@@ -2,14 +2,15 @@
 
 They compute exactly the floating-point operations of the torch reference, in the same
 order, so their results are bit-identical to it: ``c - copysign(scale, c)`` for the
-error, and ``((+-s_0) + (+-s_1) + ...) * (1/w)`` for an average of sign payloads.
+error, ``((+-s_0) + (+-s_1) + ...) * (1/w)`` for an average of sign payloads, and
+``+-scale`` (a copy, no arithmetic) for a decoded payload.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["average_signs", "pack_signs_update"]
+__all__ = ["average_signs", "pack_signs_update", "unpack_signs"]
 
 try:
     import numba
@@ -74,6 +75,18 @@ if numba is not None:
                 else:
                     out[j] = t * inv
 
+    @numba.njit(cache=True, nogil=True, boundscheck=False)
+    def _unpack_signs(packed, scale, out):  # pragma: no cover - compiled
+        n = out.size
+        full = n // 8
+        negative = -scale
+        for i in range(full):  # a fixed trip count of 8: unrolled, and stores without a branch
+            byte = packed[i]
+            for k in range(8):
+                out[8 * i + k] = scale if (byte >> k) & 1 else negative
+        for k in range(n - 8 * full):
+            out[8 * full + k] = scale if (packed[full] >> k) & 1 else negative
+
     def pack_signs_update(c: np.ndarray, scale: np.float32, packed: np.ndarray) -> None:
         """Pack the signs of ``c`` (bit 1 = sign bit clear) and set ``c -= copysign(scale, c)``."""
         _pack_signs_update(c, scale, packed)
@@ -82,6 +95,11 @@ if numba is not None:
         """``out (+)= (sum_r +-scales[r]) * (1/w)`` over the rows of ``packed`` (summed in row order)."""
         _average_signs(packed, scales, n, out, accumulate)
 
+    def unpack_signs(packed: np.ndarray, scale: np.float32, out: np.ndarray) -> None:
+        """``out[j] = +scale`` where bit ``j`` of ``packed`` is set, else ``-scale``."""
+        _unpack_signs(packed, scale, out)
+
 else:  # pragma: no cover
     pack_signs_update = None
     average_signs = None
+    unpack_signs = None
