@@ -81,3 +81,28 @@ def test_bad_inputs():
 @given(n=st.integers(0, 200), world=st.integers(1, 11), seed=st.integers(0, 2**16), accumulate=st.booleans())
 def test_fused_kernels_bit_identical_to_reference(n, world, seed, accumulate):
     check_fused_ops(n, world, torch.Generator().manual_seed(seed), accumulate)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(0, 300), seed=st.integers(0, 2**16), scale=st.floats(1e-3, 1e3))
+def test_elementwise_kernels_bit_identical_to_reference(n, seed, scale):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * 10
+    bound = torch.rand(n, generator=g)
+    ref = torch.randn(n, generator=g)
+    ref[torch.rand(n, generator=g) < 0.3] = 0.0
+    ref[torch.rand(n, generator=g) < 0.1] = -0.0  # equal to 0.0, as torch's == says
+    eps = torch.randn(n, generator=g)
+    eps[torch.rand(n, generator=g) < 0.3] = 1e-8  # 1-bit Adam's marker: sqrt(v) + eps == eps (fp32)
+    x[torch.rand(n, generator=g) < 0.1] = -0.0
+    for fn, args in ((ops.clamp_scaled_, (bound, scale)), (ops.zero_where_equal_, (ref, 0.0)),
+                     (ops.zero_where_equal_, (eps, 1e-8))):
+        fast = fn(x.clone(), *args)
+        with ops.reference_kernels():
+            expect = fn(x.clone(), *args)
+        assert torch.equal(fast.view(torch.int32), expect.view(torch.int32)), fn.__name__
+    # Plain definitions: clamp to +-bound*scale, and a masked fill.
+    limit = bound * scale
+    assert torch.equal(ops.clamp_scaled_(x.clone(), bound, scale), torch.minimum(torch.maximum(x, -limit), limit))
+    assert torch.equal(ops.zero_where_equal_(x.clone(), ref, 0.0), torch.where(ref == 0, 0.0, x))
+    assert torch.equal(ops.zero_where_equal_(x.clone(), eps, 1e-8), torch.where(eps == 1e-8, 0.0, x))

@@ -1,11 +1,14 @@
-"""Bit operations: sign packing (8 per byte) and fused error-feedback compression kernels."""
+"""Bit operations: sign packing (8 per byte), fused error-feedback compression kernels, and
+the optimizers' one-pass element-wise updates."""
 
 from ._bits import pack_bits, pack_signs, packed_numel, reference_kernels, unpack_bits, unpack_signs
+from ._elementwise import clamp_scaled_, zero_where_equal_
 from ._fused import average_signs, ef_sign_compress_, warm_up
 from ._norms import l1_norm, l2_norm, max_abs
 
 __all__ = [
     "average_signs",
+    "clamp_scaled_",
     "ef_sign_compress_",
     "l1_norm",
     "l2_norm",
@@ -17,4 +20,5 @@ __all__ = [
     "unpack_bits",
     "unpack_signs",
     "warm_up",
+    "zero_where_equal_",
 ]

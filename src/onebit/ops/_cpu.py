@@ -3,14 +3,16 @@
 They compute exactly the floating-point operations of the torch reference, in the same
 order, so their results are bit-identical to it: ``c - copysign(scale, c)`` for the
 error, ``((+-s_0) + (+-s_1) + ...) * (1/w)`` for an average of sign payloads, and
-``+-scale`` (a copy, no arithmetic) for a decoded payload.
+``+-scale`` (a copy, no arithmetic) for a decoded payload; ``min(max(x, -b * s), b * s)``
+(``torch.clamp`` with the limits ``b * s`` and its negation) and ``masked_fill_(ref == value, 0)``
+for the optimizers' element-wise passes.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["average_signs", "pack_signs_update", "unpack_signs"]
+__all__ = ["average_signs", "clamp_scaled_", "pack_signs_update", "unpack_signs", "zero_where_equal_"]
 
 try:
     import numba
@@ -87,6 +89,23 @@ if numba is not None:
         for k in range(n - 8 * full):
             out[8 * full + k] = scale if (packed[full] >> k) & 1 else negative
 
+    @numba.njit(cache=True, nogil=True, boundscheck=False)
+    def _clamp_scaled(x, bound, scale):  # pragma: no cover - compiled
+        for i in range(x.size):
+            limit = bound[i] * scale
+            v = x[i]
+            if v < -limit:  # torch.clamp's order: the lower limit first, then the upper one
+                v = -limit
+            if v > limit:
+                v = limit
+            x[i] = v
+
+    @numba.njit(cache=True, nogil=True, boundscheck=False)
+    def _zero_where_equal(x, ref, value):  # pragma: no cover - compiled
+        for i in range(x.size):
+            if ref[i] == value:
+                x[i] = 0.0
+
     def pack_signs_update(c: np.ndarray, scale: np.float32, packed: np.ndarray) -> None:
         """Pack the signs of ``c`` (bit 1 = sign bit clear) and set ``c -= copysign(scale, c)``."""
         _pack_signs_update(c, scale, packed)
@@ -99,7 +118,17 @@ if numba is not None:
         """``out[j] = +scale`` where bit ``j`` of ``packed`` is set, else ``-scale``."""
         _unpack_signs(packed, scale, out)
 
+    def clamp_scaled_(x: np.ndarray, bound: np.ndarray, scale: np.float32) -> None:
+        """``x = clamp(x, -bound * scale, bound * scale)`` in place (fp32 products)."""
+        _clamp_scaled(x, bound, scale)
+
+    def zero_where_equal_(x: np.ndarray, ref: np.ndarray, value: np.float32) -> None:
+        """``x[i] = 0`` where ``ref[i] == value``, in place."""
+        _zero_where_equal(x, ref, value)
+
 else:  # pragma: no cover
+    clamp_scaled_ = None
+    zero_where_equal_ = None
     pack_signs_update = None
     average_signs = None
     unpack_signs = None

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from . import _bits, _cpu, _triton
 from ._bits import pack_signs, packed_numel, unpack_signs
+from ._elementwise import clamp_scaled_, zero_where_equal_
 from ._norms import l2_norm
 
 __all__ = ["average_signs", "ef_sign_compress_", "warm_up"]
@@ -111,7 +112,7 @@ def average_signs(
 
 def warm_up(device: torch.device | str) -> None:
     """Compile or load (from numba's on-disk cache; Triton's on CUDA) every fused kernel for
-    ``device``, once per process and device type.
+    ``device`` (:mod:`._elementwise`'s too), once per process and device type.
 
     Run at optimizer construction so that the first compressed step does not stall: a
     kernel's first call loads it (~0.5 s from the cache) or compiles it (~2 s cold), which
@@ -131,4 +132,6 @@ def warm_up(device: torch.device | str) -> None:
         average_signs(rows, [scale, scale], 16, out, accumulate=False)
         average_signs(rows, [scale, scale], 16, out, accumulate=True)
     unpack_signs(packed, 16, scale, out=out)
+    clamp_scaled_(out, c.abs(), 0.5)  # the optimizers' element-wise passes
+    zero_where_equal_(out, c, 0.0)
     _WARM.add(device.type)

@@ -23,6 +23,7 @@ from typing import Any
 
 from torch import Tensor
 
+from ..ops import zero_where_equal_
 from ._base import check_positive
 
 __all__ = ["FreezeSchedule", "TwoStage"]
@@ -156,14 +157,16 @@ class TwoStage:
                 stacklevel=4,
             )
 
-    def _unused_mask(self) -> Tensor:
-        """The values whose frozen variance is zero (no gradient through the warm-up)."""
+    def _unused_marker(self) -> tuple[Tensor, float]:
+        """``(buffer, value)``: the values where the flat frozen-state ``buffer`` equals ``value``
+        had a zero frozen variance (no gradient through the warm-up)."""
         raise NotImplementedError
 
     def _note_unused(self) -> None:
-        """Record whether :meth:`_unused_mask` holds any value (the mask itself is not kept: it
+        """Record whether any value is unused (see :meth:`_unused_marker`; no mask is kept: it
         is re-derived from the frozen state when needed, at no memory cost between steps)."""
-        count = int(self._unused_mask().sum())
+        buffer, value = self._unused_marker()
+        count = int((buffer == value).sum())
         self._has_unused = count > 0
         if count:
             _log.info("%s: %d values had a zero gradient through the warm-up; their momentum is held at zero",
@@ -183,7 +186,7 @@ class TwoStage:
     def _mask_unused(self, m: Tensor) -> None:
         """Zero the momentum where the frozen variance is zero (see :meth:`_exchange_momentum`)."""
         if self._has_unused:
-            m.masked_fill_(self._unused_mask(), 0.0)
+            zero_where_equal_(m, *self._unused_marker())
 
     def _two_stage_state(self) -> dict[str, Any]:
         return {"frozen_at": self._frozen_at, "freeze": self.freeze.state_dict()}

@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from ..ops import clamp_scaled_
+
 __all__ = ["UpdateByChunks", "adam_denominator", "adam_step_bound", "apply_update_", "clip_to_adam_step_", "onebit_adam"]
 
 Exchange = Callable[[Tensor], object]
@@ -50,11 +52,7 @@ def clip_to_adam_step_(exp_avg: Tensor, denom: Tensor, beta1: float, beta2: floa
     ``factor``: at 1 it cost 1-bit LAMB 20% of loss on a GPT task, at 10 nothing, while the
     outliers above are hundreds to thousands of times the bound.
     """
-    scale = factor * adam_step_bound(beta1, beta2) * bias_correction1 / math.sqrt(bias_correction2)
-    m, d = exp_avg.view(-1), denom.view(-1)
-    for lo in range(0, m.numel(), _BLOCK):  # the limits in block-sized scratch, not a model-sized pair
-        limit = d[lo : lo + _BLOCK] * scale
-        torch.clamp(m[lo : lo + _BLOCK], min=limit.neg(), max=limit, out=m[lo : lo + _BLOCK])
+    clamp_scaled_(exp_avg, denom, factor * adam_step_bound(beta1, beta2) * bias_correction1 / math.sqrt(bias_correction2))
 
 
 def apply_update_(

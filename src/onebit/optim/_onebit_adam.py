@@ -239,9 +239,9 @@ class OnebitAdam(TwoStage, OverlappedExchange, _AdamFamily):
             self.flat.rename(*names)
             self._link_state()
 
-    def _unused_mask(self) -> Tensor:
+    def _unused_marker(self) -> tuple[Tensor, float]:
         # sqrt(v_hat) + eps == eps: no gradient through the warm-up (or one below eps's rounding)
-        return self.flat.buffers["frozen_denom"] == self.eps
+        return self.flat.buffers["frozen_denom"], self.eps
 
     def _step(self) -> None:
         if self._buckets is not None:  # the exchanges started during backward

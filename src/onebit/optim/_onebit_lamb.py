@@ -304,8 +304,8 @@ class OnebitLamb(TwoStage, OverlappedExchange, OnebitOptimizer):
         """Each tensor's layer-wise coefficient ``c_t`` of the last step (reading it synchronises a GPU)."""
         return [] if self._coefficients is None else self._coefficients.tolist()
 
-    def _unused_mask(self) -> Tensor:
-        return self.flat.buffers["frozen_exp_avg_sq"] == 0
+    def _unused_marker(self) -> tuple[Tensor, float]:
+        return self.flat.buffers["frozen_exp_avg_sq"], 0.0
 
     def _step(self) -> None:
         b = self.flat.buffers
