@@ -42,3 +42,20 @@ def check_fused_ops(n: int, world: int, g: torch.Generator, accumulate: bool,
         fast = ops.average_signs(rows, scales, n, base.clone(), accumulate=accumulate)
         assert torch.equal(bits(fast), bits(ref)), f"average_signs {where}"
     return x, packed, scale
+
+
+def check_stochastic_sign(n: int, g: torch.Generator, where: str = "") -> None:
+    """``stochastic_sign_compress_`` equals the reference bit for bit, and its bits are the
+    plain rule ``2u - 1 < c`` with ``error = c - (+-1)``."""
+    c = torch.randn(n, generator=g) * 0.7  # mostly inside [-1, 1], some outside
+    c[torch.rand(n, generator=g) < 0.05] = -0.0
+    u = torch.rand(n, generator=g)
+    fast_e, ref_e = c.clone(), c.clone()
+    packed = ops.stochastic_sign_compress_(fast_e, u.clone())
+    with ops.reference_kernels():
+        ref_packed = ops.stochastic_sign_compress_(ref_e, u.clone())
+    assert torch.equal(packed, ref_packed), f"stochastic_sign_compress_ {where}"
+    assert torch.equal(bits(fast_e), bits(ref_e)), f"stochastic_sign_compress_ error {where}"
+    plus = (u * 2 - 1) < c
+    assert torch.equal(ops.unpack_bits(packed, n), plus), f"stochastic_sign_compress_ bits {where}"
+    assert torch.equal(fast_e, c - torch.where(plus, 1.0, -1.0)), f"stochastic_sign_compress_ error {where}"

@@ -55,7 +55,8 @@ def test_argument_errors(argv, msg, capsys):
 def test_bench_kernels_prints_table(capsys):
     assert main(["bench", "kernels", "--numel", "4099", "--repeat", "2"]) == 0
     out = capsys.readouterr().out
-    for kernel in ("copy", "pack_signs", "unpack_signs", "ef_sign_compress", "server_average_4"):
+    for kernel in ("copy", "pack_signs", "unpack_signs", "ef_sign_compress", "server_average_4", "clamp_scaled",
+                   "zero_where_equal"):
         assert kernel in out
     assert "numba" in out and "reference" in out and "of copy bandwidth" in out
 

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _fused_check import check_fused_ops
+from _fused_check import check_fused_ops, check_stochastic_sign
 from onebit import ops
 
 lengths = st.integers(min_value=0, max_value=300)
@@ -81,6 +81,7 @@ def test_bad_inputs():
 @given(n=st.integers(0, 200), world=st.integers(1, 11), seed=st.integers(0, 2**16), accumulate=st.booleans())
 def test_fused_kernels_bit_identical_to_reference(n, world, seed, accumulate):
     check_fused_ops(n, world, torch.Generator().manual_seed(seed), accumulate)
+    check_stochastic_sign(n, torch.Generator().manual_seed(seed))
 
 
 @settings(max_examples=40, deadline=None)

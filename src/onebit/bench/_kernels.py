@@ -1,4 +1,5 @@
-"""Throughput of the sign kernels against a plain copy of the same fp32 data (target P5).
+"""Throughput of the sign kernels and of the optimizers' one-pass element-wise updates
+against a plain copy of the same fp32 data (target P5).
 
 Each kernel is timed with its fast path (numba on CPU, Triton on CUDA) and the pure-torch
 reference. Two ratios: ``vs_copy`` (copy time / kernel time, the P5 figure) and
@@ -52,6 +53,8 @@ def bench_kernels(numel: int = 10_500_000, repeat: int = 10, device: str = "cpu"
     rows = [ops.pack_signs(torch.randn(numel, device=dev)) for _ in range(SERVER_RANKS)]
     scales = [torch.rand(1, device=dev) for _ in range(SERVER_RANKS)]
     server_error = torch.zeros_like(x)
+    bound = x.abs()
+    unused = torch.where(torch.rand(numel, device=dev) < 0.1, 0.0, x)  # 10% zeros: values never given a gradient
 
     def sync() -> None:
         if dev.type == "cuda":
@@ -74,6 +77,9 @@ def bench_kernels(numel: int = 10_500_000, repeat: int = 10, device: str = "cpu"
         # unpack 4 payloads, average, add into the server error (read + write 8n)
         f"server_average_{SERVER_RANKS}": (
             lambda: ops.average_signs(rows, scales, numel, server_error, accumulate=True), SERVER_RANKS * b + 8 * n),
+        # the optimizers' passes over their flat state: read x and a reference, write x
+        "clamp_scaled": (lambda: ops.clamp_scaled_(work, bound, 0.5), 12 * n),
+        "zero_where_equal": (lambda: ops.zero_where_equal_(work, unused, 0.0), 12 * n),
     }
     for reference in (False, True):
         for name, (fn, traffic) in cases.items():

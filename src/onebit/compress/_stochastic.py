@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..ops import pack_bits, packed_numel, unpack_signs
+from ..ops import pack_bits, packed_numel, stochastic_sign_compress_, unpack_signs, warm_up
 from ._base import Compressor, Payload
 
 __all__ = ["StochasticSignCompressor"]
@@ -48,22 +48,21 @@ class StochasticSignCompressor(Compressor):
         return ((torch.uint8, packed_numel(numel)),)
 
     def _compress(self, x: Tensor) -> tuple[Tensor, ...]:
-        return (pack_bits(self._draw(x)[0]),)
-
-    def _draw(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """``(q, u)``: ``q`` true where ``Q(x) = +1``, and the uniform draws' buffer ``u``."""
-        u = torch.rand(x.numel(), generator=self.generator(x.device), device=x.device)
         # P(+1) = (x + 1) / 2  <=>  2u - 1 < x.
-        return u.mul_(2.0).sub_(1.0) < x, u
+        return (pack_bits(self._uniform(x).mul_(2.0).sub_(1.0) < x),)
+
+    def _uniform(self, x: Tensor) -> Tensor:
+        """One uniform draw in ``[0, 1)`` per value of ``x``, from the compressor's generator."""
+        return torch.rand(x.numel(), generator=self.generator(x.device), device=x.device)
 
     def compress_ef(self, x: Tensor | None, error: Tensor, workspace: Tensor | None = None) -> Payload:
-        """As :meth:`Compressor.compress_ef`, with ``Q(c)`` (``+-1``) decoded into the buffer of
-        the random draws rather than a copy of its own."""
+        """As :meth:`Compressor.compress_ef`, in one fused pass after the draws
+        (:func:`onebit.ops.stochastic_sign_compress_`)."""
         self._add_input(x, error)
-        q, u = self._draw(error)
-        packed = pack_bits(q)
-        error.sub_(unpack_signs(packed, error.numel(), 1.0, out=u))
-        return Payload((packed,), error.numel())
+        return Payload((stochastic_sign_compress_(error, self._uniform(error)),), error.numel())
+
+    def warm_up(self, device: torch.device) -> None:
+        warm_up(device)  # the fused numba (CPU) or Triton (CUDA) kernels
 
     def _decompress(self, tensors: tuple[Tensor, ...], numel: int, out: Tensor) -> Tensor:
         return unpack_signs(tensors[0], numel, 1.0, out=out)

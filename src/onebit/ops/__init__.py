@@ -3,7 +3,7 @@ the optimizers' one-pass element-wise updates."""
 
 from ._bits import pack_bits, pack_signs, packed_numel, reference_kernels, unpack_bits, unpack_signs
 from ._elementwise import clamp_scaled_, zero_where_equal_
-from ._fused import average_signs, ef_sign_compress_, warm_up
+from ._fused import average_signs, ef_sign_compress_, stochastic_sign_compress_, warm_up
 from ._norms import l1_norm, l2_norm, max_abs
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "pack_signs",
     "packed_numel",
     "reference_kernels",
+    "stochastic_sign_compress_",
     "unpack_bits",
     "unpack_signs",
     "warm_up",

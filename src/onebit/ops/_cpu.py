@@ -3,7 +3,8 @@
 They compute exactly the floating-point operations of the torch reference, in the same
 order, so their results are bit-identical to it: ``c - copysign(scale, c)`` for the
 error, ``((+-s_0) + (+-s_1) + ...) * (1/w)`` for an average of sign payloads, and
-``+-scale`` (a copy, no arithmetic) for a decoded payload; ``min(max(x, -b * s), b * s)``
+``+-scale`` (a copy, no arithmetic) for a decoded payload, ``c - (+-1)`` with the bit
+``2u - 1 < c`` for Birder's randomised sign; ``min(max(x, -b * s), b * s)``
 (``torch.clamp`` with the limits ``b * s`` and its negation) and ``masked_fill_(ref == value, 0)``
 for the optimizers' element-wise passes.
 """
@@ -12,7 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["average_signs", "clamp_scaled_", "pack_signs_update", "unpack_signs", "zero_where_equal_"]
+__all__ = ["average_signs", "clamp_scaled_", "pack_signs_update", "stochastic_signs_update", "unpack_signs",
+           "zero_where_equal_"]
 
 try:
     import numba
@@ -90,6 +92,19 @@ if numba is not None:
             out[8 * full + k] = scale if (packed[full] >> k) & 1 else negative
 
     @numba.njit(cache=True, nogil=True, boundscheck=False)
+    def _stochastic_signs_update(c, u, packed):  # pragma: no cover - compiled
+        two, one = np.float32(2.0), np.float32(1.0)
+        n = c.size
+        for i in range((n + 7) // 8):
+            byte = 0
+            for k in range(min(8, n - 8 * i)):
+                j = 8 * i + k
+                plus = u[j] * two - one < c[j]  # the torch form's fp32 operations: (u * 2) - 1, then <
+                byte |= plus << k
+                c[j] = c[j] - (one if plus else -one)
+            packed[i] = byte
+
+    @numba.njit(cache=True, nogil=True, boundscheck=False)
     def _clamp_scaled(x, bound, scale):  # pragma: no cover - compiled
         for i in range(x.size):
             limit = bound[i] * scale
@@ -118,6 +133,10 @@ if numba is not None:
         """``out[j] = +scale`` where bit ``j`` of ``packed`` is set, else ``-scale``."""
         _unpack_signs(packed, scale, out)
 
+    def stochastic_signs_update(c: np.ndarray, u: np.ndarray, packed: np.ndarray) -> None:
+        """Pack the bits ``2 u - 1 < c`` (uniform draws ``u``) and set ``c -= +-1`` accordingly."""
+        _stochastic_signs_update(c, u, packed)
+
     def clamp_scaled_(x: np.ndarray, bound: np.ndarray, scale: np.float32) -> None:
         """``x = clamp(x, -bound * scale, bound * scale)`` in place (fp32 products)."""
         _clamp_scaled(x, bound, scale)
@@ -128,6 +147,7 @@ if numba is not None:
 
 else:  # pragma: no cover
     clamp_scaled_ = None
+    stochastic_signs_update = None
     zero_where_equal_ = None
     pack_signs_update = None
     average_signs = None

@@ -20,11 +20,11 @@ import torch
 from torch import Tensor
 
 from . import _bits, _cpu, _triton
-from ._bits import pack_signs, packed_numel, unpack_signs
+from ._bits import pack_bits, pack_signs, packed_numel, unpack_signs
 from ._elementwise import clamp_scaled_, zero_where_equal_
 from ._norms import l2_norm
 
-__all__ = ["average_signs", "ef_sign_compress_", "warm_up"]
+__all__ = ["average_signs", "ef_sign_compress_", "stochastic_sign_compress_", "warm_up"]
 
 _WARM: set[str] = set()
 
@@ -86,6 +86,24 @@ def ef_sign_compress_(
     return packed, scale
 
 
+def stochastic_sign_compress_(error: Tensor, u: Tensor) -> Tensor:
+    """Birder's randomiser with error feedback on ``c = error`` (eq. 5): bit ``2u - 1 < c``,
+    i.e. ``+1`` with probability ``(c + 1) / 2`` for uniform draws ``u`` in ``[0, 1)``;
+    returns the packed bits and sets ``error = c - Q(c)`` (``Q(c) = +-1``) in place.
+
+    ``error`` and ``u`` are contiguous fp32 of the same size; ``u`` is scratch afterwards. On
+    CPU one numba pass; elsewhere (and in the reference) four torch passes and a bool mask.
+    """
+    n = error.numel()
+    if n and _numba_ok(error):
+        packed = torch.empty(packed_numel(n), dtype=torch.uint8)
+        _cpu.stochastic_signs_update(error.view(-1).numpy(), u.view(-1).numpy(), packed.numpy())
+        return packed
+    packed = pack_bits(u.mul_(2.0).sub_(1.0) < error.view(-1))
+    error.view(-1).sub_(unpack_signs(packed, n, 1.0, out=u.view(-1)))
+    return packed
+
+
 def average_signs(
     packed: Sequence[Tensor], scales: Sequence[Tensor], numel: int, out: Tensor, *, accumulate: bool = False
 ) -> Tensor:
@@ -132,6 +150,7 @@ def warm_up(device: torch.device | str) -> None:
         average_signs(rows, [scale, scale], 16, out, accumulate=False)
         average_signs(rows, [scale, scale], 16, out, accumulate=True)
     unpack_signs(packed, 16, scale, out=out)
+    stochastic_sign_compress_(c.clone(), c.abs())  # fixed "draws": the global random stream is left alone
     clamp_scaled_(out, c.abs(), 0.5)  # the optimizers' element-wise passes
     zero_where_equal_(out, c, 0.0)
     _WARM.add(device.type)
