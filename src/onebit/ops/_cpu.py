@@ -1,12 +1,14 @@
 """Fused CPU kernels (numba), one pass over memory each; ``None`` where numba is missing.
 
 They compute exactly the floating-point operations of the torch reference, in the same
-order, so their results are bit-identical to it: ``c - copysign(scale, c)`` for the
-error, ``((+-s_0) + (+-s_1) + ...) * (1/w)`` for an average of sign payloads, and
-``+-scale`` (a copy, no arithmetic) for a decoded payload, ``c - (+-1)`` with the bit
-``2u - 1 < c`` for Birder's randomised sign; ``min(max(x, -b * s), b * s)``
-(``torch.clamp`` with the limits ``b * s`` and its negation) and ``masked_fill_(ref == value, 0)``
-for the optimizers' element-wise passes.
+order, so their results are bit-identical to it:
+
+* the error ``c - copysign(scale, c)`` of a sign code;
+* ``((+-s_0) + (+-s_1) + ...) * (1/w)`` for an average of sign payloads;
+* ``+-scale`` (a copy, no arithmetic) for a decoded payload;
+* the bit ``(u * 2) - 1 < c`` and the error ``c - (+-1)`` of Birder's randomised sign;
+* ``min(max(x, -b * s), b * s)`` (``torch.clamp`` with the limits ``b * s`` and their
+  negation) and ``masked_fill_(ref == value, 0)``, the optimizers' element-wise passes.
 """
 
 from __future__ import annotations
