@@ -107,3 +107,21 @@ def test_elementwise_kernels_bit_identical_to_reference(n, seed, scale):
     assert torch.equal(ops.clamp_scaled_(x.clone(), bound, scale), torch.minimum(torch.maximum(x, -limit), limit))
     assert torch.equal(ops.zero_where_equal_(x.clone(), ref, 0.0), torch.where(ref == 0, 0.0, x))
     assert torch.equal(ops.zero_where_equal_(x.clone(), eps, 1e-8), torch.where(eps == 1e-8, 0.0, x))
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 300), seed=st.integers(0, 2**16), none_seen=st.booleans())
+def test_max_ratio_bit_identical_to_reference(n, seed, none_seen):
+    g = torch.Generator().manual_seed(seed)
+    num = torch.rand(n, generator=g) * 3
+    den = torch.rand(n, generator=g) ** 4  # some quotients far larger than others
+    den[torch.rand(n, generator=g) < (1.0 if none_seen else 0.3)] = 0.0  # values without a variance
+    default = torch.tensor(0.75, dtype=torch.float64)
+    fast = ops.max_ratio(num, den, default)
+    with ops.reference_kernels():
+        expect = ops.max_ratio(num, den, default, work=torch.empty(n))
+    assert fast.dtype == torch.float64 and torch.equal(fast, expect)
+    seen = den > 0
+    plain = max((float(a / b) for a, b, s in zip(num.tolist(), den.tolist(), seen.tolist()) if s), default=0.75)
+    assert float(fast) == (float((num[seen] / den[seen]).max()) if seen.any() else 0.75)
+    assert math.isclose(float(fast), plain, rel_tol=1e-6)

@@ -2,7 +2,7 @@
 the optimizers' one-pass element-wise updates."""
 
 from ._bits import pack_bits, pack_signs, packed_numel, reference_kernels, unpack_bits, unpack_signs
-from ._elementwise import clamp_scaled_, zero_where_equal_
+from ._elementwise import clamp_scaled_, max_ratio, zero_where_equal_
 from ._fused import average_signs, ef_sign_compress_, stochastic_sign_compress_, warm_up
 from ._norms import l1_norm, l2_norm, max_abs
 
@@ -13,6 +13,7 @@ __all__ = [
     "l1_norm",
     "l2_norm",
     "max_abs",
+    "max_ratio",
     "pack_bits",
     "pack_signs",
     "packed_numel",

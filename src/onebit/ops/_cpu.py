@@ -8,15 +8,16 @@ order, so their results are bit-identical to it:
 * ``+-scale`` (a copy, no arithmetic) for a decoded payload;
 * the bit ``(u * 2) - 1 < c`` and the error ``c - (+-1)`` of Birder's randomised sign;
 * ``min(max(x, -b * s), b * s)`` (``torch.clamp`` with the limits ``b * s`` and their
-  negation) and ``masked_fill_(ref == value, 0)``, the optimizers' element-wise passes.
+  negation), ``masked_fill_(ref == value, 0)`` and the largest fp32 quotient ``a / b`` over
+  ``b > 0`` (NaN propagating, as ``torch.max``), the optimizers' element-wise passes.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["average_signs", "clamp_scaled_", "pack_signs_update", "stochastic_signs_update", "unpack_signs",
-           "zero_where_equal_"]
+__all__ = ["average_signs", "clamp_scaled_", "max_ratio", "pack_signs_update", "stochastic_signs_update",
+           "unpack_signs", "zero_where_equal_"]
 
 try:
     import numba
@@ -123,6 +124,18 @@ if numba is not None:
             if ref[i] == value:
                 x[i] = 0.0
 
+    @numba.njit(cache=True, nogil=True, boundscheck=False)
+    def _max_ratio(num, den):  # pragma: no cover - compiled
+        largest = np.float32(-np.inf)
+        seen = False
+        for i in range(num.size):
+            if den[i] > 0:
+                seen = True
+                q = num[i] / den[i]
+                if q > largest or q != q:  # a NaN stays: nothing compares greater than it
+                    largest = q
+        return largest, seen
+
     def pack_signs_update(c: np.ndarray, scale: np.float32, packed: np.ndarray) -> None:
         """Pack the signs of ``c`` (bit 1 = sign bit clear) and set ``c -= copysign(scale, c)``."""
         _pack_signs_update(c, scale, packed)
@@ -147,8 +160,14 @@ if numba is not None:
         """``x[i] = 0`` where ``ref[i] == value``, in place."""
         _zero_where_equal(x, ref, value)
 
+    def max_ratio(num: np.ndarray, den: np.ndarray) -> tuple[float, bool]:
+        """``(max(num[i] / den[i]) over den[i] > 0, whether any den[i] > 0)``, fp32 quotients."""
+        largest, seen = _max_ratio(num, den)
+        return float(largest), bool(seen)
+
 else:  # pragma: no cover
     clamp_scaled_ = None
+    max_ratio = None
     stochastic_signs_update = None
     zero_where_equal_ = None
     pack_signs_update = None

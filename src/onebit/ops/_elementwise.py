@@ -14,7 +14,7 @@ from torch import Tensor
 
 from . import _bits, _cpu
 
-__all__ = ["clamp_scaled_", "zero_where_equal_"]
+__all__ = ["clamp_scaled_", "max_ratio", "zero_where_equal_"]
 
 _BLOCK = 1 << 20  # values per block of the torch form's limits: scratch of a bounded size
 
@@ -43,3 +43,16 @@ def zero_where_equal_(x: Tensor, ref: Tensor, value: float) -> Tensor:
         _cpu.zero_where_equal_(x.view(-1).numpy(), ref.view(-1).numpy(), np.float32(value))
         return x
     return x.masked_fill_(ref == value, 0.0)
+
+
+def max_ratio(num: Tensor, den: Tensor, default: Tensor, *, work: Tensor | None = None) -> Tensor:
+    """``max(num / den)`` over the values with ``den > 0`` (fp32 quotients), as a 0-d tensor of
+    ``default``'s dtype and device, or ``default`` where no value has ``den > 0`` -- 1-bit LAMB's
+    scaling ratio ``max(v_Tw / v_t)`` (Algorithm 1 line 17). ``work`` (``num``'s size) is the
+    torch form's scratch."""
+    if _numba_ok(num, den):
+        largest, seen = _cpu.max_ratio(num.view(-1).numpy(), den.view(-1).numpy())
+        return default.new_tensor(largest) if seen else default
+    seen = den > 0
+    largest = torch.div(num, den, out=work).masked_fill_(~seen, float("-inf")).max().to(default.dtype)
+    return torch.where(seen.any(), largest, default)

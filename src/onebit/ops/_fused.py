@@ -21,7 +21,7 @@ from torch import Tensor
 
 from . import _bits, _cpu, _triton
 from ._bits import pack_bits, pack_signs, packed_numel, unpack_signs
-from ._elementwise import clamp_scaled_, zero_where_equal_
+from ._elementwise import clamp_scaled_, max_ratio, zero_where_equal_
 from ._norms import l2_norm
 
 __all__ = ["average_signs", "ef_sign_compress_", "stochastic_sign_compress_", "warm_up"]
@@ -153,4 +153,5 @@ def warm_up(device: torch.device | str) -> None:
     stochastic_sign_compress_(c.clone(), c.abs())  # fixed "draws": the global random stream is left alone
     clamp_scaled_(out, c.abs(), 0.5)  # the optimizers' element-wise passes
     zero_where_equal_(out, c, 0.0)
+    max_ratio(out, c, torch.zeros((), dtype=torch.float64, device=device))
     _WARM.add(device.type)

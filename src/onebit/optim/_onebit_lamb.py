@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from .. import comm
+from ..ops import max_ratio
 from ._base import OnebitOptimizer, check_adam_args, check_bool, check_nonneg, check_optional_positive
 from ._freeze import TwoStage
 from ._functional import _ema_, apply_update_, clip_to_adam_step_
@@ -127,13 +128,8 @@ def onebit_lamb(
         g = work.mul_(-b1).add_(m).div_(1.0 - b1)  # (m_t - b1 m_{t-1}) / (1 - b1)
         v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
         prev = ratio[i].clone()
-        if hi > lo:
-            seen = v > 0
-            # max over the values with a variance; the previous ratio where none has one
-            largest = torch.div(v_frozen, v, out=work).masked_fill_(~seen, float("-inf")).max().double()
-            r = torch.where(seen.any(), largest, prev)
-        else:
-            r = prev
+        # max over the values with a variance; the previous ratio where none has one
+        r = max_ratio(v_frozen, v, prev, work=work) if hi > lo else prev
         r = torch.minimum(torch.maximum(r, (1.0 - factor_threshold) * prev), (1.0 + factor_threshold) * prev)
         r = r.clamp(factor_min, factor_max)
         ratio[i] = r
