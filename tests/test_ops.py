@@ -125,3 +125,14 @@ def test_max_ratio_bit_identical_to_reference(n, seed, none_seen):
     plain = max((float(a / b) for a, b, s in zip(num.tolist(), den.tolist(), seen.tolist()) if s), default=0.75)
     assert float(fast) == (float((num[seen] / den[seen]).max()) if seen.any() else 0.75)
     assert math.isclose(float(fast), plain, rel_tol=1e-6)
+
+
+@settings(max_examples=40, deadline=None)
+@given(blocks=st.integers(0, 40), size=st.sampled_from([1, 5, 64, 4095, 4096, 5000]), tail=st.integers(0, 70),
+       seed=st.integers(0, 2**16))
+def test_block_l1_norms_equal_each_blocks_l1_norm(blocks, size, tail, seed):
+    g = torch.Generator().manual_seed(seed)
+    n = blocks * size + min(tail, size - 1)
+    x = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 3)  # magnitudes over decades
+    expect = torch.stack([ops.l1_norm(part) for part in x.split(size)]) if n else torch.zeros(0)
+    assert torch.equal(ops.block_l1_norms(x, size), expect)

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor
 
-from ..ops import l1_norm, pack_signs, packed_numel, unpack_signs
+from ..ops import block_l1_norms, l1_norm, pack_signs, packed_numel, unpack_signs
 from ._base import _PIECE, Compressor, Payload, sub_signed_scale_
 
 __all__ = ["BlockSignCompressor"]
@@ -58,13 +58,19 @@ class BlockSignCompressor(Compressor):
         lengths = self._lengths(x.numel())
         if not lengths:
             return pack_signs(x), x.new_zeros(0)
+        size, full = lengths[0], x.numel() // lengths[0]
         if len(lengths) == 1:
-            sums = l1_norm(x).reshape(1)
-        elif self.block_sizes is None and len(set(lengths[:-1])) == 1 and lengths[-1] == lengths[0]:
-            sums = torch.linalg.vector_norm(x.view(len(lengths), lengths[0]), ord=1, dim=1)
-        else:
+            return pack_signs(x), (l1_norm(x) / size).reshape(1)
+        if self.block_sizes is not None:
             sums = torch.stack([l1_norm(part) for part in torch.split(x, lengths)])
-        return pack_signs(x), sums / torch.tensor(lengths, dtype=torch.float32, device=x.device)
+            return pack_signs(x), sums / torch.tensor(lengths, dtype=torch.float32, device=x.device)
+        if full == len(lengths):  # equal blocks: one fp32 row norm each
+            return pack_signs(x), torch.linalg.vector_norm(x.view(full, size), ord=1, dim=1) / size
+        # A shorter last block: every block's sum is l1_norm's (as when each was taken alone).
+        means = block_l1_norms(x, size)
+        means[:full] /= size
+        means[full:] /= lengths[-1]
+        return pack_signs(x), means
 
     def compress_ef(self, x: Tensor | None, error: Tensor, workspace: Tensor | None = None) -> Payload:
         """As :meth:`Compressor.compress_ef`, in place: ``c - D(C(c))`` is ``c - copysign(scale_B, c)``
@@ -87,12 +93,13 @@ class BlockSignCompressor(Compressor):
     def _decompress(self, tensors: tuple[Tensor, ...], numel: int, out: Tensor) -> Tensor:
         packed, scales = tensors
         unpack_signs(packed, numel, 1.0, out=out)
-        lengths = self._lengths(numel)
-        if len(lengths) == 1:
-            return out.mul_(scales[0])
-        if lengths:
-            out.mul_(torch.repeat_interleave(scales, torch.tensor(lengths, device=out.device)))
-        return out
+        if self.block_sizes is None:  # equal blocks, the last maybe shorter: a row per block
+            size = numel if self.block_size is None else self.block_size
+            full = numel // size if numel else 0
+            out[: full * size].view(full, size).mul_(scales[:full, None])
+            out[full * size :].mul_(scales[full:])
+            return out
+        return out.mul_(torch.repeat_interleave(scales, torch.tensor(self._lengths(numel), device=out.device)))
 
     def __repr__(self) -> str:
         if self.block_sizes is not None:

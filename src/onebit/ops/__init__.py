@@ -4,10 +4,11 @@ the optimizers' one-pass element-wise updates."""
 from ._bits import pack_bits, pack_signs, packed_numel, reference_kernels, unpack_bits, unpack_signs
 from ._elementwise import clamp_scaled_, max_ratio, zero_where_equal_
 from ._fused import average_signs, ef_sign_compress_, stochastic_sign_compress_, warm_up
-from ._norms import l1_norm, l2_norm, max_abs
+from ._norms import block_l1_norms, l1_norm, l2_norm, max_abs
 
 __all__ = [
     "average_signs",
+    "block_l1_norms",
     "clamp_scaled_",
     "ef_sign_compress_",
     "l1_norm",

@@ -12,9 +12,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["l1_norm", "l2_norm", "max_abs"]
+__all__ = ["block_l1_norms", "l1_norm", "l2_norm", "max_abs"]
 
 _ROW = 4096
+_PIECE = 1 << 20  # values per piece of the fp64 temporaries of block_l1_norms
 
 
 def _rowwise(x: Tensor, ord: int) -> Tensor:
@@ -38,6 +39,25 @@ def l2_norm(x: Tensor) -> Tensor:
 def l1_norm(x: Tensor) -> Tensor:
     """``||x||_1`` as a 0-d fp32 tensor on ``x``'s device (no host sync)."""
     return _rowwise(x, 1).to(torch.float32)
+
+
+def block_l1_norms(x: Tensor, size: int) -> Tensor:
+    """The l1 norm of each block of ``size`` consecutive values of flat ``x`` (the last block may
+    be shorter) as an fp32 vector, each equal to :func:`l1_norm` of its block, without a Python
+    call per block: blocks shorter than a row are fp64 sums of ``|x|``, taken a bounded piece
+    at a time."""
+    x = x.reshape(-1)
+    if size >= _ROW:
+        return torch.stack([l1_norm(part) for part in torch.split(x, size)])
+    full = x.numel() // size
+    out = torch.empty(-(-x.numel() // size), dtype=torch.float32, device=x.device)
+    rows = x[: full * size].view(full, size)
+    step = max(1, _PIECE // size)
+    for r in range(0, full, step):
+        out[r : min(r + step, full)] = rows[r : r + step].double().abs_().sum(dim=1)  # rounded once to fp32
+    if full < out.numel():
+        out[full] = l1_norm(x[full * size :])
+    return out
 
 
 def max_abs(x: Tensor) -> Tensor:
