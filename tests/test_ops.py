@@ -136,3 +136,4 @@ def test_block_l1_norms_equal_each_blocks_l1_norm(blocks, size, tail, seed):
     x = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 3)  # magnitudes over decades
     expect = torch.stack([ops.l1_norm(part) for part in x.split(size)]) if n else torch.zeros(0)
     assert torch.equal(ops.block_l1_norms(x, size), expect)
+    assert ops.block_l1_norms(torch.zeros(0), size).numel() == 0

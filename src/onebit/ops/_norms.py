@@ -47,7 +47,7 @@ def block_l1_norms(x: Tensor, size: int) -> Tensor:
     call per block: blocks shorter than a row are fp64 sums of ``|x|``, taken a bounded piece
     at a time."""
     x = x.reshape(-1)
-    if size >= _ROW:
+    if size >= _ROW and x.numel():
         return torch.stack([l1_norm(part) for part in torch.split(x, size)])
     full = x.numel() // size
     out = torch.empty(-(-x.numel() // size), dtype=torch.float32, device=x.device)
