@@ -137,3 +137,26 @@ def test_block_l1_norms_equal_each_blocks_l1_norm(blocks, size, tail, seed):
     expect = torch.stack([ops.l1_norm(part) for part in x.split(size)]) if n else torch.zeros(0)
     assert torch.equal(ops.block_l1_norms(x, size), expect)
     assert ops.block_l1_norms(torch.zeros(0), size).numel() == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(0, 300), bits=st.integers(2, 8), seed=st.integers(0, 2**16), zero=st.booleans())
+def test_uniform_codes_bit_identical_to_reference(n, bits, seed, zero):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.zeros(n) if zero else torch.randn(n, generator=g)
+    x[torch.rand(n, generator=g) < 0.1] = -0.0
+    scale = ops.max_abs(x).reshape(1) if n else torch.zeros(1)
+    packed = ops.pack_codes(x, scale, bits)
+    with ops.reference_kernels():
+        ref = ops.pack_codes(x, scale, bits)
+        ref_values = ops.unpack_codes(ref, n, bits, scale, torch.empty(n))
+    assert torch.equal(packed, ref)
+    values = ops.unpack_codes(packed, n, bits, scale, torch.empty(n))
+    assert torch.equal(values.view(torch.int32), ref_values.view(torch.int32))
+    # Plainly: value i's code is round(x / scale * L) + L, its bits at i * bits + k.
+    levels = (1 << (bits - 1)) - 1
+    safe = float(scale) if n and float(scale) > 0 else 1.0
+    stream = ops.unpack_bits(packed, n * bits).view(n, bits).long()
+    codes = (stream << torch.arange(bits)).sum(1)
+    assert torch.equal(codes, torch.round(x / safe * levels).long() + levels)
+    assert torch.equal(values, (codes.float() - levels) / levels * scale)

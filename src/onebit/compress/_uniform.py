@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..ops import max_abs, pack_bits, pack_signs, packed_numel, unpack_bits, unpack_signs
+from ..ops import max_abs, pack_codes, pack_signs, packed_numel, unpack_codes, unpack_signs, warm_up
 from ._base import Compressor, Payload, sub_signed_scale_
 
 __all__ = ["UniformCompressor"]
@@ -28,7 +28,6 @@ class UniformCompressor(Compressor):
         if not 1 <= bits <= 8:
             raise ValueError(f"bits must be in [1, 8], got {bits}")
         self.bits = bits
-        self._levels = (1 << (bits - 1)) - 1  # L: codes 0..2L stand for (code - L) / L
 
     def wire_spec(self, numel: int) -> tuple[tuple[torch.dtype, int], ...]:
         return ((torch.uint8, packed_numel(numel * self.bits)), (torch.float32, 1))
@@ -37,11 +36,7 @@ class UniformCompressor(Compressor):
         scale = max_abs(x).reshape(1) if x.numel() else x.new_zeros(1)
         if self.bits == 1:
             return pack_signs(x), scale
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        codes = torch.round(x / safe * self._levels).add_(self._levels).to(torch.uint8)
-        shifts = torch.arange(self.bits, dtype=torch.uint8, device=x.device)
-        bits = codes.unsqueeze(1).bitwise_right_shift(shifts).bitwise_and_(1).bool()
-        return pack_bits(bits.reshape(-1)), scale
+        return pack_codes(x, scale, self.bits), scale
 
     def compress_ef(self, x: Tensor | None, error: Tensor, workspace: Tensor | None = None) -> Payload:
         """As :meth:`Compressor.compress_ef`; with ``bits=1`` in place (``c - copysign(scale, c)``),
@@ -57,11 +52,10 @@ class UniformCompressor(Compressor):
         packed, scale = tensors
         if self.bits == 1:
             return unpack_signs(packed, numel, scale, out=out)
-        bits = unpack_bits(packed, numel * self.bits).view(numel, self.bits).to(torch.int32)
-        weights = torch.tensor([1 << k for k in range(self.bits)], dtype=torch.int32, device=packed.device)
-        codes = (bits * weights).sum(1)
-        out.copy_(codes).sub_(self._levels).div_(self._levels).mul_(scale)
-        return out
+        return unpack_codes(packed, numel, self.bits, scale, out)
+
+    def warm_up(self, device: torch.device) -> None:
+        warm_up(device)  # the fused numba (CPU) or Triton (CUDA) kernels
 
     def __repr__(self) -> str:
         return f"UniformCompressor(bits={self.bits})"

@@ -1,7 +1,7 @@
 """Bit operations: sign packing (8 per byte), fused error-feedback compression kernels, and
 the optimizers' one-pass element-wise updates."""
 
-from ._bits import pack_bits, pack_signs, packed_numel, reference_kernels, unpack_bits, unpack_signs
+from ._bits import pack_bits, pack_codes, pack_signs, packed_numel, reference_kernels, unpack_bits, unpack_codes, unpack_signs
 from ._elementwise import clamp_scaled_, max_ratio, zero_where_equal_
 from ._fused import average_signs, ef_sign_compress_, stochastic_sign_compress_, warm_up
 from ._norms import block_l1_norms, l1_norm, l2_norm, max_abs
@@ -16,11 +16,13 @@ __all__ = [
     "max_abs",
     "max_ratio",
     "pack_bits",
+    "pack_codes",
     "pack_signs",
     "packed_numel",
     "reference_kernels",
     "stochastic_sign_compress_",
     "unpack_bits",
+    "unpack_codes",
     "unpack_signs",
     "warm_up",
     "zero_where_equal_",

@@ -25,6 +25,8 @@ from torch import Tensor
 from . import _cpu, _triton
 
 __all__ = [
+    "pack_codes",
+    "unpack_codes",
     "packed_numel",
     "pack_bits",
     "unpack_bits",
@@ -193,3 +195,31 @@ def unpack_signs(packed: Tensor, numel: int, scale: float | Tensor = 1.0, out: T
     if numel > full * 8:
         out[full * 8 :] = table[packed[full].long(), : numel - full * 8]
     return out
+
+
+def pack_codes(x: Tensor, scale: Tensor, bits: int) -> Tensor:
+    """QAdam's ``b``-bit codes of flat fp32 ``x``: ``round(x / scale * L) + L`` (half to even;
+    ``L = 2^(b-1) - 1``; ``scale`` a 1-element tensor, 1 used where it is 0), ``bits`` bits per
+    value, value ``i``'s bit ``k`` at bit ``i * bits + k`` of the stream (:func:`pack_bits`' order).
+    Returns ``ceil(n * bits / 8)`` bytes. On CPU one numba pass; the reference expands the
+    codes into a bool tensor of ``n * bits`` values."""
+    levels = (1 << (bits - 1)) - 1
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    if _cpu.pack_codes is not None and not _FORCE_REFERENCE and x.device.type == "cpu" and x.is_contiguous():
+        packed = torch.empty(packed_numel(x.numel() * bits), dtype=torch.uint8)
+        _cpu.pack_codes(x.view(-1).numpy(), np.float32(safe.item()), levels, bits, packed.numpy())
+        return packed
+    codes = torch.round(x / safe * levels).add_(levels).to(torch.uint8)
+    shifts = torch.arange(bits, dtype=torch.uint8, device=x.device)
+    return pack_bits(codes.reshape(-1).unsqueeze(1).bitwise_right_shift(shifts).bitwise_and_(1).bool().reshape(-1))
+
+
+def unpack_codes(packed: Tensor, numel: int, bits: int, scale: Tensor, out: Tensor) -> Tensor:
+    """The values ``((code - L) / L) * scale`` of :func:`pack_codes`' ``numel`` codes, into flat fp32 ``out``."""
+    levels = (1 << (bits - 1)) - 1
+    if _cpu.unpack_codes is not None and not _FORCE_REFERENCE and packed.device.type == "cpu":
+        _cpu.unpack_codes(packed.numpy(), levels, bits, np.float32(scale.reshape(-1)[0].item()), out.numpy())
+        return out
+    stream = unpack_bits(packed, numel * bits).view(numel, bits).to(torch.int32)
+    weights = torch.tensor([1 << k for k in range(bits)], dtype=torch.int32, device=packed.device)
+    return out.copy_((stream * weights).sum(1)).sub_(levels).div_(levels).mul_(scale)

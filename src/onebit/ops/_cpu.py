@@ -7,6 +7,8 @@ order, so their results are bit-identical to it:
 * ``((+-s_0) + (+-s_1) + ...) * (1/w)`` for an average of sign payloads;
 * ``+-scale`` (a copy, no arithmetic) for a decoded payload;
 * the bit ``(u * 2) - 1 < c`` and the error ``c - (+-1)`` of Birder's randomised sign;
+* QAdam's ``b``-bit codes ``round(x / s * L) + L`` (half to even) and their values
+  ``((code - L) / L) * s``;
 * ``min(max(x, -b * s), b * s)`` (``torch.clamp`` with the limits ``b * s`` and their
   negation), ``masked_fill_(ref == value, 0)`` and the largest fp32 quotient ``a / b`` over
   ``b > 0`` (NaN propagating, as ``torch.max``), the optimizers' element-wise passes.
@@ -16,8 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["average_signs", "clamp_scaled_", "max_ratio", "pack_signs_update", "stochastic_signs_update",
-           "unpack_signs", "zero_where_equal_"]
+__all__ = ["average_signs", "clamp_scaled_", "max_ratio", "pack_codes", "pack_signs_update",
+           "stochastic_signs_update", "unpack_codes", "unpack_signs", "zero_where_equal_"]
 
 try:
     import numba
@@ -136,6 +138,26 @@ if numba is not None:
                     largest = q
         return largest, seen
 
+    @numba.njit(cache=True, nogil=True, boundscheck=False)
+    def _pack_codes(x, divisor, levels, bits, packed):  # pragma: no cover - compiled
+        packed[:] = 0
+        level = np.float32(levels)
+        for i in range(x.size):
+            code = np.int64(np.round(x[i] / divisor * level) + level)
+            for k in range(bits):  # bit k of value i's code is bit i * bits + k of the stream
+                at = i * bits + k
+                packed[at >> 3] |= np.uint8(((code >> k) & 1) << (at & 7))
+
+    @numba.njit(cache=True, nogil=True, boundscheck=False)
+    def _unpack_codes(packed, levels, bits, scale, out):  # pragma: no cover - compiled
+        level = np.float32(levels)
+        for i in range(out.size):
+            code = 0
+            for k in range(bits):
+                at = i * bits + k
+                code |= ((packed[at >> 3] >> (at & 7)) & 1) << k
+            out[i] = (np.float32(code) - level) / level * scale
+
     def pack_signs_update(c: np.ndarray, scale: np.float32, packed: np.ndarray) -> None:
         """Pack the signs of ``c`` (bit 1 = sign bit clear) and set ``c -= copysign(scale, c)``."""
         _pack_signs_update(c, scale, packed)
@@ -160,6 +182,14 @@ if numba is not None:
         """``x[i] = 0`` where ``ref[i] == value``, in place."""
         _zero_where_equal(x, ref, value)
 
+    def pack_codes(x: np.ndarray, divisor: np.float32, levels: int, bits: int, packed: np.ndarray) -> None:
+        """Pack ``round(x / divisor * levels) + levels`` in ``bits`` bits per value (little bit order)."""
+        _pack_codes(x, divisor, levels, bits, packed)
+
+    def unpack_codes(packed: np.ndarray, levels: int, bits: int, scale: np.float32, out: np.ndarray) -> None:
+        """``out[i] = ((code_i - levels) / levels) * scale`` from :func:`pack_codes`' stream."""
+        _unpack_codes(packed, levels, bits, scale, out)
+
     def max_ratio(num: np.ndarray, den: np.ndarray) -> tuple[float, bool]:
         """``(max(num[i] / den[i]) over den[i] > 0, whether any den[i] > 0)``, fp32 quotients."""
         largest, seen = _max_ratio(num, den)
@@ -168,6 +198,8 @@ if numba is not None:
 else:  # pragma: no cover
     clamp_scaled_ = None
     max_ratio = None
+    pack_codes = None
+    unpack_codes = None
     stochastic_signs_update = None
     zero_where_equal_ = None
     pack_signs_update = None

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from . import _bits, _cpu, _triton
-from ._bits import pack_bits, pack_signs, packed_numel, unpack_signs
+from ._bits import pack_bits, pack_codes, pack_signs, packed_numel, unpack_codes, unpack_signs
 from ._elementwise import clamp_scaled_, max_ratio, zero_where_equal_
 from ._norms import l2_norm
 
@@ -150,6 +150,7 @@ def warm_up(device: torch.device | str) -> None:
         average_signs(rows, [scale, scale], 16, out, accumulate=False)
         average_signs(rows, [scale, scale], 16, out, accumulate=True)
     unpack_signs(packed, 16, scale, out=out)
+    unpack_codes(pack_codes(c, scale, 3), 16, 3, scale, out)  # QAdam's b-bit codes
     stochastic_sign_compress_(c.clone(), c.abs())  # fixed "draws": the global random stream is left alone
     clamp_scaled_(out, c.abs(), 0.5)  # the optimizers' element-wise passes
     zero_where_equal_(out, c, 0.0)
