@@ -38,7 +38,7 @@ def _fast_name(device: torch.device, kernel: str) -> str:
     if device.type == "cpu":
         if kernel == "pack_signs":
             return "numpy"
-        return "numba" if _cpu.pack_signs_update is not None else "torch"
+        return "numba" if _cpu.numba is not None else "torch"
     return "triton" if _triton.available(torch.empty(0, device=device)) else "torch"
 
 

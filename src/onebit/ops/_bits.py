@@ -60,6 +60,12 @@ def _fast_cpu(t: Tensor) -> bool:
     return not _FORCE_REFERENCE and t.device.type == "cpu"
 
 
+def _numba_ok(*tensors: Tensor) -> bool:
+    """The numba kernels of :mod:`._cpu` apply: numba is installed, the reference is not forced,
+    and every tensor is a contiguous CPU tensor (the kernels index flat arrays)."""
+    return _cpu.numba is not None and all(_fast_cpu(t) and t.is_contiguous() for t in tensors)
+
+
 def _fast_gpu(t: Tensor) -> bool:
     return not _FORCE_REFERENCE and _triton.available(t)
 
@@ -185,7 +191,7 @@ def unpack_signs(packed: Tensor, numel: int, scale: float | Tensor = 1.0, out: T
         bits = unpack_bits(packed, numel)
         torch.mul(bits.to(torch.float32), 2.0, out=out)
         return out.sub_(1.0).mul_(scale)
-    if _cpu.unpack_signs is not None and packed.device.type == "cpu":
+    if _numba_ok(packed, out):
         _cpu.unpack_signs(packed.numpy(), np.float32(scale.item()), out.numpy())
         return out
     table = _sign_table(packed.device) * scale
@@ -205,7 +211,7 @@ def pack_codes(x: Tensor, scale: Tensor, bits: int) -> Tensor:
     codes into a bool tensor of ``n * bits`` values."""
     levels = (1 << (bits - 1)) - 1
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    if _cpu.pack_codes is not None and not _FORCE_REFERENCE and x.device.type == "cpu" and x.is_contiguous():
+    if _numba_ok(x):
         packed = torch.empty(packed_numel(x.numel() * bits), dtype=torch.uint8)
         _cpu.pack_codes(x.view(-1).numpy(), np.float32(safe.item()), levels, bits, packed.numpy())
         return packed
@@ -217,7 +223,7 @@ def pack_codes(x: Tensor, scale: Tensor, bits: int) -> Tensor:
 def unpack_codes(packed: Tensor, numel: int, bits: int, scale: Tensor, out: Tensor) -> Tensor:
     """The values ``((code - L) / L) * scale`` of :func:`pack_codes`' ``numel`` codes, into flat fp32 ``out``."""
     levels = (1 << (bits - 1)) - 1
-    if _cpu.unpack_codes is not None and not _FORCE_REFERENCE and packed.device.type == "cpu":
+    if _numba_ok(packed, out):
         _cpu.unpack_codes(packed.numpy(), levels, bits, np.float32(scale.reshape(-1)[0].item()), out.numpy())
         return out
     stream = unpack_bits(packed, numel * bits).view(numel, bits).to(torch.int32)

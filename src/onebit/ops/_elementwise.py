@@ -20,8 +20,8 @@ _BLOCK = 1 << 20  # values per block of the torch form's limits: scratch of a bo
 
 
 def _numba_ok(*tensors: Tensor) -> bool:
-    return (_cpu.clamp_scaled_ is not None and not _bits._FORCE_REFERENCE
-            and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors))
+    # The kernels are fp32 (the limits' product too): other dtypes take the torch form.
+    return _bits._numba_ok(*tensors) and all(t.dtype == torch.float32 for t in tensors)
 
 
 def clamp_scaled_(x: Tensor, bound: Tensor, scale: float) -> Tensor:

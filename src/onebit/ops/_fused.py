@@ -20,17 +20,13 @@ import torch
 from torch import Tensor
 
 from . import _bits, _cpu, _triton
-from ._bits import pack_bits, pack_codes, pack_signs, packed_numel, unpack_codes, unpack_signs
+from ._bits import _numba_ok, pack_bits, pack_codes, pack_signs, packed_numel, unpack_codes, unpack_signs
 from ._elementwise import clamp_scaled_, max_ratio, zero_where_equal_
 from ._norms import l2_norm
 
 __all__ = ["average_signs", "ef_sign_compress_", "stochastic_sign_compress_", "warm_up"]
 
 _WARM: set[str] = set()
-
-
-def _numba_ok(t: Tensor) -> bool:
-    return _cpu.pack_signs_update is not None and not _bits._FORCE_REFERENCE and t.device.type == "cpu"
 
 
 def _rows(packed: Sequence[Tensor], nbytes: int) -> Tensor:
@@ -95,7 +91,7 @@ def stochastic_sign_compress_(error: Tensor, u: Tensor) -> Tensor:
     CPU one numba pass; elsewhere (and in the reference) four torch passes and a bool mask.
     """
     n = error.numel()
-    if n and _numba_ok(error):
+    if n and _numba_ok(error, u):
         packed = torch.empty(packed_numel(n), dtype=torch.uint8)
         _cpu.stochastic_signs_update(error.view(-1).numpy(), u.view(-1).numpy(), packed.numpy())
         return packed
