@@ -7,6 +7,7 @@ of what each kernel has loaded (its signatures), never on a timing: a timed asse
 shared 2-core machine measures the neighbours as much as the code.
 """
 
+import pytest
 import torch
 
 import onebit
@@ -23,11 +24,18 @@ def _kernels() -> dict:
             if isinstance(k, numba.core.registry.CPUDispatcher)}
 
 
-def _steps(rank, world):
+OPTIMIZERS = {
+    "OnebitAdam": lambda params: onebit.OnebitAdam(params, lr=1e-3, freeze_step=3),
+    # Block-Sign runs no kernel of its own, but decodes with the numba sign decoder.
+    "CompAMS/block_sign": lambda params: onebit.CompAMS(params, lr=1e-3, compressor="block_sign"),
+}
+
+
+def _steps(rank, world, name):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64))
     fresh = _kernels()
-    opt = onebit.OnebitAdam(model.parameters(), lr=1e-3, freeze_step=3)
+    opt = OPTIMIZERS[name](model.parameters())
     loaded = _kernels()
     gen = torch.Generator().manual_seed(rank)
     stages = []
@@ -40,9 +48,11 @@ def _steps(rank, world):
     return {"fresh": fresh, "loaded": loaded, "after": _kernels(), "stages": stages}
 
 
-def test_kernels_are_loaded_at_construction_and_none_during_training():
-    for r in run_ranks(_steps, 2):
-        assert r["stages"] == ["warmup"] * 3 + ["compressed"] * 3
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_kernels_are_loaded_at_construction_and_none_during_training(name):
+    for r in run_ranks(_steps, 2, name):
+        if name == "OnebitAdam":
+            assert r["stages"] == ["warmup"] * 3 + ["compressed"] * 3
         assert set(r["loaded"]) == {"_pack_signs_update", "_average_signs", "_unpack_signs", "_clamp_scaled",
                                     "_zero_where_equal", "_stochastic_signs_update", "_max_ratio",
                                     "_pack_codes", "_unpack_codes"}

@@ -10,6 +10,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from .. import ops
+
 __all__ = ["Compressor", "Payload", "check_float_tensor", "sub_signed_scale_"]
 
 
@@ -57,6 +59,8 @@ class Compressor(abc.ABC):
       bytes or blocks; collectives pad their chunking to ``world_size * alignment``.
     * ``stochastic`` -- ``compress`` draws random numbers from the compressor's own
       seeded generator, which :meth:`state_dict` saves.
+    * ``kernels`` -- its compression or decoding runs :mod:`onebit.ops`' fused kernels, which
+      :meth:`warm_up` loads ahead of the first call.
 
     All arithmetic is fp32; :meth:`decompress` returns fp32 values (restoring the input's
     shape and dtype when the payload's ``ctx`` is present, i.e. on the compressing rank).
@@ -65,6 +69,7 @@ class Compressor(abc.ABC):
     name: ClassVar[str]
     alignment: int = 1
     stochastic: ClassVar[bool] = False
+    kernels: ClassVar[bool] = False
 
     @abc.abstractmethod
     def wire_spec(self, numel: int) -> tuple[tuple[torch.dtype, int], ...]:
@@ -121,8 +126,10 @@ class Compressor(abc.ABC):
             error.add_(x.reshape(-1))
 
     def warm_up(self, device: torch.device) -> None:
-        """Compile or load any kernels :meth:`compress_ef` and :meth:`average` run on ``device``,
-        so that their first real call does not pay it (none by default)."""
+        """Compile or load the fused kernels (numba on CPU, Triton on CUDA) on ``device`` when the
+        compressor runs them (``kernels``), so that its first real call does not pay it."""
+        if self.kernels:
+            ops.warm_up(device)
 
     def average(self, payloads: list[Payload], out: Tensor, *, accumulate: bool = False) -> Tensor:
         """``(D(p_0) + D(p_1) + ...) / len(payloads)`` -- summed in list order, then divided --

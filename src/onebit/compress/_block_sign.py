@@ -23,6 +23,7 @@ class BlockSignCompressor(Compressor):
     """
 
     name = "block_sign"
+    kernels = True
 
     def __init__(self, block_size: int | None = None, block_sizes: list[int] | tuple[int, ...] | None = None) -> None:
         if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)):

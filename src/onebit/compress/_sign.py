@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor
 
-from ..ops import average_signs, ef_sign_compress_, l2_norm, pack_signs, packed_numel, unpack_signs, warm_up
+from ..ops import average_signs, ef_sign_compress_, l2_norm, pack_signs, packed_numel, unpack_signs
 from ._base import Compressor, Payload
 
 __all__ = ["SignCompressor"]
@@ -22,6 +22,7 @@ class SignCompressor(Compressor):
 
     name = "sign"
     alignment = 8
+    kernels = True
 
     def wire_spec(self, numel: int) -> tuple[tuple[torch.dtype, int], ...]:
         return ((torch.uint8, packed_numel(numel)), (torch.float32, 1))
@@ -38,9 +39,6 @@ class SignCompressor(Compressor):
     def compress_ef(self, x: Tensor | None, error: Tensor, workspace: Tensor | None = None) -> Payload:
         packed, scale = ef_sign_compress_(error, x, workspace=workspace)
         return Payload((packed, scale), error.numel())
-
-    def warm_up(self, device: torch.device) -> None:
-        warm_up(device)  # the fused numba (CPU) or Triton (CUDA) kernels
 
     def average(self, payloads: list[Payload], out: Tensor, *, accumulate: bool = False) -> Tensor:
         packed = [p.tensors[0] for p in payloads]

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..ops import pack_bits, packed_numel, stochastic_sign_compress_, unpack_signs, warm_up
+from ..ops import pack_bits, packed_numel, stochastic_sign_compress_, unpack_signs
 from ._base import Compressor, Payload
 
 __all__ = ["StochasticSignCompressor"]
@@ -26,6 +26,7 @@ class StochasticSignCompressor(Compressor):
     name = "stochastic_sign"
     alignment = 8
     stochastic = True
+    kernels = True
 
     def __init__(self, seed: int = 0) -> None:
         if isinstance(seed, bool) or not isinstance(seed, int):
@@ -60,9 +61,6 @@ class StochasticSignCompressor(Compressor):
         (:func:`onebit.ops.stochastic_sign_compress_`)."""
         self._add_input(x, error)
         return Payload((stochastic_sign_compress_(error, self._uniform(error)),), error.numel())
-
-    def warm_up(self, device: torch.device) -> None:
-        warm_up(device)  # the fused numba (CPU) or Triton (CUDA) kernels
 
     def _decompress(self, tensors: tuple[Tensor, ...], numel: int, out: Tensor) -> Tensor:
         return unpack_signs(tensors[0], numel, 1.0, out=out)

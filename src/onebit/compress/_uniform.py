@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..ops import max_abs, pack_codes, pack_signs, packed_numel, unpack_codes, unpack_signs, warm_up
+from ..ops import max_abs, pack_codes, pack_signs, packed_numel, unpack_codes, unpack_signs
 from ._base import Compressor, Payload, sub_signed_scale_
 
 __all__ = ["UniformCompressor"]
@@ -21,6 +21,7 @@ class UniformCompressor(Compressor):
 
     name = "uniform"
     alignment = 8
+    kernels = True
 
     def __init__(self, bits: int = 1) -> None:
         if isinstance(bits, bool) or not isinstance(bits, int):
@@ -53,9 +54,6 @@ class UniformCompressor(Compressor):
         if self.bits == 1:
             return unpack_signs(packed, numel, scale, out=out)
         return unpack_codes(packed, numel, self.bits, scale, out)
-
-    def warm_up(self, device: torch.device) -> None:
-        warm_up(device)  # the fused numba (CPU) or Triton (CUDA) kernels
 
     def __repr__(self) -> str:
         return f"UniformCompressor(bits={self.bits})"
