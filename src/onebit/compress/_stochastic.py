@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..ops import pack_bits, packed_numel, stochastic_sign_compress_, unpack_signs
+from ..ops import packed_numel, stochastic_sign_compress_, unpack_signs
 from ._base import Compressor, Payload
 
 __all__ = ["StochasticSignCompressor"]
@@ -49,8 +49,8 @@ class StochasticSignCompressor(Compressor):
         return ((torch.uint8, packed_numel(numel)),)
 
     def _compress(self, x: Tensor) -> tuple[Tensor, ...]:
-        # P(+1) = (x + 1) / 2  <=>  2u - 1 < x.
-        return (pack_bits(self._uniform(x).mul_(2.0).sub_(1.0) < x),)
+        # The bits of compress_ef's rule (P(+1) = (x + 1) / 2), on a copy: x may be the caller's.
+        return (stochastic_sign_compress_(x.clone(), self._uniform(x)),)
 
     def _uniform(self, x: Tensor) -> Tensor:
         """One uniform draw in ``[0, 1)`` per value of ``x``, from the compressor's generator."""
