@@ -10,12 +10,12 @@ import argparse
 import json
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from accelerate import Accelerator
 
 import onebit
 from _bytes import CONTEXT, byte_windows
+from _teardown import destroy_process_group
 
 
 def main() -> None:
@@ -47,8 +47,8 @@ def main() -> None:
     if accelerator.is_main_process:
         print(json.dumps({"loss": loss.item(), "stats": inner.stats,
                           "ddp_hook": model._get_ddp_logging_data().get("comm_hook")}))
-    dist.barrier()  # drain gloo's queue before the group goes (see hf_trainer.py)
-    dist.destroy_process_group()
+    del model, opt, accelerator  # the accelerator keeps the prepared (DDP) model too
+    destroy_process_group()
 
 
 if __name__ == "__main__":

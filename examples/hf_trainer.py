@@ -15,11 +15,11 @@ import argparse
 import json
 
 import torch
-import torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 import onebit
 from _bytes import byte_windows
+from _teardown import destroy_process_group
 from onebit.integrations.transformers import AttachCallback
 
 
@@ -59,11 +59,10 @@ def main() -> None:
         ddp = trainer.model_wrapped
         hook = ddp._get_ddp_logging_data().get("comm_hook") if hasattr(ddp, "_get_ddp_logging_data") else None
         print(json.dumps({"loss": result.training_loss, "stats": opt.stats, "ddp_hook": hook}))
-    # The Trainer leaves the process group open. Drain gloo's queue (a barrier), then destroy it:
-    # otherwise the group's last reference, dropped at exit with the GIL held, can meet a gloo
-    # thread still releasing a finished collective's tensors (a hang or "terminate called").
-    dist.barrier()
-    dist.destroy_process_group()
+        del ddp
+    # The Trainer leaves the process group open: free its DDP model, then destroy the group.
+    del trainer
+    destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import onebit
 from _bytes import CONTEXT, byte_windows
+from _teardown import destroy_process_group
 
 
 def main() -> None:
@@ -63,8 +64,8 @@ def main() -> None:
     if rank == 0:
         print(json.dumps({"loss": loss.item() * args.accumulate, "stats": opt.stats,
                           "ddp_hook": net._get_ddp_logging_data().get("comm_hook") if args.ddp else None}))
-    dist.barrier()  # drain gloo's queue before the group goes (see hf_trainer.py)
-    dist.destroy_process_group()
+    del net
+    destroy_process_group()
 
 
 if __name__ == "__main__":
