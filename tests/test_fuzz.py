@@ -29,6 +29,8 @@ OPTIMIZERS = {
     # 100-byte buckets: a bucket per parameter or two
     "OnebitLamb/overlap": ("OnebitLamb", dict(lr=0.01, freeze_step=2, overlap=True, bucket_cap_mb=1e-4)),
     "Birder/overlap": ("Birder", dict(lr=0.01, overlap=True, bucket_cap_mb=1e-4)),
+    # 4-value blocks: bucket boundaries cut blocks, and buckets smaller than one send nothing
+    "CompAMS/overlap": ("CompAMS", dict(lr=0.01, compressor="block_sign", block=4, overlap=True, bucket_cap_mb=1e-5)),
 }
 # How a parameter gets its gradient: "grad" random, "zero" all zeros, "none" never (unused),
 # "some" on one rank per step only, "frozen" requires_grad=False (never).

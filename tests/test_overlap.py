@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from _harness import run_ranks
-from onebit.optim import Birder, OnebitAdam, OnebitAdamNaive, OnebitLamb
+from onebit.optim import Birder, CompAMS, OnebitAdam, OnebitAdamNaive, OnebitLamb
 from onebit.optim._overlap import bucket_bounds
 
 FREEZE = 3
@@ -30,6 +30,16 @@ OPTIMIZERS = {
     # line 7's running maximum of b from step 3 on
     "birder_max": (lambda params, **kw: Birder(params, lr=1e-2, seed=7, threshold_step=2, **kw), 0, 0),
     "onebit_adam_naive": (lambda params, **kw: OnebitAdamNaive(params, lr=1e-2, **kw), 0, 1),
+}
+# Comp-AMS: an all-gather per bucket, and overlap=True must give overlap=False's bits however
+# the buckets fall. name -> (maker, block size or None for one per tensor)
+GATHERED = {
+    "comp_ams_block_sign": (lambda params, **kw: CompAMS(params, lr=1e-2, compressor="block_sign", **kw), 64),
+    # blocks longer than the last layers' bucket: it sends nothing, its values go with the next
+    "comp_ams_block_sign_1000": (
+        lambda params, **kw: CompAMS(params, lr=1e-2, compressor="block_sign", block=1000, **kw), 1000),
+    "comp_ams_block_sign_layers": (
+        lambda params, **kw: CompAMS(params, lr=1e-2, compressor="block_sign", block="tensor", **kw), None),
 }
 
 
@@ -51,7 +61,12 @@ def _digest(model: nn.Module) -> int:
 
 
 def _opt(model: nn.Module, name: str = "onebit_adam", **kw):
-    return OPTIMIZERS[name][0](model.parameters(), **kw)
+    return {**OPTIMIZERS, **GATHERED}[name][0](model.parameters(), **kw)
+
+
+def _bucket_collectives(opt) -> list:
+    """The compressed collectives of the buckets (None where a bucket has none)."""
+    return opt._bucket_exchange if isinstance(opt, CompAMS) else opt._bucket_allreduce
 
 
 def _sign_wire_bytes(numel: int, world: int, scales: int) -> int:
@@ -171,10 +186,10 @@ def test_a_bucket_completed_on_some_ranks_only_still_goes_in_order():
     assert res[0] == res[1] and res[0][1] == "compressed"
 
 
-def _accumulate(rank, world, steps, use_no_sync):
+def _accumulate(rank, world, steps, use_no_sync, name="onebit_adam"):
     torch.set_num_threads(1)
     a, b = _model(), _model()
-    oa, ob = _opt(a, overlap=True, bucket_cap_mb=0.004), _opt(b)
+    oa, ob = _opt(a, name, overlap=True, bucket_cap_mb=0.004), _opt(b, name)
     same = []
     for step in range(1, steps + 1):
         for model, opt in ((a, oa), (b, ob)):
@@ -212,7 +227,7 @@ def _skip(rank, world, name):
         if step == FREEZE + 2:
             after = [_flat(model)] + list(opt.flat.buffers.values())
             kept = all(torch.equal(x, y) for x, y in zip(before, after))
-            errors = [c.worker_error.error for c in opt._bucket_allreduce]
+            errors = [c.worker_error.error for c in _bucket_collectives(opt) if c is not None]
             zeroed = all(e is None or not e.any() for e in errors)
     return kept, zeroed, opt.stats["skipped_steps"], _digest(model), bool(torch.isfinite(_flat(model)).all())
 
@@ -280,3 +295,114 @@ def test_overlap_refuses_what_it_cannot_honour():
         assert len(errors) == len(needles), (name, errors)
         for needle, msg in zip(needles, errors):
             assert needle in msg, (name, msg)
+
+
+def _gathered_lockstep(rank, world, cap, steps):
+    return {name: _lockstep(rank, world, name, cap, steps) for name in GATHERED} | {
+        "none": _lockstep_none(rank, world, cap, steps)}
+
+
+def _lockstep_none(rank, world, cap, steps):
+    """compressor="none" (distributed AMSGrad): an exact all-reduce per bucket."""
+    GATHERED["none"] = (lambda params, **kw: CompAMS(params, lr=1e-2, compressor="none", **kw), None)
+    try:
+        return _lockstep(rank, world, "none", cap, steps)
+    finally:
+        del GATHERED["none"]
+
+
+def _spans(total: int, bounds: list[int], block: int) -> list[int]:
+    """The lengths of the buckets' spans of whole blocks (the oracle: a bucket starting at
+    ``lo`` sends from the first multiple of ``block`` at or after it, up to where the bucket
+    after it in launch order starts sending)."""
+    starts = [min(total, math.ceil(lo / block) * block) for lo in bounds]
+    return [end - start for start, end in zip(starts, [total, *starts])]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_comp_ams_block_sign_overlapped_gives_the_one_shot_bits(world):
+    steps = 5
+    res = run_ranks(_gathered_lockstep, world, 0.004, steps)  # 1048-value buckets: several of them
+    sizes = [p.numel() for p in _model().parameters()]
+    for name, r0 in res[0].items():
+        assert r0["buckets"] >= 3, name
+        assert all(r[name]["digest"] == r0["digest"] for r in res), f"{name}: replicas differ"
+        assert all(n == r0["buckets"] for n in r0["in_backward"]), f"{name}: buckets not all launched in backward"
+        if name == "none" and world > 2:
+            continue  # gloo's sum of three values depends on where a bucket starts
+        assert all(r0["same"]), f"{name}: overlapped and one-shot differ at steps " \
+                                f"{[i + 1 for i, s in enumerate(r0['same']) if not s]}"
+    # bytes: one all-gather per bucket of its whole blocks (signs 8 per byte, an fp32 scale per block)
+    total = sum(sizes)
+    bounds, lo = [], total
+    for n in res[0]["comp_ams_block_sign"]["bucket_sizes"]:
+        lo -= n
+        bounds.append(lo)
+    agreement = 2 * (world - 1) * 4 * (1 + 6) // world
+    for name, (_, block) in GATHERED.items():
+        spans = sizes if block is None else _spans(total, bounds, block)
+        assert block is None or spans != res[0][name]["bucket_sizes"], f"{name}: no bucket boundary cut a block"
+        payload = sum(math.ceil(n / 8) + 4 * (1 if block is None else math.ceil(n / block)) for n in spans if n)
+        assert res[0][name]["bytes"] == [(world - 1) * payload + agreement] * steps, name
+
+
+def _gathered_each(rank, world, fn, *args):
+    return {name: fn(rank, world, name, *args) for name in GATHERED}
+
+
+def _cross_load(rank, world, name):
+    """A checkpoint of the overlapped exchange loads into the one-shot one and back: the
+    errors restart at zero (another bucketing), the moments are restored."""
+    model = _model()
+    opt = _opt(model, name, overlap=True, bucket_cap_mb=0.004)
+    for step in (1, 2):
+        opt.zero_grad()
+        model(_batch(rank, step)).pow(2).mean().backward()
+        opt.step()
+    one_shot = _opt(_model(), name)
+    one_shot.load_state_dict(opt.state_dict())
+    again = _opt(_model(), name, overlap=True, bucket_cap_mb=0.004)
+    again.load_state_dict(one_shot.state_dict())
+    errors = [c.worker_error.error for c in [one_shot.exchange, *_bucket_collectives(again)] if c is not None]
+    return all(e is None or not e.any() for e in errors) and all(
+        torch.equal(x.flat.buffers[k], opt.flat.buffers[k]) for x in (one_shot, again) for k in opt.flat.buffers)
+
+
+def test_comp_ams_overlapped_skips_resumes_and_accumulates():
+    skipped = run_ranks(_gathered_each, 2, _skip)
+    for name in GATHERED:
+        for kept, zeroed, count, _, finite in (r[name] for r in skipped):
+            assert (kept, zeroed, count, finite) == (True, True, 1, True), name
+        assert skipped[0][name][3] == skipped[1][name][3], f"{name}: replicas differ"
+    resumed = run_ranks(_gathered_each, 2, _resume, FREEZE + 5, FREEZE + 2)
+    assert all(r[name] for r in resumed for name in GATHERED)
+    assert all(r[name] for r in run_ranks(_gathered_each, 2, _cross_load) for name in GATHERED)
+    accumulated = run_ranks(_accumulate, 2, 4, True, "comp_ams_block_sign")
+    assert all(all(r) for r in accumulated), "accumulated steps differ from the one-shot exchange"
+
+
+def _comp_ams_refusals(rank, world):
+    model = _model()
+    errors = []
+    for kw in (dict(compressor="topk"), dict(compressor="block_sign", bucket_cap_mb=0),
+               dict(compressor="block_sign", overlap=1)):
+        try:
+            CompAMS(model.parameters(), **({"overlap": True} | kw))
+        except (TypeError, ValueError) as exc:
+            errors.append(str(exc))
+    opt = CompAMS(model.parameters(), compressor="block_sign", overlap=True)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(model(_batch(rank, 1)).pow(2).mean()).backward()
+    try:
+        scaler.step(opt)
+    except ValueError as exc:
+        errors.append(str(exc))
+    return errors
+
+
+def test_comp_ams_overlap_refuses_top_k_and_what_it_cannot_honour():
+    errors = run_ranks(_comp_ams_refusals, 2)[0]
+    needles = ["'topk'", "bucket_cap_mb", "overlap", "GradScaler"]
+    assert len(errors) == len(needles), errors
+    for needle, msg in zip(needles, errors):
+        assert needle in msg, msg

@@ -49,7 +49,8 @@ FAMILIES: dict[str, tuple[tuple[float, float], tuple[str, ...]]] = {
     "adamw": ((1e-3, 3e-3), ("onebit_adam", "onebit_adam_overlap")),
     "lamb": ((3e-3, 1e-2), ("onebit_lamb", "onebit_lamb_overlap")),
     "amsgrad": ((1e-3, 3e-3), ("comp_ams_topk", "comp_ams_topk_no_ef", "comp_ams_block_sign",
-                               "comp_ams_block_sign_no_ef", "comp_ams_block_sign_layers")),
+                               "comp_ams_block_sign_overlap", "comp_ams_block_sign_no_ef",
+                               "comp_ams_block_sign_layers")),
     "softsign_sgd": ((1e-3, 3e-3), ("birder", "birder_overlap")),
 }
 _TWO_STAGE = ("onebit_adam", "onebit_adam_overlap", "onebit_lamb", "onebit_lamb_overlap")
@@ -192,6 +193,8 @@ def build_optimizer(cell: Cell, params: list[nn.Parameter], steps: int, seed: in
         "comp_ams_topk": lambda: CompAMS(params, compressor="topk", **kw),
         "comp_ams_topk_no_ef": lambda: CompAMS(params, compressor="topk", error_feedback=False, **kw),
         "comp_ams_block_sign": lambda: CompAMS(params, compressor="block_sign", **kw),
+        "comp_ams_block_sign_overlap": lambda: CompAMS(params, compressor="block_sign", overlap=True, bucket_cap_mb=0.5,
+                                                       **kw),
         "comp_ams_block_sign_no_ef": lambda: CompAMS(params, compressor="block_sign", error_feedback=False, **kw),
         # the paper's layout, one block per layer: the evidence for the default block size
         "comp_ams_block_sign_layers": lambda: CompAMS(params, compressor="block_sign", block="tensor", **kw),

@@ -41,6 +41,7 @@ OPTIMIZERS = (
     "amsgrad",
     "comp_ams",
     "comp_ams_block_sign",
+    "comp_ams_block_sign_overlap",
     "qadam",
     "softsign_sgd",
     "birder",
@@ -195,10 +196,10 @@ def build_run(name: str, model: nn.Module, cfg, per_node: int | None) -> Run:
         # "lamb" is 1-bit LAMB that never leaves its warm-up: exact LAMB on all-reduced gradients.
         freeze = cfg.steps + 1 if name == "lamb" else cfg.freeze_step
         opt = OnebitLamb(params, lr=cfg.lr, freeze_step=freeze, overlap=name == "onebit_lamb_overlap", **exchange)
-    elif name in ("amsgrad", "comp_ams", "comp_ams_block_sign"):
-        compressor = {"amsgrad": "none", "comp_ams": "topk", "comp_ams_block_sign": "block_sign"}[name]
+    elif name in ("amsgrad", "comp_ams", "comp_ams_block_sign", "comp_ams_block_sign_overlap"):
+        compressor = {"amsgrad": "none", "comp_ams": "topk"}.get(name, "block_sign")
         opt = CompAMS(params, lr=cfg.lr, compressor=compressor, ratio=cfg.topk_ratio,
-                      bias_correction=cfg.bias_correction, group=group)
+                      bias_correction=cfg.bias_correction, group=group, overlap=name.endswith("_overlap"))
     elif name == "qadam":
         opt = QAdam(params, lr=cfg.lr, bits=cfg.qadam_bits, group=group)
     elif name == "softsign_sgd":

@@ -391,6 +391,13 @@ class CompressedAllGather(_Sized):
 
     def __call__(self, tensor: Tensor, out: Tensor | None = None) -> Tensor:
         """Average over the group of every rank's ``C(tensor [+ error])``."""
+        return run_stages(self.stages(tensor, out))
+
+    def stages(self, tensor: Tensor, out: Tensor | None = None) -> Stages:
+        """``self(tensor, out)`` in two stages, for a caller that overlaps the all-gather with
+        other work (the overlapped Comp-AMS starts a bucket's during backward): compress and
+        all-gather, whose :class:`Pending` is yielded; then average (see :func:`run_stages`).
+        ``tensor`` and ``out`` must stay untouched until the last stage."""
         tensor = self._prepare(tensor, out)
         flat = tensor.detach().reshape(-1)
         comp, n = self.compressor, flat.numel()
@@ -399,7 +406,9 @@ class CompressedAllGather(_Sized):
         else:
             payload = comp.compress(flat)
         write_payload(payload, self._slot_bytes)
-        gathered = all_gather_bytes(self._slot_bytes, self.group, self.timeout)
+        inflight = all_gather_bytes(self._slot_bytes, self.group, self.timeout, async_op=True)
+        yield inflight
+        gathered = inflight.wait()
         slot = self._slot_bytes.numel()
         payloads = [read_payload(comp, gathered[i * slot : (i + 1) * slot], n) for i in range(self._world_size)]
         acc = comp.average(payloads, self._output(out, flat))

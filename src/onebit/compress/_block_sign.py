@@ -65,9 +65,8 @@ class BlockSignCompressor(Compressor):
         if self.block_sizes is not None:
             sums = torch.stack([l1_norm(part) for part in torch.split(x, lengths)])
             return pack_signs(x), sums / torch.tensor(lengths, dtype=torch.float32, device=x.device)
-        if full == len(lengths):  # equal blocks: one fp32 row norm each
-            return pack_signs(x), torch.linalg.vector_norm(x.view(full, size), ord=1, dim=1) / size
-        # A shorter last block: every block's sum is l1_norm's (as when each was taken alone).
+        # Every block's sum is l1_norm's, as when each was taken alone: a run of the blocks cut
+        # at block boundaries (a bucket of the overlapped Comp-AMS) gets the same scales.
         means = block_l1_norms(x, size)
         means[:full] /= size
         means[full:] /= lengths[-1]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
@@ -12,12 +13,20 @@ from torch import Tensor
 
 from .. import comm
 from ..compress import BlockSignCompressor, Compressor, TopKCompressor, UniformCompressor
-from ._base import OnebitOptimizer, check_adam_args
+from ._base import OnebitOptimizer, check_adam_args, check_bool
 from ._functional import _ema_, apply_update_
+from ._overlap import Buckets, collectives_state, load_collectives_state
 
 __all__ = ["CompAMS", "QAdam", "comp_ams"]
 
 _COMPRESSORS = ("topk", "block_sign", "none")
+_log = logging.getLogger("onebit.optim")
+
+
+def _waited(pending: comm.Pending) -> comm.Stages:
+    """A collective already in flight, as stages (its result the last)."""
+    yield pending
+    return pending.wait()
 
 
 def comp_ams(
@@ -76,12 +85,17 @@ class _GradientExchange(OnebitOptimizer):
             return self._allreduce(buffer)
         return self.exchange(buffer, out=buffer)
 
+    def _collectives(self) -> list[comm.CompressedAllGather | None]:
+        """The compressed all-gathers: the one-shot one, or one per bucket (None: none)."""
+        return [self.exchange] if self._buckets is None else self._bucket_exchange
+
     def _extra_state(self) -> dict[str, Any]:
-        return {} if self.exchange is None else {"exchange": self.exchange.state_dict()}
+        collectives = self._collectives()
+        return {} if all(c is None for c in collectives) else collectives_state("exchange", self._buckets, collectives)
 
     def _load_extra_state(self, state: Mapping[str, Any], own_state: bool) -> None:
-        if self.exchange is not None:
-            self._restore_collective(self.exchange, state["exchange"], own_state)
+        if state:  # saved with an exchange (one-shot or bucketed)
+            load_collectives_state(self, "exchange", state, own_state, self._collectives())
 
 
 def _check_common(lr: float, betas: object, eps: float, weight_decay: float, error_feedback: object) -> None:
@@ -111,9 +125,28 @@ class CompAMS(_GradientExchange):
             scale: on the byte-LM task of ``onebit bench convergence`` they ended +38% above
             AMSGrad where 64-value blocks ended +5% (README, "What the matrix found").
         bias_correction: divide ``m`` and ``v^`` by ``1 - beta^t`` (off in the paper).
+        overlap: start each bucket's exchange during backward, as soon as its gradients are
+            accumulated (see below); ``False``: one exchange of the whole model in ``step()``.
+        bucket_cap_mb: bucket size of the overlapped exchange, in MB of fp32 gradients (as DDP's).
 
     The all-gather volume grows with the world size: each rank receives ``w - 1``
     payloads. Missing gradients follow :class:`onebit.optim.OnebitOptimizer`'s rule.
+
+    **Overlapped exchange** (``overlap=True``, DDP's scheme, as :class:`OnebitAdam`'s): the
+    parameters are grouped into buckets in reverse order, and a post-accumulate-grad hook
+    compresses a bucket's gradients (plus its error) and starts their all-gather once they
+    are all in, while backward computes earlier layers; ``step()`` waits for what is in
+    flight and averages. Block-Sign's blocks never straddle two exchanges: a bucket sends
+    whole blocks of the fused gradient, the block the bucket boundary cuts going with the
+    next bucket (the parameters before it, whose gradients come later), so every value has
+    the one-shot exchange's block, sign and scale: ``overlap=True`` gives ``overlap=False``'s
+    bits. ``compressor="none"`` all-reduces each bucket (the same bits on two ranks; on more,
+    gloo sums in an order that depends on where a bucket starts). Top-k is refused: its ``k``
+    largest values are over the whole gradient (Definition 1), which no bucket can wait for.
+    Requirements, each checked: no GradScaler, and gradient accumulation inside
+    :meth:`no_sync` for all micro-batches but the last. A skipped step (non-finite gradient)
+    restarts the error-feedback buffers at zero: they took the gradients in before the ranks
+    could agree.
     """
 
     _flat_names = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
@@ -137,10 +170,16 @@ class CompAMS(_GradientExchange):
         on_nonfinite: str = "skip",
         check_replicas_every: int = 0,
         max_grad_norm: float | None = None,
+        overlap: bool = False,
+        bucket_cap_mb: float = 25.0,
     ) -> None:
         _check_common(lr, betas, eps, weight_decay, error_feedback)
         if compressor not in _COMPRESSORS:
             raise ValueError(f"Invalid compressor value: {compressor!r} (expected one of {', '.join(_COMPRESSORS)})")
+        if check_bool("overlap", overlap) and compressor == "topk":
+            raise ValueError("Invalid compressor value with overlap=True: 'topk' (Top-k keeps the k largest values "
+                             "of the whole gradient, which the first bucket's exchange cannot wait for); use "
+                             "'block_sign' or overlap=False")
         if block != "tensor" and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
             raise ValueError(f"Invalid block value: {block!r} (expected 'tensor' or an int >= 1)")
         topk = TopKCompressor(ratio) if compressor == "topk" else None  # validates ratio
@@ -158,17 +197,76 @@ class CompAMS(_GradientExchange):
             check_replicas_every=check_replicas_every,
             max_grad_norm=max_grad_norm,
         )
-        if compressor == "block_sign":
-            sizes = [p.numel() for p in self.flat.params if p.numel()]  # a zero-size tensor is no block
-            chosen: Compressor | None = (
-                BlockSignCompressor(block_sizes=sizes) if block == "tensor" else BlockSignCompressor(block_size=block)
-            )
+        self._block = block if compressor == "block_sign" else None
+        if overlap:
+            self._use_buckets(bucket_cap_mb, error_feedback)
         else:
-            chosen = topk
-        self._setup_exchange(chosen, error_feedback)
+            self._setup_exchange(topk if self._block is None else self._block_sign(0, self.flat.numel), error_feedback)
+
+    def _block_sign(self, lo: int, hi: int) -> BlockSignCompressor:
+        """Block-Sign of the flat values ``[lo, hi)``: ``block`` values per block, or (``"tensor"``)
+        one block per parameter inside it."""
+        if self._block != "tensor":
+            return BlockSignCompressor(block_size=self._block)
+        # a zero-size tensor is no block
+        return BlockSignCompressor(block_sizes=[b - a for a, b in self.flat.offsets if lo <= a < b <= hi])
+
+    def _use_buckets(self, bucket_cap_mb: float, error_feedback: bool) -> None:
+        """The overlapped exchange: each bucket's span of whole blocks, and its all-gather (or
+        ``compressor="none"``: all-reduce) in flight between backward and ``step()``."""
+        self._grad = self._new_grad_buffer()
+        self.exchange = None
+        self._buckets = Buckets(self.flat.params, self.flat.offsets, bucket_cap_mb, self._launch_bucket)
+        n, size = self.flat.numel, self._block if isinstance(self._block, int) else 1
+        # A bucket's span starts at the first block boundary inside it; it ends where the
+        # previous (later) bucket's starts -- the model's end for the first bucket.
+        starts = [min(n, -(-lo // size) * size) for lo, _, _ in self._buckets.bounds]
+        self._spans = [(start, end) for start, end in zip(starts, [n, *starts])]
+        self._bucket_exchange = [
+            None if self._block is None or end == start else comm.CompressedAllGather(
+                self._block_sign(start, end), self.process_group, error_feedback=error_feedback, timeout=self.timeout)
+            for start, end in self._spans
+        ]
+        for exchange in self._bucket_exchange:
+            if exchange is not None:
+                exchange.warm_up(self.flat.device)
+        self._flights: list[comm.Stages | None] = [None] * len(self._spans)
+
+    def _launch_bucket(self, b: int) -> None:
+        """Gather bucket ``b``'s gradients into ``self._grad`` and start its span's exchange."""
+        lo, hi, members = self._buckets.bounds[b]
+        self.flat.gather_grads(self._grad[lo:hi], members, base=lo)
+        start, end = self._spans[b]
+        exchange = self._bucket_exchange[b]
+        if self._block is None:  # distributed AMSGrad: the bucket's exact average
+            stages = _waited(comm.all_reduce_mean(self._grad[lo:hi], self.process_group, self.timeout, async_op=True))
+        elif exchange is not None:
+            stages = exchange.stages(self._grad[start:end], out=self._grad[start:end])
+        else:  # no whole block in this bucket: its values go with the next one
+            return
+        next(stages)
+        self._flights[b] = stages
+
+    def _finish_buckets(self, grad: Tensor) -> Tensor:
+        """Wait for every bucket's exchange; ``grad`` (``self._grad``) then holds the average."""
+        for b, stages in enumerate(self._flights):
+            if stages is not None:
+                self._flights[b] = None
+                comm.run_stages(stages)
+        return grad
+
+    def _abandon_buckets(self) -> None:
+        self._finish_buckets(self._grad)
+        if self._block is not None:
+            for exchange in self._bucket_exchange:
+                if exchange is not None:
+                    exchange.reset()
+            _log.warning("CompAMS: step skipped after the overlapped exchange had started: error-feedback buffers "
+                         "restarted at zero")
 
     def _step(self) -> None:
-        self.flat.gather_grads(self._grad)
+        if self._buckets is None:
+            self.flat.gather_grads(self._grad)
         b = self.flat.buffers
         comp_ams(
             self.flat.params,
@@ -178,7 +276,7 @@ class CompAMS(_GradientExchange):
             exp_avg=b["exp_avg"],
             exp_avg_sq=b["exp_avg_sq"],
             max_exp_avg_sq=b["max_exp_avg_sq"],
-            exchange=self._clipped(self._average),
+            exchange=self._clipped(self._average if self._buckets is None else self._finish_buckets),
             step=self._step_count,
             lrs=self._hyper("lr"),
             betas=self._hyper("betas"),

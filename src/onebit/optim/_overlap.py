@@ -34,7 +34,7 @@ from torch import Tensor
 from .. import comm
 from ._functional import _BLOCK
 
-__all__ = ["Buckets", "OverlappedExchange", "bucket_bounds"]
+__all__ = ["Buckets", "OverlappedExchange", "bucket_bounds", "collectives_state", "load_collectives_state"]
 
 _log = logging.getLogger("onebit.optim")
 
@@ -273,24 +273,41 @@ class OverlappedExchange:
             _log.warning("%s: step skipped after the overlapped exchange had started: error-feedback buffers "
                          "restarted at zero", type(self).__name__)
 
+    def _collectives(self) -> list[Any]:
+        """The compressed all-reduces: the one-shot one, or one per bucket."""
+        return [self.allreduce] if self._buckets is None else self._bucket_allreduce
+
     def _collectives_state(self) -> dict[str, Any]:
         """The collectives' errors (and random state), with the bucketing they belong to."""
-        if self._buckets is None:
-            return {"allreduce": self.allreduce.state_dict()}
-        return {"bucket_bounds": self._bucket_layout(),
-                "bucket_allreduce": [c.state_dict() for c in self._bucket_allreduce]}
-
-    def _bucket_layout(self) -> list[list[int]] | None:
-        return None if self._buckets is None else [[lo, hi] for lo, hi, _ in self._buckets.bounds]
+        return collectives_state("allreduce", self._buckets, self._collectives())
 
     def _load_collectives_state(self, state: Mapping[str, Any], own_state: bool) -> None:
         """Restore :meth:`_collectives_state`; saved with another bucketing (or by another rank)
         the errors restart at zero."""
-        saved = state["bucket_allreduce"] if "bucket_bounds" in state else [state["allreduce"]]
-        layout = state.get("bucket_bounds")
-        same = own_state and (None if layout is None else [list(b) for b in layout]) == self._bucket_layout()
-        if own_state and not same:
-            _log.warning("%s: checkpoint saved with another bucketing (overlap=%s): error-feedback buffers "
-                         "restart at zero", type(self).__name__, layout is not None)
-        for i, collective in enumerate(self._bucket_allreduce if self._buckets is not None else [self.allreduce]):
-            self._restore_collective(collective, saved[i] if same else {}, same)
+        load_collectives_state(self, "allreduce", state, own_state, self._collectives())
+
+
+def collectives_state(key: str, buckets: Buckets | None, collectives: Sequence[Any]) -> dict[str, Any]:
+    """The checkpoint of an exchange's compressed collectives: ``{key: state}`` of the one-shot
+    collective, or with ``buckets`` the bucketing and ``{"bucket_" + key: [state or None]}``
+    (None: a bucket without one)."""
+    if buckets is None:
+        return {key: collectives[0].state_dict()}
+    return {"bucket_bounds": [[lo, hi] for lo, hi, _ in buckets.bounds],
+            "bucket_" + key: [None if c is None else c.state_dict() for c in collectives]}
+
+
+def load_collectives_state(owner: Any, key: str, state: Mapping[str, Any], own_state: bool,
+                           collectives: Sequence[Any]) -> None:
+    """Restore :func:`collectives_state` into ``collectives`` (``owner``'s, one per bucket);
+    saved with another bucketing, or by another rank, the errors restart at zero."""
+    saved = state["bucket_" + key] if "bucket_bounds" in state else [state[key]]
+    layout = state.get("bucket_bounds")
+    mine = None if owner._buckets is None else [[lo, hi] for lo, hi, _ in owner._buckets.bounds]
+    same = own_state and (None if layout is None else [list(b) for b in layout]) == mine
+    if own_state and not same:
+        _log.warning("%s: checkpoint saved with another bucketing (overlap=%s): error-feedback buffers "
+                     "restart at zero", type(owner).__name__, layout is not None)
+    for i, collective in enumerate(collectives):
+        if collective is not None:
+            owner._restore_collective(collective, saved[i] if same else {}, same)
