@@ -32,14 +32,16 @@ OPTIMIZERS = {
     "onebit_adam_naive": (lambda params, **kw: OnebitAdamNaive(params, lr=1e-2, **kw), 0, 1),
 }
 # Comp-AMS: an all-gather per bucket, and overlap=True must give overlap=False's bits however
-# the buckets fall. name -> (maker, block size or None for one per tensor)
+# the buckets fall. name -> (maker, block size, "tensor" for one block per tensor, or None:
+# compressor="none", an exact all-reduce per bucket)
 GATHERED = {
     "comp_ams_block_sign": (lambda params, **kw: CompAMS(params, lr=1e-2, compressor="block_sign", **kw), 64),
     # blocks longer than the last layers' bucket: it sends nothing, its values go with the next
     "comp_ams_block_sign_1000": (
         lambda params, **kw: CompAMS(params, lr=1e-2, compressor="block_sign", block=1000, **kw), 1000),
     "comp_ams_block_sign_layers": (
-        lambda params, **kw: CompAMS(params, lr=1e-2, compressor="block_sign", block="tensor", **kw), None),
+        lambda params, **kw: CompAMS(params, lr=1e-2, compressor="block_sign", block="tensor", **kw), "tensor"),
+    "comp_ams_none": (lambda params, **kw: CompAMS(params, lr=1e-2, compressor="none", **kw), None),
 }
 
 
@@ -267,11 +269,14 @@ def test_checkpoint_in_the_compression_stage_resumes_exactly():
         assert all(res), name
 
 
-def _refusals(rank, world, name):
+_REFUSED = (dict(max_grad_norm=1.0), dict(bucket_cap_mb=0), dict(bucket_cap_mb=True), dict(overlap=1),
+            dict(hierarchical=True, ranks_per_node=1))
+
+
+def _refusals(rank, world, name, cases=_REFUSED):
     model = _model()
     errors = []
-    for kw in (dict(max_grad_norm=1.0), dict(bucket_cap_mb=0), dict(bucket_cap_mb=True), dict(overlap=1),
-               dict(hierarchical=True, ranks_per_node=1)):
+    for kw in cases:
         try:
             _opt(model, name, **({"overlap": True} | kw))
         except (TypeError, ValueError) as exc:
@@ -297,20 +302,6 @@ def test_overlap_refuses_what_it_cannot_honour():
             assert needle in msg, (name, msg)
 
 
-def _gathered_lockstep(rank, world, cap, steps):
-    return {name: _lockstep(rank, world, name, cap, steps) for name in GATHERED} | {
-        "none": _lockstep_none(rank, world, cap, steps)}
-
-
-def _lockstep_none(rank, world, cap, steps):
-    """compressor="none" (distributed AMSGrad): an exact all-reduce per bucket."""
-    GATHERED["none"] = (lambda params, **kw: CompAMS(params, lr=1e-2, compressor="none", **kw), None)
-    try:
-        return _lockstep(rank, world, "none", cap, steps)
-    finally:
-        del GATHERED["none"]
-
-
 def _spans(total: int, bounds: list[int], block: int) -> list[int]:
     """The lengths of the buckets' spans of whole blocks (the oracle: a bucket starting at
     ``lo`` sends from the first multiple of ``block`` at or after it, up to where the bucket
@@ -322,32 +313,35 @@ def _spans(total: int, bounds: list[int], block: int) -> list[int]:
 @pytest.mark.parametrize("world", [2, 3])
 def test_comp_ams_block_sign_overlapped_gives_the_one_shot_bits(world):
     steps = 5
-    res = run_ranks(_gathered_lockstep, world, 0.004, steps)  # 1048-value buckets: several of them
+    # 1048-value buckets: several of them
+    res = _for_each(world, _lockstep, 0.004, steps, names=tuple(GATHERED))
     sizes = [p.numel() for p in _model().parameters()]
-    for name, r0 in res[0].items():
+    for name, (r0, *others) in res.items():
         assert r0["buckets"] >= 3, name
-        assert all(r[name]["digest"] == r0["digest"] for r in res), f"{name}: replicas differ"
+        assert all(r["digest"] == r0["digest"] for r in others), f"{name}: replicas differ"
         assert all(n == r0["buckets"] for n in r0["in_backward"]), f"{name}: buckets not all launched in backward"
-        if name == "none" and world > 2:
+        if name == "comp_ams_none" and world > 2:
             continue  # gloo's sum of three values depends on where a bucket starts
         assert all(r0["same"]), f"{name}: overlapped and one-shot differ at steps " \
                                 f"{[i + 1 for i, s in enumerate(r0['same']) if not s]}"
-    # bytes: one all-gather per bucket of its whole blocks (signs 8 per byte, an fp32 scale per block)
+    # bytes: one all-gather per bucket of its whole blocks (signs 8 per byte, an fp32 scale per
+    # block), or one fp32 ring all-reduce per bucket
     total = sum(sizes)
     bounds, lo = [], total
-    for n in res[0]["comp_ams_block_sign"]["bucket_sizes"]:
+    for n in res["comp_ams_block_sign"][0]["bucket_sizes"]:
         lo -= n
         bounds.append(lo)
     agreement = 2 * (world - 1) * 4 * (1 + 6) // world
     for name, (_, block) in GATHERED.items():
-        spans = sizes if block is None else _spans(total, bounds, block)
-        assert block is None or spans != res[0][name]["bucket_sizes"], f"{name}: no bucket boundary cut a block"
-        payload = sum(math.ceil(n / 8) + 4 * (1 if block is None else math.ceil(n / block)) for n in spans if n)
-        assert res[0][name]["bytes"] == [(world - 1) * payload + agreement] * steps, name
-
-
-def _gathered_each(rank, world, fn, *args):
-    return {name: fn(rank, world, name, *args) for name in GATHERED}
+        buckets = res[name][0]["bucket_sizes"]
+        if block is None:
+            sent = sum(2 * (world - 1) * 4 * n // world for n in buckets)
+        else:
+            spans = sizes if block == "tensor" else _spans(total, bounds, block)
+            assert block == "tensor" or spans != buckets, f"{name}: no bucket boundary cut a block"
+            sent = (world - 1) * sum(math.ceil(n / 8) + 4 * (1 if block == "tensor" else math.ceil(n / block))
+                                     for n in spans if n)
+        assert res[name][0]["bytes"] == [sent + agreement] * steps, name
 
 
 def _cross_load(rank, world, name):
@@ -369,40 +363,23 @@ def _cross_load(rank, world, name):
 
 
 def test_comp_ams_overlapped_skips_resumes_and_accumulates():
-    skipped = run_ranks(_gathered_each, 2, _skip)
-    for name in GATHERED:
-        for kept, zeroed, count, _, finite in (r[name] for r in skipped):
+    names = tuple(GATHERED)
+    for name, res in _for_each(2, _skip, names=names).items():
+        for kept, zeroed, count, _, finite in res:
             assert (kept, zeroed, count, finite) == (True, True, 1, True), name
-        assert skipped[0][name][3] == skipped[1][name][3], f"{name}: replicas differ"
-    resumed = run_ranks(_gathered_each, 2, _resume, FREEZE + 5, FREEZE + 2)
-    assert all(r[name] for r in resumed for name in GATHERED)
-    assert all(r[name] for r in run_ranks(_gathered_each, 2, _cross_load) for name in GATHERED)
+        assert res[0][3] == res[1][3], f"{name}: replicas differ"
+    for check, args in ((_resume, (FREEZE + 5, FREEZE + 2)), (_cross_load, ())):
+        for name, res in _for_each(2, check, *args, names=names).items():
+            assert all(res), (check.__name__, name)
     accumulated = run_ranks(_accumulate, 2, 4, True, "comp_ams_block_sign")
     assert all(all(r) for r in accumulated), "accumulated steps differ from the one-shot exchange"
 
 
-def _comp_ams_refusals(rank, world):
-    model = _model()
-    errors = []
-    for kw in (dict(compressor="topk"), dict(compressor="block_sign", bucket_cap_mb=0),
-               dict(compressor="block_sign", overlap=1)):
-        try:
-            CompAMS(model.parameters(), **({"overlap": True} | kw))
-        except (TypeError, ValueError) as exc:
-            errors.append(str(exc))
-    opt = CompAMS(model.parameters(), compressor="block_sign", overlap=True)
-    scaler = torch.amp.GradScaler("cpu")
-    scaler.scale(model(_batch(rank, 1)).pow(2).mean()).backward()
-    try:
-        scaler.step(opt)
-    except ValueError as exc:
-        errors.append(str(exc))
-    return errors
-
-
 def test_comp_ams_overlap_refuses_top_k_and_what_it_cannot_honour():
-    errors = run_ranks(_comp_ams_refusals, 2)[0]
-    needles = ["'topk'", "bucket_cap_mb", "overlap", "GradScaler"]
+    with pytest.raises(ValueError, match="Invalid compressor value with overlap=True: 'topk'"):
+        CompAMS(_model().parameters(), compressor="topk", overlap=True)
+    errors = run_ranks(_refusals, 2, "comp_ams_block_sign", (dict(bucket_cap_mb=0), dict(overlap=1)))[0]
+    needles = ["bucket_cap_mb", "overlap", "GradScaler"]
     assert len(errors) == len(needles), errors
     for needle, msg in zip(needles, errors):
         assert needle in msg, msg

@@ -94,8 +94,9 @@ class _GradientExchange(OnebitOptimizer):
         return {} if all(c is None for c in collectives) else collectives_state("exchange", self._buckets, collectives)
 
     def _load_extra_state(self, state: Mapping[str, Any], own_state: bool) -> None:
-        if state:  # saved with an exchange (one-shot or bucketed)
-            load_collectives_state(self, "exchange", state, own_state, self._collectives())
+        collectives = self._collectives()
+        if any(c is not None for c in collectives):
+            load_collectives_state(self, "exchange", state, own_state, collectives)
 
 
 def _check_common(lr: float, betas: object, eps: float, weight_decay: float, error_feedback: object) -> None:
