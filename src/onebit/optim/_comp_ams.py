@@ -219,8 +219,9 @@ class CompAMS(_GradientExchange):
         self.exchange = None
         self._buckets = Buckets(self.flat.params, self.flat.offsets, bucket_cap_mb, self._launch_bucket)
         n, size = self.flat.numel, self._block if isinstance(self._block, int) else 1
-        # A bucket's span starts at the first block boundary inside it; it ends where the
-        # previous (later) bucket's starts -- the model's end for the first bucket.
+        # A bucket's span starts at the first block boundary inside it and ends where the span
+        # of the bucket launched before it (the parameters after it) starts -- at the model's
+        # end for the first bucket.
         starts = [min(n, -(-lo // size) * size) for lo, _, _ in self._buckets.bounds]
         self._spans = [(start, end) for start, end in zip(starts, [n, *starts])]
         self._bucket_exchange = [
