@@ -139,12 +139,13 @@ def warm_up(device: torch.device | str) -> None:
         return
     c = torch.linspace(-1.0, 1.0, 16, device=device)
     packed, scale = ef_sign_compress_(c.clone(), None)
-    slots = torch.zeros(2, 4, dtype=torch.uint8, device=device)  # two ranks' 2-byte payloads in 4-byte slots
+    slots = torch.zeros(5, 4, dtype=torch.uint8, device=device)  # ranks' 2-byte payloads in 4-byte slots
     slots[:, :2] = packed
     out = torch.zeros(16, device=device)
-    for rows in ([slots[0], slots[1]], [packed, packed.clone()]):
-        average_signs(rows, [scale, scale], 16, out, accumulate=False)
-        average_signs(rows, [scale, scale], 16, out, accumulate=True)
+    for ranks in (2, 5):  # the CPU kernel has its own path for at most 4 ranks
+        for rows in (list(slots[:ranks]), [packed.clone() for _ in range(ranks)]):
+            average_signs(rows, [scale] * ranks, 16, out, accumulate=False)
+            average_signs(rows, [scale] * ranks, 16, out, accumulate=True)
     unpack_signs(packed, 16, scale, out=out)
     unpack_codes(pack_codes(c, scale, 3), 16, 3, scale, out)  # QAdam's b-bit codes
     stochastic_sign_compress_(c.clone(), c.abs())  # fixed "draws": the global random stream is left alone
