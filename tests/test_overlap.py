@@ -344,22 +344,30 @@ def test_comp_ams_block_sign_overlapped_gives_the_one_shot_bits(world):
         assert res[name][0]["bytes"] == [sent + agreement] * steps, name
 
 
-def _cross_load(rank, world, name):
-    """A checkpoint of the overlapped exchange loads into the one-shot one and back: the
-    errors restart at zero (another bucketing), the moments are restored."""
+def _stepped(rank, name, steps, **kw):
     model = _model()
-    opt = _opt(model, name, overlap=True, bucket_cap_mb=0.004)
-    for step in (1, 2):
+    opt = _opt(model, name, **kw)
+    for step in range(1, steps + 1):
         opt.zero_grad()
         model(_batch(rank, step)).pow(2).mean().backward()
         opt.step()
-    one_shot = _opt(_model(), name)
-    one_shot.load_state_dict(opt.state_dict())
-    again = _opt(_model(), name, overlap=True, bucket_cap_mb=0.004)
+    return opt
+
+
+def _cross_load(rank, world, name):
+    """A checkpoint of the overlapped exchange loads into a one-shot optimizer and back: the
+    moments are restored, the errors (non-zero before) restart at zero (another bucketing)."""
+    saved = _stepped(rank, name, 2, overlap=True, bucket_cap_mb=0.004)
+    one_shot, again = _stepped(rank, name, 1), _stepped(rank, name, 1, overlap=True, bucket_cap_mb=0.004)
+
+    def errors():
+        return [c.worker_error.error for c in [one_shot.exchange, *_bucket_collectives(again)] if c is not None]
+
+    had_errors = all(e is not None and e.any() for e in errors())
+    one_shot.load_state_dict(saved.state_dict())
     again.load_state_dict(one_shot.state_dict())
-    errors = [c.worker_error.error for c in [one_shot.exchange, *_bucket_collectives(again)] if c is not None]
-    return all(e is None or not e.any() for e in errors) and all(
-        torch.equal(x.flat.buffers[k], opt.flat.buffers[k]) for x in (one_shot, again) for k in opt.flat.buffers)
+    return had_errors and all(e is None or not e.any() for e in errors()) and all(
+        torch.equal(x.flat.buffers[k], saved.flat.buffers[k]) for x in (one_shot, again) for k in saved.flat.buffers)
 
 
 def test_comp_ams_overlapped_skips_resumes_and_accumulates():
