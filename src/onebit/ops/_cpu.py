@@ -200,9 +200,10 @@ if numba is not None:
         the sign of ``s_r``, added in rank order: the reference's exact sequence of fp32
         additions. Up to 4 ranks, two values per lookup (``_average_pairs``, ~30% faster)."""
         w = packed.shape[0]
-        patterns = np.arange(1 << min(w, 8))
+        head = min(w, 8)
+        patterns = np.arange(1 << head)
         sums = np.where(patterns & 1, scales[0], -scales[0]).astype(np.float32)
-        for r in range(1, min(w, 8)):
+        for r in range(1, head):
             sums = sums + np.where((patterns >> r) & 1, scales[r], -scales[r]).astype(np.float32)
         if w <= 4:
             _average_pairs(packed, sums * np.float32(1.0 / w), n, out, accumulate)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
@@ -15,12 +14,11 @@ from .. import comm
 from ..compress import BlockSignCompressor, Compressor, TopKCompressor, UniformCompressor
 from ._base import OnebitOptimizer, check_adam_args, check_bool
 from ._functional import _ema_, apply_update_
-from ._overlap import Buckets, collectives_state, load_collectives_state
+from ._overlap import Buckets, collectives_state, load_collectives_state, restart_errors
 
 __all__ = ["CompAMS", "QAdam", "comp_ams"]
 
 _COMPRESSORS = ("topk", "block_sign", "none")
-_log = logging.getLogger("onebit.optim")
 
 
 def _waited(pending: comm.Pending) -> comm.Stages:
@@ -260,11 +258,7 @@ class CompAMS(_GradientExchange):
     def _abandon_buckets(self) -> None:
         self._finish_buckets(self._grad)
         if self._block is not None:
-            for exchange in self._bucket_exchange:
-                if exchange is not None:
-                    exchange.reset()
-            _log.warning("CompAMS: step skipped after the overlapped exchange had started: error-feedback buffers "
-                         "restarted at zero")
+            restart_errors(self, self._bucket_exchange)
 
     def _step(self) -> None:
         if self._buckets is None:

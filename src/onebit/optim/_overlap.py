@@ -34,7 +34,8 @@ from torch import Tensor
 from .. import comm
 from ._functional import _BLOCK
 
-__all__ = ["Buckets", "OverlappedExchange", "bucket_bounds", "collectives_state", "load_collectives_state"]
+__all__ = ["Buckets", "OverlappedExchange", "bucket_bounds", "collectives_state", "load_collectives_state",
+           "restart_errors"]
 
 _log = logging.getLogger("onebit.optim")
 
@@ -269,9 +270,7 @@ class OverlappedExchange:
         if self._stage() != "warmup":
             for collective in self._bucket_allreduce:
                 collective.abandon()
-                collective.reset()
-            _log.warning("%s: step skipped after the overlapped exchange had started: error-feedback buffers "
-                         "restarted at zero", type(self).__name__)
+            restart_errors(self, self._bucket_allreduce)
 
     def _collectives(self) -> list[Any]:
         """The compressed all-reduces: the one-shot one, or one per bucket."""
@@ -285,6 +284,16 @@ class OverlappedExchange:
         """Restore :meth:`_collectives_state`; saved with another bucketing (or by another rank)
         the errors restart at zero."""
         load_collectives_state(self, "allreduce", state, own_state, self._collectives())
+
+
+def restart_errors(owner: Any, collectives: Sequence[Any]) -> None:
+    """A step skipped after ``owner``'s overlapped exchange had started: the buckets' errors took
+    in values before any rank could know, so they restart at zero (None: a bucket without one)."""
+    for collective in collectives:
+        if collective is not None:
+            collective.reset()
+    _log.warning("%s: step skipped after the overlapped exchange had started: error-feedback buffers "
+                 "restarted at zero", type(owner).__name__)
 
 
 def collectives_state(key: str, buckets: Buckets | None, collectives: Sequence[Any]) -> dict[str, Any]:
