@@ -1,0 +1,62 @@
+"""Checkpoints written by onebit 0.1.0 (``fixtures/checkpoints-0.1.pt``) load into today's
+optimizers and resume to the bits the saving version reached.
+
+The fixture holds, per optimizer, a state_dict saved mid-run (compression stage where there
+is one; 1-bit Adam also bucketed, with ``overlap=True``), the model at that step, and the
+parameters after the rest of the run. A change to the checkpoint format, or to the math,
+fails here.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+from torch import nn
+
+import onebit
+
+FIXTURE = pathlib.Path(__file__).with_name("fixtures") / "checkpoints-0.1.pt"
+
+MAKERS = {
+    "OnebitAdam": lambda p: onebit.OnebitAdam(p, lr=1e-2, freeze_step=2),
+    "OnebitAdam/overlap": lambda p: onebit.OnebitAdam(p, lr=1e-2, freeze_step=2, overlap=True, bucket_cap_mb=0.002),
+    "OnebitAdamNaive": lambda p: onebit.OnebitAdamNaive(p, lr=1e-2),
+    "OnebitLamb": lambda p: onebit.OnebitLamb(p, lr=1e-2, freeze_step=2),
+    "Birder": lambda p: onebit.Birder(p, lr=1e-2, seed=5, threshold_step=3),
+    "SoftSignSGD": lambda p: onebit.SoftSignSGD(p, lr=1e-2),
+    "CompAMS/topk": lambda p: onebit.CompAMS(p, lr=1e-2, compressor="topk", ratio=0.2),
+    "CompAMS/block_sign/overlap": lambda p: onebit.CompAMS(p, lr=1e-2, compressor="block_sign", overlap=True,
+                                                           bucket_cap_mb=0.002),
+    "QAdam": lambda p: onebit.QAdam(p, lr=1e-2, bits=2),
+}
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 2))
+    net[0].bias.requires_grad_(False)  # a frozen parameter
+    return net
+
+
+def batch(step: int) -> torch.Tensor:
+    return torch.randn(5, 6, generator=torch.Generator().manual_seed(step))
+
+
+@pytest.mark.parametrize("name", sorted(MAKERS))
+def test_a_checkpoint_of_version_0_1_resumes_to_the_same_bits(name):
+    torch.set_num_threads(1)
+    saved = torch.load(FIXTURE, weights_only=True)[name]
+    net = model()
+    net.load_state_dict(saved["model"])
+    opt = MAKERS[name](net.parameters())
+    opt.load_state_dict(saved["optimizer"])
+    at, steps = saved["steps"]
+    for step in range(at + 1, steps + 1):
+        opt.zero_grad()
+        net(batch(step)).pow(2).mean().backward()
+        opt.step()
+    assert opt.stats["step"] == steps
+    for i, (got, want) in enumerate(zip(net.parameters(), saved["final"])):
+        assert torch.equal(got.detach(), want), f"{name}: parameter {i} differs after resuming"
