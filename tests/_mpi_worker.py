@@ -76,7 +76,7 @@ def overlap(rank: int, world: int) -> dict:
                                         torch.nn.GELU(), torch.nn.Linear(40, 3))
             opt = getattr(onebit, name)(model.parameters(), lr=0.01, group=backend, overlap=True,
                                         bucket_cap_mb=0.004, **kwargs)
-            run = {"digests": [], "bytes": [], "in_backward": [], "buckets": len(opt._buckets.bounds)}
+            run = {"digests": [], "bytes": [], "in_backward": [], "buckets": len(opt._driver.bounds)}
             for step in range(6):
                 opt.zero_grad()
                 x = torch.randn(6, 12, generator=torch.Generator().manual_seed(100 * step + rank))

@@ -18,7 +18,7 @@ from torch import nn
 
 from _harness import run_ranks
 from onebit.optim import Birder, CompAMS, OnebitAdam, OnebitAdamNaive, OnebitLamb
-from onebit.optim._overlap import bucket_bounds
+from onebit.optim._driver import bucket_bounds
 
 FREEZE = 3
 
@@ -68,7 +68,7 @@ def _opt(model: nn.Module, name: str = "onebit_adam", **kw):
 
 def _bucket_collectives(opt) -> list:
     """The compressed collectives of the buckets (None where a bucket has none)."""
-    return opt._bucket_exchange if isinstance(opt, CompAMS) else opt._bucket_allreduce
+    return opt._driver.collectives
 
 
 def _sign_wire_bytes(numel: int, world: int, scales: int) -> int:
@@ -115,7 +115,7 @@ def _lockstep(rank, world, name, cap, steps, kw=None):
     torch.set_num_threads(1)
     a, b = _model(), _model()
     oa, ob = _opt(a, name, overlap=True, bucket_cap_mb=cap, **(kw or {})), _opt(b, name, **(kw or {}))
-    out = {"same": [], "digest": [], "bytes": [], "in_backward": [], "buckets": len(oa._buckets.bounds)}
+    out = {"same": [], "digest": [], "bytes": [], "in_backward": [], "buckets": len(oa._driver.bounds)}
     for step in range(1, steps + 1):
         x = _batch(rank, step)
         for model, opt in ((a, oa), (b, ob)):
@@ -128,7 +128,7 @@ def _lockstep(rank, world, name, cap, steps, kw=None):
         out["digest"].append(_digest(a))
         out["bytes"].append(oa.stats["bytes_sent"])
         out["in_backward"].append(oa.stats["buckets_in_backward"])
-    out["bucket_sizes"] = [hi - lo for lo, hi, _ in oa._buckets.bounds]
+    out["bucket_sizes"] = [hi - lo for lo, hi, _ in oa._driver.bounds]
     out["stage"] = oa.stats["stage"]
     return out
 

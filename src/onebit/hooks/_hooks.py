@@ -12,10 +12,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import comm
-from ..comm import Stages, _dist
+from ..comm import Stages
 from ..compress import Compressor, StochasticSignCompressor, get
-from ..optim._base import check_positive
-from ..optim._birder import check_beta, check_seed, soft_sign_direction
+from .._checks import check_beta, check_positive, check_seed
+from ..optim import soft_sign_direction
 
 __all__ = ["BirderState", "ErrorFeedbackState", "birder_hook", "error_feedback_hook"]
 
@@ -97,7 +97,7 @@ class _HookState:
             )
         if hierarchical not in (True, False, "auto"):
             raise ValueError(f"hierarchical must be True, False or 'auto', got {hierarchical!r}")
-        if _dist.backend_of(process_group) != "torch":
+        if comm.backend_of(process_group) != "torch":
             # DDP itself (bucketing, the backward-pass futures) runs on torch.distributed.
             raise ValueError(f"process_group must be a torch.distributed process group, got {process_group!r}")
         self.process_group = process_group
@@ -105,7 +105,7 @@ class _HookState:
         self.iter = 0
         self.hierarchical = hierarchical
         self.ranks_per_node = ranks_per_node
-        self.timeout = _dist.to_timedelta(timeout)
+        self.timeout = comm.to_timedelta(timeout)
         self._buckets: dict[int, dict[str, Any]] = {}
         self._saved: dict[int, dict[str, Any]] = {}
         self._restore_iters = 0

@@ -1,17 +1,19 @@
 """Optimizers: ``torch.optim.Optimizer`` subclasses that average across the group themselves."""
 
+from .._checks import CommonOptions
 from ._base import OnebitOptimizer, ReplicaDivergence
-from ._birder import Birder, SoftSignSGD, birder, soft_sign_sgd
-from ._comp_ams import CompAMS, QAdam, comp_ams
+from ._birder import Birder, SoftSignSGD, soft_sign_direction, soft_sign_moments, soft_sign_sgd
+from ._comp_ams import CompAMS, QAdam, comp_ams, qadam_direction
 from ._ddp import attach, local_gradient_hook
 from ._deepspeed import from_deepspeed_config
 from ._freeze import FreezeSchedule
-from ._functional import adam_step_bound, clip_to_adam_step_, onebit_adam
-from ._onebit_adam import OnebitAdam, OnebitAdamNaive
-from ._onebit_lamb import OnebitLamb, onebit_lamb
+from ._functional import adam_step_bound, clip_to_adam_step_
+from ._onebit_adam import OnebitAdam, OnebitAdamNaive, adam, onebit_adam
+from ._onebit_lamb import OnebitLamb, lamb, onebit_lamb
 
 __all__ = [
     "Birder",
+    "CommonOptions",
     "CompAMS",
     "FreezeSchedule",
     "OnebitAdam",
@@ -21,14 +23,18 @@ __all__ = [
     "QAdam",
     "ReplicaDivergence",
     "SoftSignSGD",
+    "adam",
     "adam_step_bound",
     "attach",
-    "birder",
     "clip_to_adam_step_",
     "comp_ams",
     "from_deepspeed_config",
+    "lamb",
     "local_gradient_hook",
     "onebit_adam",
     "onebit_lamb",
+    "qadam_direction",
+    "soft_sign_direction",
+    "soft_sign_moments",
     "soft_sign_sgd",
 ]

@@ -1,10 +1,23 @@
-"""What every onebit optimizer shares: argument checks, the fused flat state, the process group.
+"""The base of every onebit optimizer: the contract an algorithm fills in, and the step around it.
 
-The optimizers average across the group themselves (on a DDP-wrapped model they switch
-DDP's all-reduce off, ``_ddp.py``). Their per-parameter state lives in flat fp32 buffers
-(one slot per parameter, parameters in group order, so each param group is one contiguous
-segment) and ``self.state[p]`` holds views into them -- the whole model's momentum is one
-tensor for one collective.
+An algorithm is one contract in three phases (the driver, ``_driver.py``, runs the exchange
+between them, one-shot or bucketed and overlapped with backward):
+
+1. ``_form(i, lo, hi, grad, live, group, step, scratch)``: what goes on the wire for the flat
+   values ``[lo, hi)`` of parameter ``i``, from its gradient and the state as it was; the
+   state is not touched (a bucket may be formed during backward, before the ranks agreed
+   that the step is taken). Only stages whose :class:`~onebit.optim._driver.Wire` is
+   ``formed`` have one; the others send the gradients themselves.
+2. The exchange: the exact fp32 mean, or the collectives made by the ``collective`` factory
+   handed to :meth:`OnebitOptimizer._drive`.
+3. ``_landing(wire)``: where the average lands -- a flat buffer, or a callable that takes it
+   chunk by chunk -- and ``_apply(wire, average)``: the step, the only place state moves.
+
+The stages and the state layout are declared: ``_stages`` (:class:`OneStage` or
+:class:`~onebit.optim._freeze.TwoStages`), each with its wire, and ``_flat_names``, the
+flat buffers (``_flat.py``). The math of each algorithm is a set of plain functions in its
+file, with the paper's equation numbers; the class validates arguments, owns the state and
+calls them.
 """
 
 from __future__ import annotations
@@ -12,11 +25,9 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-import math
 import zlib
 from collections.abc import Callable, Iterable, Mapping
-from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -24,116 +35,49 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from .. import comm
-from ..comm import _dist
-from ..ops import max_abs
-from ._ddp import ddp_modules_holding, has_local_gradient_hook, register_local_gradient_hook
-from ._overlap import Buckets
+from .._checks import COMMON_OPTIONS, check_betas, check_nonneg, check_optional_positive
+from ._agreement import agree_nonfinite, check_replicas
+from ._ddp import attach_ddp, check_ddp
+from ._driver import Driver, Wire
+from ._flat import FlatState
 
-__all__ = ["FlatState", "OnebitOptimizer", "ReplicaDivergence", "check_adam_args", "check_betas", "check_bool", "check_nonneg", "check_optional_positive", "check_positive"]
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from .._checks import CommonOptions
+
+__all__ = ["OneStage", "OnebitOptimizer", "ReplicaDivergence"]
 
 _log = logging.getLogger("onebit.optim")
-
-
-def check_positive(name: str, value: object, *, allow_zero: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"Invalid {name} value: {value!r} (expected a number)")
-    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"Invalid {name} value: {value}")
-    return float(value)
-
-
-def check_nonneg(name: str, value: object) -> float:
-    return check_positive(name, value, allow_zero=True)
-
-
-def check_bool(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"Invalid {name} value: {value!r} (expected a bool)")
-    return value
-
-
-def check_optional_positive(name: str, value: object) -> float | None:
-    """``None`` (off) or a positive finite number: ``clip_update``, ``max_grad_norm``."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"Invalid {name} value: {value!r} (expected None or a positive number)")
-    return float(value)
-
-
-def check_betas(betas: object) -> tuple[float, float]:
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise TypeError(f"Invalid betas: {betas!r} (expected a pair of floats)")
-    for i, b in enumerate(betas):
-        if isinstance(b, bool) or not isinstance(b, (int, float)):
-            raise TypeError(f"Invalid beta parameter at index {i}: {b!r}")
-        if not 0.0 <= b < 1.0:
-            raise ValueError(f"Invalid beta parameter at index {i}: {b}")
-    return float(betas[0]), float(betas[1])
-
-
-def check_adam_args(lr: object, betas: object, eps: object, weight_decay: object) -> tuple[float, float]:
-    """Validate the options every Adam-like optimizer takes; returns the betas."""
-    check_nonneg("learning rate", lr)
-    parsed = check_betas(betas)
-    check_nonneg("epsilon", eps)
-    check_nonneg("weight_decay", weight_decay)
-    return parsed
-
-
-class FlatState:
-    """Named flat fp32 buffers laid out like the parameters, with per-parameter views."""
-
-    def __init__(self, params: list[Tensor]) -> None:
-        self.params = params
-        self.offsets: list[tuple[int, int]] = []
-        start = 0
-        for p in params:
-            self.offsets.append((start, start + p.numel()))
-            start += p.numel()
-        self.numel = start
-        self.device = params[0].device
-        self.buffers: dict[str, Tensor] = {}
-
-    def new(self, name: str) -> Tensor:
-        """A zeroed flat buffer registered under ``name``."""
-        self.buffers[name] = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
-        return self.buffers[name]
-
-    def views(self, name: str) -> list[Tensor]:
-        """Per-parameter views (shaped like the parameters) of buffer ``name``."""
-        return self.split(self.buffers[name])
-
-    def split(self, flat: Tensor) -> list[Tensor]:
-        """Per-parameter views (shaped like the parameters) of a flat buffer laid out like them."""
-        return [flat[lo:hi].view(p.shape) for p, (lo, hi) in zip(self.params, self.offsets)]
-
-    def rename(self, old: str, new: str) -> None:
-        """Register buffer ``old`` under the name ``new`` (its values unchanged)."""
-        self.buffers[new] = self.buffers.pop(old)
-
-    def gather_grads(self, out: Tensor, indices: Iterable[int] | None = None, base: int = 0) -> None:
-        """Copy every gradient (cast to fp32) into ``out``, zeros where a grad is None; or only
-        those of parameters ``indices``, into ``out`` starting at flat offset ``base``."""
-        for i in range(len(self.params)) if indices is None else indices:
-            p, (lo, hi) = self.params[i], self.offsets[i]
-            if p.grad is None:
-                out[lo - base : hi - base].zero_()
-            else:
-                out[lo - base : hi - base].copy_(p.grad.reshape(-1))
 
 
 class ReplicaDivergence(RuntimeError):
     """The ranks' parameters are no longer bit-identical."""
 
 
-class OnebitOptimizer(Optimizer):
-    """Base of the onebit optimizers: process group, flat state, stats and checkpoint extras.
+class OneStage:
+    """The stages of an optimizer with one wire for every step (no warm-up)."""
 
-    Options every optimizer takes (keyword-only): ``timeout`` (per collective),
-    ``broadcast_parameters`` (rank 0's parameters to all at construction), ``on_nonfinite``
-    (``"skip"``: a non-finite gradient on any rank makes every rank skip the step, counted
-    in ``stats["skipped_steps"]``; ``"raise"``: ``FloatingPointError`` on every rank) and
+    frozen_at = None
+
+    def __init__(self, wire: Wire) -> None:
+        self.wire = wire
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        pass
+
+
+class OnebitOptimizer(Optimizer):
+    """Base of the onebit optimizers: process group, flat state, the step protocol, checkpoints.
+
+    Options every optimizer takes (keyword-only, :class:`onebit.optim.CommonOptions`):
+    ``timeout`` (per collective, seconds; default 300), ``broadcast_parameters`` (rank 0's
+    parameters to all at construction; default True), ``on_nonfinite`` (``"skip"``: a
+    non-finite gradient on any rank makes every rank skip the step, counted in
+    ``stats["skipped_steps"]``; ``"raise"``: ``FloatingPointError`` on every rank),
     ``check_replicas_every`` (K > 0: :meth:`check_replicas` after every K-th step) and
     ``max_grad_norm``.
 
@@ -145,9 +89,9 @@ class OnebitOptimizer(Optimizer):
     it never exists -- the compression stage of 1-bit Adam and 1-bit LAMB, Birder, QAdam,
     which exchange momentum or updates -- each rank clips its own local gradient the same
     way, in place in ``p.grad`` as ``clip_grad_norm_`` would, before it enters its moments
-    (what DeepSpeed's engine did in that stage). Calling
-    ``clip_grad_norm_`` yourself before ``step()`` clips the *local* gradient of each rank
-    (never the average, which does not exist yet), at every stage.
+    (what DeepSpeed's engine did in that stage). Calling ``clip_grad_norm_`` yourself before
+    ``step()`` clips the *local* gradient of each rank (never the average, which does not
+    exist yet), at every stage.
 
     Missing gradients, one rule for every optimizer: a parameter whose ``.grad`` is ``None``
     on every rank (frozen, or unused this step) is not updated -- no step, no weight decay,
@@ -155,10 +99,10 @@ class OnebitOptimizer(Optimizer):
     only counts as a zero gradient on the others (the average DDP would form). Which
     parameters have a gradient somewhere travels with the non-finite agreement (one flag
     per parameter in its all-reduce), so every rank takes the same decision.
-    Subclasses implement :meth:`_step` and list their flat buffers in ``_flat_names``.
     """
 
     _flat_names: tuple[str, ...] = ()
+    _stages: Any  # OneStage or TwoStages, set by the subclass before this constructor runs
 
     def __init__(
         self,
@@ -166,55 +110,30 @@ class OnebitOptimizer(Optimizer):
         defaults: dict[str, Any],
         *,
         group: comm.Group,
-        timeout: float | timedelta | None,
-        broadcast_parameters: bool,
-        on_nonfinite: str = "skip",
-        check_replicas_every: int = 0,
-        max_grad_norm: float | None = None,
+        **options: Unpack[CommonOptions],
     ) -> None:
+        unknown = sorted(set(options) - set(COMMON_OPTIONS))
+        if unknown:
+            raise TypeError(f"{type(self).__name__}() got an unexpected keyword argument {unknown[0]!r}")
+        options = {**COMMON_OPTIONS, **options}
+        on_nonfinite, check_every = options["on_nonfinite"], options["check_replicas_every"]
         if on_nonfinite not in ("skip", "raise"):
             raise ValueError(f"Invalid on_nonfinite value: {on_nonfinite!r} (expected 'skip' or 'raise')")
-        if isinstance(check_replicas_every, bool) or not isinstance(check_replicas_every, int) or check_replicas_every < 0:
-            raise ValueError(f"Invalid check_replicas_every value: {check_replicas_every!r} (expected an int >= 0)")
-        self.max_grad_norm = check_optional_positive("max_grad_norm", max_grad_norm)
+        if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 0:
+            raise ValueError(f"Invalid check_replicas_every value: {check_every!r} (expected an int >= 0)")
+        self.max_grad_norm = check_optional_positive("max_grad_norm", options["max_grad_norm"])
         self.on_nonfinite = on_nonfinite
-        self.check_replicas_every = check_replicas_every
+        self.check_replicas_every = check_every
         super().__init__(params, defaults)
-        # Param groups may override the defaults: validate what each group will use.
-        # A constructor option that is not per-group (eps, say) given in a group would be ignored: refuse it.
-        global_only = set(inspect.signature(type(self).__init__).parameters) - set(defaults) - {"self", "params"}
-        for i, g in enumerate(self.param_groups):
-            ignored = sorted(global_only & set(g))
-            if ignored:
-                raise ValueError(
-                    f"param group {i} sets {ignored}, which {type(self).__name__} takes only for all "
-                    f"parameters (per-group options: {sorted(defaults)})"
-                )
-            if "lr" in g:
-                check_nonneg("learning rate", g["lr"])
-            if "betas" in g:
-                check_betas(g["betas"])
-            if "weight_decay" in g:
-                check_nonneg("weight_decay", g["weight_decay"])
+        self._check_groups(defaults)
         self.process_group = comm.resolve_group(group)
-        self.timeout = _dist.to_timedelta(timeout)
+        self.timeout = comm.to_timedelta(options["timeout"])
         self.world_size = comm.get_world_size(self.process_group)
         self.rank = comm.get_rank(self.process_group)
         params = [p for g in self.param_groups for p in g["params"]]
-        if not params:
-            raise ValueError("optimizer got an empty parameter list")
-        devices = {p.device for p in params}
-        if len(devices) != 1:
-            raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
-        if any(not p.is_floating_point() for p in params):
-            raise TypeError("all parameters must be floating-point tensors")
-        wide = [tuple(p.shape) for p in params if p.dtype == torch.float64]
-        if wide:
-            # The state and the math are fp32: an fp64 parameter would be rounded to fp32 every step.
-            raise TypeError(f"float64 parameters are not supported (state and updates are fp32), got shapes {wide}; "
-                            "use float32, bfloat16 or float16 parameters")
+        _check_params(params)
         self._check_same_parameters_everywhere(params)
-        if broadcast_parameters:
+        if options["broadcast_parameters"]:
             with torch.no_grad():
                 for p in params:
                     if p.is_contiguous():
@@ -231,11 +150,29 @@ class OnebitOptimizer(Optimizer):
         self._bytes_last = 0
         self._last_stage: str | None = None
         self._ddp_checked = False
-        self._buckets: Buckets | None = None  # the overlapped exchange (_overlap.OverlappedExchange)
+        self._driver: Driver | None = None
         for name in self._flat_names:
             self.flat.new(name)
         self._link_state()
-        self._check_ddp(construction=True)
+        check_ddp(self, construction=True)
+
+    def _drive(self, collective: Callable[[int, int], Any] | None, *, overlap: bool = False,
+               bucket_cap_mb: float = 25.0, alignment: int = 1, key: str = "allreduce") -> None:
+        """Start the exchange driver (the end of a subclass's constructor): ``collective(start,
+        end)`` makes the compressed collective of the flat values ``[start, end)``
+        (:class:`~onebit.optim._driver.Driver`). With ``overlap``, ``max_grad_norm`` is refused
+        where a stage forms what it sends: the local clip needs every gradient before the first
+        bucket leaves."""
+        if overlap and self.max_grad_norm is not None and any(w.formed for w in self._wires()):
+            raise ValueError(f"Invalid max_grad_norm value with overlap=True: {self.max_grad_norm!r} (the "
+                             f"{type(self).__name__} step clips each rank's gradient over all parameters, which the "
+                             "first bucket's exchange cannot wait for); use overlap=False to clip")
+        self._driver = Driver(self, collective, overlap=overlap, bucket_cap_mb=bucket_cap_mb, alignment=alignment,
+                              key=key)
+
+    def _wires(self) -> tuple[Wire, ...]:
+        """Every wire this optimizer's stages may use."""
+        return getattr(self._stages, "wires", (self._stages.wire,))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Only during construction: the fused flat state and the collectives are sized for the
@@ -248,7 +185,51 @@ class OnebitOptimizer(Optimizer):
             )
         super().add_param_group(param_group)
 
+    @property
+    def freeze(self) -> Any:
+        """The :class:`onebit.optim.FreezeSchedule` that ends the warm-up (None without one)."""
+        return getattr(self._stages, "schedule", None)
+
+    # ------------------------------------------------------------------ the contract
+    def _form(self, i: int, lo: int, hi: int, grad: Tensor | None, live: bool, group: dict[str, Any], step: int,
+              scratch: Tensor) -> Tensor | None:
+        """Values ``[lo, hi)`` (flat offsets, inside parameter ``i``) of what this rank sends at
+        step ``step``, or None for zeros; the state is left as it is. ``grad``: that block of the
+        parameter's gradient in logical order (None where it has none here); ``live``: the
+        parameter takes its gradient this step, else its state enters as it is; ``group``: its
+        param group; ``scratch``: two rows of ``hi - lo`` fp32 values."""
+        raise NotImplementedError
+
+    def _landing(self, wire: Wire) -> Tensor | Callable[[int, int, Tensor], None]:
+        """Where this step's average lands: a flat fp32 buffer of the model's size, or
+        ``consume(lo, hi, values)``, handed it chunk by chunk. Asked once per step, right before
+        the buffer is first written."""
+        raise NotImplementedError
+
+    def _apply(self, wire: Wire, average: Tensor | None) -> None:
+        """The step, on the landed ``average`` (None where it was consumed chunk by chunk)."""
+        raise NotImplementedError
+
     # ------------------------------------------------------------------ helpers
+    def _check_groups(self, defaults: Mapping[str, Any]) -> None:
+        """Param groups may override the defaults: validate what each group will use. A constructor
+        option that is not per-group (eps, say) given in a group would be ignored: refuse it."""
+        signature = set(inspect.signature(type(self).__init__).parameters) | set(COMMON_OPTIONS)
+        global_only = signature - set(defaults) - {"self", "params", "options"}
+        for i, g in enumerate(self.param_groups):
+            ignored = sorted(global_only & set(g))
+            if ignored:
+                raise ValueError(
+                    f"param group {i} sets {ignored}, which {type(self).__name__} takes only for all "
+                    f"parameters (per-group options: {sorted(defaults)})"
+                )
+            if "lr" in g:
+                check_nonneg("learning rate", g["lr"])
+            if "betas" in g:
+                check_betas(g["betas"])
+            if "weight_decay" in g:
+                check_nonneg("weight_decay", g["weight_decay"])
+
     def _check_same_parameters_everywhere(self, params: list[Tensor]) -> None:
         """Compare parameter count, total size and shapes across ranks with one small all-gather.
 
@@ -259,7 +240,7 @@ class OnebitOptimizer(Optimizer):
             return
         shapes = ";".join("x".join(map(str, p.shape)) for p in params)
         mine = [len(params), sum(p.numel() for p in params), zlib.crc32(shapes.encode())]
-        table = _dist.all_gather_object_sizes(mine, self.process_group, self.timeout, params[0].device)
+        table = comm.all_gather_object_sizes(mine, self.process_group, self.timeout, params[0].device)
         if not bool((table == table[0]).all()):
             rows = ", ".join(f"rank {r}: {int(t[0])} tensors / {int(t[1])} values" for r, t in enumerate(table))
             raise ValueError(f"parameters differ across ranks ({rows}; shape checksums {table[:, 2].tolist()})")
@@ -267,35 +248,7 @@ class OnebitOptimizer(Optimizer):
     def attach_ddp(self, model: DistributedDataParallel | None = None) -> list[DistributedDataParallel]:
         """Switch off DDP's all-reduce on ``model`` (default: every DDP module holding these
         parameters) with :func:`onebit.optim.local_gradient_hook`; see :func:`onebit.optim.attach`."""
-        found = ddp_modules_holding(self.flat.params)
-        if model is not None:
-            if not any(ddp is model for ddp in found):
-                raise ValueError(f"the DistributedDataParallel model holds none of {type(self).__name__}'s parameters")
-            found = [model]
-        for ddp in found:
-            register_local_gradient_hook(ddp, type(self).__name__)
-        return found
-
-    def _check_ddp(self, construction: bool) -> None:
-        """A DDP module holding these parameters gets :func:`local_gradient_hook` at construction
-        (DDP's fp32 all-reduce would otherwise run before this optimizer's exchange, and nothing
-        would be saved); one found at the first step without it raises, because DDP takes a
-        hook only before its first backward, which has run by then."""
-        if self.world_size == 1:
-            return
-        if construction:
-            if self.attach_ddp():
-                _log.info("%s: DDP's gradient all-reduce switched off (local_gradient_hook); the optimizer "
-                          "exchanges in step()", type(self).__name__)
-            return
-        if not all(has_local_gradient_hook(ddp) for ddp in ddp_modules_holding(self.flat.params)):
-            raise ValueError(
-                f"the parameters of {type(self).__name__} belong to a DistributedDataParallel model wrapped after "
-                f"the optimizer was built: DDP all-reduced the gradients in fp32 and {type(self).__name__} would "
-                "exchange them again, saving nothing. Call onebit.attach(optimizer) after wrapping the model "
-                "and before the first backward (Accelerate: after accelerator.prepare; HF Trainer: "
-                "callbacks=[onebit.integrations.transformers.AttachCallback()]), or build the optimizer after wrapping"
-            )
+        return attach_ddp(self, model)
 
     def _link_state(self) -> None:
         """Point ``self.state[p][name]`` at the flat buffers' views (for inspection)."""
@@ -307,30 +260,48 @@ class OnebitOptimizer(Optimizer):
         """Per-parameter value of a param-group option, read afresh (LR schedulers change it)."""
         return [g[key] for g in self.param_groups for _ in g["params"]]
 
+    def _local_grads(self) -> list[Tensor | None]:
+        """This rank's own gradients (``None`` where it has none), read where they lie."""
+        return [p.grad for p in self.flat.params]
+
+    def _clip_local_grads(self) -> None:
+        """With ``max_grad_norm``: ``clip_grad_norm_`` on this rank's own gradients, in place, the
+        norm taken in fp32 over all of them (the stages whose averaged gradient never exists)."""
+        present = [p.grad for p in self.flat.params if p.grad is not None]
+        if self.max_grad_norm is not None and present:
+            coef = self._clip_coef(torch.linalg.vector_norm(torch.stack(
+                [torch.linalg.vector_norm(g, dtype=torch.float32) for g in present])))
+            for g in present:
+                g.mul_(coef)
+
+    def _clip_grad_(self, grad: Tensor) -> Tensor:
+        """With ``max_grad_norm``: ``clip_grad_norm_`` on the flat averaged gradient (zeros where
+        a parameter has no gradient), on the device."""
+        if self.max_grad_norm is not None:
+            grad.mul_(self._clip_coef(torch.linalg.vector_norm(grad)))
+        return grad
+
+    def _clip_coef(self, norm: Tensor) -> Tensor:
+        """``min(1, max_grad_norm / (norm + 1e-6))``, as ``clip_grad_norm_`` scales, on the device."""
+        return (self.max_grad_norm / (norm + 1e-6)).clamp_(max=1.0)
+
     # ------------------------------------------------------------------ API
     @property
     def stats(self) -> dict[str, Any]:
         """``step``, ``stage`` (of the last step), ``bytes_sent`` (this rank, last step),
-        ``bytes_sent_total`` and ``freeze_step`` (last warm-up step, once known); with
-        ``overlap=True`` also ``overlap``, the fraction of the last step's exchange that ran
-        alongside backward, and ``buckets_in_backward``, the buckets launched there."""
-        overlapped = {} if self._buckets is None else {
-            "overlap": self._buckets.overlap, "buckets_in_backward": self._buckets.launched_in_backward}
+        ``bytes_sent_total``, ``freeze_step`` (last warm-up step, once known) and
+        ``skipped_steps``; with ``overlap=True`` also ``overlap``, the fraction of the last
+        step's exchange that ran alongside backward, and ``buckets_in_backward``, the buckets
+        launched there."""
         return {
             "step": self._step_count,
-            "stage": self._last_stage or self._stage(),
+            "stage": self._last_stage or self._stages.wire.stage,
             "bytes_sent": self._bytes_last,
             "bytes_sent_total": self._bytes_total,
-            "freeze_step": self._freeze_step_stat(),
+            "freeze_step": self._stages.frozen_at,
             "skipped_steps": self._skipped,
-            **overlapped,
+            **self._driver.stats(),
         }
-
-    def _stage(self) -> str:
-        return "compressed"
-
-    def _freeze_step_stat(self) -> int | None:
-        return None
 
     # torch.amp.GradScaler then hands us ``grad_scale`` (gradients still scaled, or None) and
     # ``found_inf`` as attributes and leaves the skip decision to step(): it must be the same
@@ -349,30 +320,23 @@ class OnebitOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        _dist.check_world_size(self.process_group, self.world_size, type(self).__name__)
+        comm.check_world_size(self.process_group, self.world_size, type(self).__name__)
         if not self._ddp_checked:  # the model may have been wrapped after the optimizer was built
-            self._check_ddp(construction=False)
+            check_ddp(self, construction=False)
             self._ddp_checked = True
-        if self._buckets is not None and (getattr(self, "grad_scale", None) is not None
-                                          or getattr(self, "found_inf", None) is not None):
-            raise ValueError(
-                f"{type(self).__name__}(overlap=True) exchanged the gradients during backward, before GradScaler "
-                "could unscale them or find infs: use overlap=False with GradScaler"
-            )
         with comm.measure() as meter:
-            if self._buckets is not None:
-                self._buckets.flush()  # before the agreement: every rank issues the same sequence
-            if self._agree_nonfinite():
+            self._driver.flush()
+            nonfinite, self._active = agree_nonfinite(self)
+            if nonfinite:
                 self._skipped += 1
-                if self._buckets is not None:
-                    self._abandon_buckets()
+                self._driver.abandon()
             else:
                 self._step_count += 1
-                self._last_stage = self._stage()
-                self._step()
+                self._last_stage = self._stages.wire.stage
+                self._driver.run(self._step_count)
                 if self.check_replicas_every and self._step_count % self.check_replicas_every == 0:
                     self.check_replicas()
-        sent = meter.bytes_sent + (self._buckets.done() if self._buckets is not None else 0)
+        sent = meter.bytes_sent + self._driver.done()
         self._bytes_last = sent
         self._bytes_total += sent
         return loss
@@ -381,11 +345,7 @@ class OnebitOptimizer(Optimizer):
         """Gradient accumulation with ``overlap=True``: backward passes inside the block only
         accumulate; the next one outside it starts the exchange (as ``DistributedDataParallel.no_sync``).
         Without overlap the exchange happens in ``step()`` anyway, and the block changes nothing."""
-        return self._buckets.no_sync() if self._buckets is not None else contextlib.nullcontext()
-
-    def _abandon_buckets(self) -> None:
-        """Every rank skips this step: wait for and drop the exchanges already launched."""
-        raise NotImplementedError
+        return self._driver.no_sync()
 
     @torch.no_grad()
     def check_replicas(self) -> None:
@@ -394,118 +354,18 @@ class OnebitOptimizer(Optimizer):
         Cheap: each parameter's bits, read as integers, are summed on its device, and the
         sums (8 bytes per parameter) are all-gathered -- any single-value difference shows.
         """
-        if self.world_size == 1:
-            return
-        ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}
-        sums = torch.stack([p.detach().reshape(-1).view(ints[p.element_size()]).sum(dtype=torch.int64)
-                            for p in self.flat.params])
-        table = _dist.all_gather_object_sizes(sums.tolist(), self.process_group, self.timeout, self.flat.device)
-        differs = (table != table[0]).any(dim=0).nonzero()
-        if differs.numel():
-            i = int(differs[0])
-            names = [n for g in self.param_groups for n in g.get("param_names", [None] * len(g["params"]))]
-            name = names[i] or f"parameter {i} (shape {tuple(self.flat.params[i].shape)})"
-            ranks = [r for r in range(self.world_size) if table[r, i] != table[0, i]]
-            raise ReplicaDivergence(f"replicas differ after step {self._step_count}: {name} on ranks {ranks} "
-                                    "differs from rank 0")
+        message = check_replicas(self)
+        if message:
+            raise ReplicaDivergence(message)
 
-    def _agree_nonfinite(self) -> bool:
-        """Unscale (GradScaler), then one tiny all-reduce(max) of "some gradient here is not finite"."""
-        grads = [p.grad for p in self.flat.params if p.grad is not None]
-        if any(g.is_sparse for g in grads):
-            raise ValueError("onebit optimizers do not support sparse gradients")
-        scale = getattr(self, "grad_scale", None)
-        if scale is not None and grads:
-            torch._foreach_mul_(grads, scale.double().reciprocal().float().to(grads[0].device))
-        # flag[0]: some gradient here is not finite; flag[1 + i]: parameter i has a gradient here.
-        flag = torch.zeros(1 + len(self.flat.params), dtype=torch.float32, device=self.flat.device)
-        if grads:
-            peaks = torch.stack([max_abs(g.detach()).float() if g.numel() else flag[0] for g in grads])
-            flag[0] = (~torch.isfinite(peaks)).any()
-        if len(grads) == len(self.flat.params):
-            flag[1:] = 1.0  # the common case, without a host-to-device copy
-        else:
-            flag[1:] = torch.tensor([p.grad is not None for p in self.flat.params], dtype=torch.float32)
-        found_inf = getattr(self, "found_inf", None)
-        if found_inf is not None:
-            flag[0] = torch.maximum(flag[0], found_inf.reshape(()).to(flag))
-        if self.world_size > 1:
-            _dist.all_reduce_max(flag, self.process_group, self.timeout)
-        values = flag.tolist()
-        self._active = [v > 0 for v in values[1:]]
-        if not values[0]:
-            return False
-        if self.on_nonfinite == "raise":
-            local = [i for i, p in enumerate(self.flat.params) if p.grad is not None and not torch.isfinite(p.grad).all()]
-            where = f"parameter {local[0]} (shape {tuple(self.flat.params[local[0]].shape)}) on rank {self.rank}" if local \
-                else f"another rank than {self.rank}"
-            raise FloatingPointError(f"non-finite gradient at step {self._step_count + 1}: {where}")
-        _log.warning("step %d skipped on every rank: non-finite gradient", self._step_count + 1)
-        return True
-
-    def _step(self) -> None:
-        raise NotImplementedError
-
-    def _allreduce(self, buffer: Tensor) -> Tensor:
-        """Exact fp32 average over the group, in place (the warm-up exchange)."""
-        return comm.all_reduce_mean(buffer, self.process_group, self.timeout)
-
-    def _clip_grad_(self, grad: Tensor) -> Tensor:
-        """``clip_grad_norm_`` on the flat gradient buffer (zeros where a parameter has no
-        gradient): scaled by ``min(1, max_grad_norm / (||grad|| + 1e-6))``, on the device."""
-        if self.max_grad_norm is not None:
-            grad.mul_(self._clip_coef(torch.linalg.vector_norm(grad)))
-        return grad
-
-    def _clip_coef(self, norm: Tensor) -> Tensor:
-        """``min(1, max_grad_norm / (norm + 1e-6))``, as ``clip_grad_norm_`` scales, on the device."""
-        return (self.max_grad_norm / (norm + 1e-6)).clamp_(max=1.0)
-
-    def _new_grad_buffer(self) -> Tensor:
-        """A flat fp32 buffer for the gradients (``self._grad``), where an exchange averages them."""
-        return torch.zeros(self.flat.numel, dtype=torch.float32, device=self.flat.device)
-
-    def _averaged_grads(self, exchange: Callable[[Tensor], Tensor]) -> list[Tensor]:
-        """The gradients gathered into ``self._grad`` (zeros where missing), averaged in place by
-        ``exchange``, as per-parameter views shaped like the parameters."""
-        self.flat.gather_grads(self._grad)
-        return self.flat.split(exchange(self._grad))
-
-    def _local_grads(self) -> list[Tensor | None]:
-        """This rank's own gradients (``None`` where it has none), read where they lie, with
-        no flat copy; with ``max_grad_norm`` first scaled in place by ``min(1, max_grad_norm /
-        (||g|| + 1e-6))``, the norm taken in fp32 over all of them -- ``clip_grad_norm_``
-        on this rank (the stages whose averaged gradient never exists)."""
-        grads = [p.grad for p in self.flat.params]
-        present = [g for g in grads if g is not None]
-        if self.max_grad_norm is not None and present:
-            coef = self._clip_coef(torch.linalg.vector_norm(torch.stack(
-                [torch.linalg.vector_norm(g, dtype=torch.float32) for g in present])))
-            for g in present:
-                g.mul_(coef)
-        return grads
-
-    def _clipped(self, exchange: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
-        """``exchange`` (which returns the average of a gradient buffer) followed by clipping it."""
-        if self.max_grad_norm is None:
-            return exchange
-        return lambda buffer: self._clip_grad_(exchange(buffer))
-
-    @staticmethod
-    def _restore_collective(collective: Any, state: Mapping[str, Any], own_state: bool) -> None:
-        """Restore a compressed collective's errors (and random state), or restart them -- at zero,
-        freshly seeded -- when ``state`` is another rank's or from another world size."""
-        if own_state:
-            collective.load_state_dict(state)
-        else:
-            collective.reset()
-
+    # ------------------------------------------------------------------ checkpoints
     def _extra_state(self) -> dict[str, Any]:
+        """What the subclass checkpoints beyond the flat buffers, stages and collectives."""
         return {}
 
     def _layout_for(self, state: Mapping[str, Any]) -> None:
-        """Name the flat buffers as in the saved :meth:`_extra_state` ``state`` (1-bit Adam's
-        differ between its stages), before they are checked and loaded."""
+        """Name the flat buffers as in the saved state (1-bit Adam's differ between its stages),
+        before they are checked and loaded."""
 
     def _load_extra_state(self, state: Mapping[str, Any], own_state: bool) -> None:
         """Restore :meth:`_extra_state`; ``own_state`` is False when the state was saved by another
@@ -521,7 +381,9 @@ class OnebitOptimizer(Optimizer):
             "step": self._step_count,
             "bytes_sent_total": self._bytes_total,
             "flat": {name: buf.clone() for name, buf in self.flat.buffers.items()},
+            **self._stages.state_dict(),
             **self._extra_state(),
+            **self._driver.state_dict(),
         }
         return sd
 
@@ -566,9 +428,26 @@ class OnebitOptimizer(Optimizer):
                 type(self).__name__, extra["world_size"], saved_rank, self.world_size, self.rank,
             )
         try:
+            self._stages.load_state_dict(extra)
             self._load_extra_state(extra, own_state)
+            self._driver.load_state_dict(extra, own_state)
         except KeyError as exc:
             raise ValueError(
                 f"incomplete {type(self).__name__} state_dict: missing {exc.args[0]!r} "
                 "(saved by another optimizer, or truncated)"
             ) from None
+
+
+def _check_params(params: list[Tensor]) -> None:
+    if not params:
+        raise ValueError("optimizer got an empty parameter list")
+    devices = {p.device for p in params}
+    if len(devices) != 1:
+        raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
+    if any(not p.is_floating_point() for p in params):
+        raise TypeError("all parameters must be floating-point tensors")
+    wide = [tuple(p.shape) for p in params if p.dtype == torch.float64]
+    if wide:
+        # The state and the math are fp32: an fp64 parameter would be rounded to fp32 every step.
+        raise TypeError(f"float64 parameters are not supported (state and updates are fp32), got shapes {wide}; "
+                        "use float32, bfloat16 or float16 parameters")

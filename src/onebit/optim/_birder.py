@@ -1,41 +1,32 @@
-"""Birder (Peng et al., Algorithm 1, eqs. (4)-(5)) and its uncompressed form SoftSignSGD (appendix B)."""
+"""Birder (Peng et al., Algorithm 1, eqs. (4)-(5)) and its uncompressed form SoftSignSGD (appendix B).
+
+The math: :func:`soft_sign_moments` (lines 5-7), :func:`soft_sign_direction` (``m / (b + eps)``,
+what a rank sends, each element in ``[-1, 1]``; the DDP hook's too) and :func:`soft_sign_sgd`;
+Birder's update on the average ``u_bar`` of the quantised directions (line 16) is
+:class:`~onebit.optim._functional.UpdateByChunks`.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from datetime import timedelta
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from .. import comm
+from .._checks import check_beta, check_bool, check_nonneg, check_positive, check_seed
 from ..compress import StochasticSignCompressor
-from ._base import OnebitOptimizer, check_bool, check_nonneg, check_positive
-from ._functional import _BLOCK, UpdateByChunks, _ema_
-from ._overlap import OverlappedExchange
+from ._base import OneStage, OnebitOptimizer
+from ._driver import COMPRESSED_FORMED, EXACT_GRADIENT, Wire, allreduce_factory
+from ._functional import UpdateByChunks, ema_
 
-__all__ = ["Birder", "SoftSignSGD", "birder", "check_beta", "check_seed", "soft_sign_direction", "soft_sign_moments",
-           "soft_sign_sgd"]
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
-# exchange(send, consume): average ``send`` over the group, handing consume(lo, hi, values) its chunks
-Exchange = Callable[[Tensor, Callable[[int, int, Tensor], None]], None]
+    from .._checks import CommonOptions
 
-
-def check_seed(seed: object) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"Invalid seed value: {seed!r} (expected an int)")
-    if not 0 <= seed < 2**32:
-        raise ValueError(f"Invalid seed value: {seed} (must be in [0, 2**32))")
-    return seed
-
-
-def check_beta(beta: object) -> float:
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)):
-        raise TypeError(f"Invalid beta value: {beta!r} (expected a float)")
-    if not 0.0 <= beta < 1.0:
-        raise ValueError(f"Invalid beta value: {beta}")
-    return float(beta)
+__all__ = ["Birder", "SoftSignSGD", "soft_sign_direction", "soft_sign_moments", "soft_sign_sgd"]
 
 
 def soft_sign_moments(
@@ -55,8 +46,8 @@ def soft_sign_moments(
     for (lo, hi), g, beta, on in zip(offsets, grads, betas, active):
         if not on:  # no gradient on any rank: moments untouched
             continue
-        _ema_(exp_avg[lo:hi], g, beta)
-        _ema_(exp_avg_abs[lo:hi], None if g is None else g.abs(), beta)
+        ema_(exp_avg[lo:hi], g, beta)
+        ema_(exp_avg_abs[lo:hi], None if g is None else g.abs(), beta)
     if max_exp_avg_abs is None:
         return exp_avg_abs
     if use_max:
@@ -76,60 +67,13 @@ def soft_sign_direction(
     betas: Sequence[float],
     eps: float,
     out: Tensor,
-    accumulate: bool = False,
 ) -> Tensor:
     """The moments (:func:`soft_sign_moments`), then ``out = m / (b + eps)``, each element in
-    ``[-1, 1]`` -- added to ``out`` with ``accumulate`` (a worker error, through block-sized
-    scratch). ``out`` may be the buffer the gradients lie in."""
+    ``[-1, 1]``. ``out`` may be the buffer the gradients lie in."""
     denom = soft_sign_moments(offsets, grads=grads, active=active, exp_avg=exp_avg, exp_avg_abs=exp_avg_abs,
                               max_exp_avg_abs=max_exp_avg_abs, use_max=use_max, betas=betas)
-    if not accumulate:
-        torch.add(denom, eps, out=out)
-        return torch.div(exp_avg, out, out=out)
-    for lo in range(0, out.numel(), _BLOCK):
-        hi = min(lo + _BLOCK, out.numel())
-        out[lo:hi].add_(exp_avg[lo:hi] / (denom[lo:hi] + eps))
-    return out
-
-
-def birder(
-    params: Sequence[Tensor],
-    offsets: Sequence[tuple[int, int]],
-    *,
-    grads: Sequence[Tensor | None],
-    active: Sequence[bool],
-    exp_avg: Tensor,
-    exp_avg_abs: Tensor,
-    max_exp_avg_abs: Tensor | None,
-    send: Tensor,
-    accumulate: bool,
-    exchange: Exchange,
-    step: int,
-    lrs: Sequence[float],
-    betas: Sequence[float],
-    weight_decays: Sequence[float],
-    eps: float,
-    threshold_step: int | None,
-) -> None:
-    """One Birder step (Algorithm 1): local ``m``, ``b`` from the local ``grads``, ``u = m / (b + eps)``
-    written to ``send`` (added to it with ``accumulate``: ``send`` is then the collective's worker
-    error), ``exchange(send, consume)`` hands ``consume`` the error-compensated 1-bit average
-    ``u_bar`` chunk by chunk (lines 8-14), which applies ``x <- x (1 - lr wd) - lr u_bar``
-    (line 16 with decoupled weight decay)."""
-    soft_sign_direction(
-        offsets,
-        grads=grads,
-        active=active,
-        exp_avg=exp_avg,
-        exp_avg_abs=exp_avg_abs,
-        max_exp_avg_abs=max_exp_avg_abs,
-        use_max=threshold_step is not None and step > threshold_step,
-        betas=betas,
-        eps=eps,
-        out=send,
-        accumulate=accumulate,
-    )
-    exchange(send, UpdateByChunks(params, offsets, lrs=lrs, weight_decays=weight_decays, active=active))
+    torch.add(denom, eps, out=out)
+    return torch.div(exp_avg, out, out=out)
 
 
 def soft_sign_sgd(
@@ -167,28 +111,27 @@ def soft_sign_sgd(
 class _SoftSign(OnebitOptimizer):
     """Argument checks and buffers shared by Birder and SoftSignSGD."""
 
-    def __init__(self, params, lr, beta, eps, weight_decay, group, timeout, broadcast_parameters, on_nonfinite,
-                 check_replicas_every, max_grad_norm) -> None:
+    _flat_names = ("exp_avg", "exp_avg_abs")
+
+    def _init_soft_sign(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], *, lr: float, beta: float,
+                        eps: float, weight_decay: float, group: comm.Group, options: CommonOptions) -> None:
         check_nonneg("learning rate", lr)
         check_beta(beta)
         check_positive("epsilon", eps)  # b is exactly 0 wherever no gradient was seen yet
         check_nonneg("weight_decay", weight_decay)
         self.eps = float(eps)
-        super().__init__(
-            params,
-            {"lr": lr, "beta": float(beta), "weight_decay": weight_decay},
-            group=group,
-            timeout=timeout,
-            broadcast_parameters=broadcast_parameters,
-            on_nonfinite=on_nonfinite,
-            check_replicas_every=check_replicas_every,
-            max_grad_norm=max_grad_norm,
-        )
+        super().__init__(params, {"lr": lr, "beta": float(beta), "weight_decay": weight_decay}, group=group,
+                         **options)
         for g in self.param_groups:
             check_beta(g["beta"])
 
+    def _update(self) -> UpdateByChunks:
+        """``x <- x (1 - lr wd) - lr u`` for ``u`` handed over chunk by chunk (line 16)."""
+        return UpdateByChunks(self.flat.params, self.flat.offsets, lrs=self._hyper("lr"),
+                              weight_decays=self._hyper("weight_decay"), active=self._active)
 
-class Birder(OverlappedExchange, _SoftSign):
+
+class Birder(_SoftSign):
     """Birder: element-wise 1-bit stochastic adaptive updates, no warm-up (Algorithm 1).
 
     Each rank keeps ``m`` and ``b`` (EMAs of ``g`` and ``|g|`` with the same ``beta``, so
@@ -221,10 +164,20 @@ class Birder(OverlappedExchange, _SoftSign):
             quantised on its own, drawing from the same generator in bucket order. The
             requirements are :class:`onebit.OnebitAdam`'s (flat exchange, no
             ``max_grad_norm``, no GradScaler, :meth:`no_sync` for accumulation).
+        **options: :class:`onebit.optim.CommonOptions`.
 
     A ``+-1`` code cannot say "no update", so a parameter's code is exchanged every step;
     missing gradients follow :class:`onebit.optim.OnebitOptimizer`'s rule (a parameter
     without a gradient on any rank ignores its code: it is not updated).
+
+    Example::
+
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = onebit.Birder(model.parameters(), lr=1e-3)
+        >>> model(torch.randn(8, 4)).square().mean().backward()
+        >>> opt.step()
+        >>> opt.stats["stage"]
+        'compressed'
     """
 
     def __init__(
@@ -243,11 +196,7 @@ class Birder(OverlappedExchange, _SoftSign):
         compressor: str = "stochastic_sign",
         overlap: bool = False,
         bucket_cap_mb: float = 25.0,
-        timeout: float | timedelta | None = None,
-        broadcast_parameters: bool = True,
-        on_nonfinite: str = "skip",
-        check_replicas_every: int = 0,
-        max_grad_norm: float | None = None,
+        **options: Unpack[CommonOptions],
     ) -> None:
         check_seed(seed)
         check_bool("overlap", overlap)
@@ -260,84 +209,55 @@ class Birder(OverlappedExchange, _SoftSign):
         self.seed = seed
         self.threshold_step = threshold_step
         self._flat_names = ("exp_avg", "exp_avg_abs") + (("max_exp_avg_abs",) if threshold_step is not None else ())
-        super().__init__(params, lr, beta, eps, weight_decay, group, timeout, broadcast_parameters, on_nonfinite,
-                         check_replicas_every, max_grad_norm)
+        self._stages = OneStage(COMPRESSED_FORMED)
+        self._init_soft_sign(params, lr=lr, beta=beta, eps=eps, weight_decay=weight_decay, group=group,
+                             options=options)
+        # the buckets' collectives share the quantiser and its generator
         quantiser = (
             StochasticSignCompressor(seed + self.rank * 2**32) if compressor == "stochastic_sign" else "identity"
         )
-        def collective() -> Any:  # the buckets' collectives share the quantiser and its generator
-            return comm.compressed_allreduce(quantiser, self.process_group, hierarchical=hierarchical,
-                                             ranks_per_node=ranks_per_node, timeout=self.timeout)
-
-        self.allreduce = collective()
-        self.allreduce.warm_up(self.flat.device)  # kernels loaded now, not at the first compressed step
-        if overlap:
-            self._use_buckets(bucket_cap_mb, collective, hierarchical=hierarchical)
+        self._drive(allreduce_factory(self, quantiser, hierarchical=hierarchical, ranks_per_node=ranks_per_node,
+                                      overlap=overlap), overlap=overlap, bucket_cap_mb=bucket_cap_mb)
         # The flat exchange takes u added straight into its worker error and hands its average
         # back chunk by chunk: no model-sized buffer for either. The hierarchical one reduces
         # the fp32 u within the node first, so u needs a buffer of its own there.
-        self._update = None if self.allreduce.reduces_added_input else \
-            torch.zeros(self.flat.numel, dtype=torch.float32, device=self.flat.device)
+        self._send = None if self.allreduce.reduces_added_input else self.flat.zeros()
+
+    @property
+    def allreduce(self) -> Any:
+        """The compressed all-reduce (with ``overlap=True``, the first bucket's)."""
+        return self._driver.collectives[0]
 
     def _use_max(self, step: int) -> bool:
         """Line 7's running maximum is on at ``step``."""
         return self.threshold_step is not None and step > self.threshold_step
 
-    def _bucket_input(self, i: int, lo: int, hi: int, grad: Tensor | None, live: bool, options: dict[str, Any],
-                      scratch: Tensor) -> Tensor:
-        """``m' / (b' + eps)`` (lines 5-7) with ``m'``, ``b'`` in scratch, the moments untouched (a
-        frozen parameter's as they are): the one-shot step's operations."""
+    def _form(self, i: int, lo: int, hi: int, grad: Tensor | None, live: bool, group: dict[str, Any], step: int,
+              scratch: Tensor) -> Tensor:
+        """``m' / (b' + eps)`` (lines 5-7) with ``m'``, ``b'`` in scratch; a frozen parameter's
+        moments as they are."""
         b = self.flat.buffers
         m, b_abs = b["exp_avg"][lo:hi], b["exp_avg_abs"][lo:hi]
         if live:
-            m = _ema_(m, grad, options["beta"], out=scratch[0])
-            b_abs = _ema_(b_abs, None if grad is None else grad.abs(), options["beta"], out=scratch[1])
-        if "max_exp_avg_abs" in b and self._use_max(self._step_count + 1):
+            m = ema_(m, grad, group["beta"], out=scratch[0])
+            b_abs = ema_(b_abs, None if grad is None else grad.abs(), group["beta"], out=scratch[1])
+        if "max_exp_avg_abs" in b and self._use_max(step):
             b_abs = torch.maximum(b["max_exp_avg_abs"][lo:hi], b_abs, out=scratch[1])
         return torch.div(m, b_abs + self.eps, out=scratch[0])
 
-    def _exchange_update(self, u: Tensor, consume: Callable[[int, int, Tensor], None]) -> None:
-        if self._update is None:
-            self.allreduce.reduce_added(consume)
-        else:
-            consume(0, u.numel(), self.allreduce(u, out=u))
+    def _landing(self, wire: Wire) -> Tensor | UpdateByChunks:
+        # u_bar applied chunk by chunk as it arrives; in u's own buffer where the exchange needs one
+        return self._update() if self._send is None else self._send
 
-    def _step(self) -> None:
+    def _apply(self, wire: Wire, average: Tensor | None) -> None:
+        """Line 16 where ``u_bar`` landed in a buffer, then lines 5-7: the moments move."""
+        if average is not None:
+            self._update()(0, average.numel(), average)
         b = self.flat.buffers
-        if self._buckets is not None:  # the exchanges started during backward: apply u_bar, then move m, b
-            self._finish_buckets(consume=UpdateByChunks(self.flat.params, self.flat.offsets, lrs=self._hyper("lr"),
-                                                        weight_decays=self._hyper("weight_decay"),
-                                                        active=self._active))
-            soft_sign_moments(self.flat.offsets, grads=self._local_grads(), active=self._active,
-                              exp_avg=b["exp_avg"], exp_avg_abs=b["exp_avg_abs"],
-                              max_exp_avg_abs=b.get("max_exp_avg_abs"), use_max=self._use_max(self._step_count),
-                              betas=self._hyper("beta"))
-            return
-        streamed = self._update is None
-        birder(
-            self.flat.params,
-            self.flat.offsets,
-            grads=self._local_grads(),  # local moments: the averaged gradient never exists
-            active=self._active,
-            exp_avg=b["exp_avg"],
-            exp_avg_abs=b["exp_avg_abs"],
-            max_exp_avg_abs=b.get("max_exp_avg_abs"),
-            send=self.allreduce.input_buffer(self.flat.numel, self.flat.device) if streamed else self._update,
-            accumulate=streamed,
-            exchange=self._exchange_update,
-            step=self._step_count,
-            lrs=self._hyper("lr"),
-            betas=self._hyper("beta"),
-            weight_decays=self._hyper("weight_decay"),
-            eps=self.eps,
-            threshold_step=self.threshold_step,
-        )
-
-    def _extra_state(self) -> dict[str, Any]:
-        return self._collectives_state()
-
-    def _load_extra_state(self, state: Mapping[str, Any], own_state: bool) -> None:
-        self._load_collectives_state(state, own_state)
+        soft_sign_moments(self.flat.offsets, grads=self._local_grads(), active=self._active,
+                          exp_avg=b["exp_avg"], exp_avg_abs=b["exp_avg_abs"],
+                          max_exp_avg_abs=b.get("max_exp_avg_abs"), use_max=self._use_max(self._step_count),
+                          betas=self._hyper("beta"))
 
 
 class SoftSignSGD(_SoftSign):
@@ -346,9 +266,16 @@ class SoftSignSGD(_SoftSign):
     Gradients are averaged exactly (fp32 all-reduce), then ``m``, ``b`` as Birder and
     ``x <- x (1 - lr * weight_decay) - lr * m / (b + eps)``. Its stats report stage
     ``"warmup"`` on every step: every exchange is uncompressed.
-    """
 
-    _flat_names = ("exp_avg", "exp_avg_abs")
+    Example::
+
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = onebit.SoftSignSGD(model.parameters(), lr=1e-3)
+        >>> model(torch.randn(8, 4)).square().mean().backward()
+        >>> opt.step()
+        >>> opt.stats["stage"]
+        'warmup'
+    """
 
     def __init__(
         self,
@@ -358,32 +285,19 @@ class SoftSignSGD(_SoftSign):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         group: comm.Group = None,
-        *,
-        timeout: float | timedelta | None = None,
-        broadcast_parameters: bool = True,
-        on_nonfinite: str = "skip",
-        check_replicas_every: int = 0,
-        max_grad_norm: float | None = None,
+        **options: Unpack[CommonOptions],
     ) -> None:
-        super().__init__(params, lr, beta, eps, weight_decay, group, timeout, broadcast_parameters, on_nonfinite,
-                         check_replicas_every, max_grad_norm)
-        self._grad = self._new_grad_buffer()  # the averaged gradient, then m / (b + eps) in its place
+        self._stages = OneStage(EXACT_GRADIENT)
+        self._init_soft_sign(params, lr=lr, beta=beta, eps=eps, weight_decay=weight_decay, group=group,
+                             options=options)
+        self._grad = self.flat.zeros()  # the averaged gradient, then m / (b + eps) in its place
+        self._drive(None)
 
-    def _stage(self) -> str:
-        return "warmup"
+    def _landing(self, wire: Wire) -> Tensor:
+        return self._grad
 
-    def _step(self) -> None:
+    def _apply(self, wire: Wire, average: Tensor | None) -> None:
         b = self.flat.buffers
-        soft_sign_sgd(
-            self.flat.params,
-            self.flat.offsets,
-            grads=self._averaged_grads(self._clipped(self._allreduce)),
-            active=self._active,
-            exp_avg=b["exp_avg"],
-            exp_avg_abs=b["exp_avg_abs"],
-            update=self._grad,
-            lrs=self._hyper("lr"),
-            betas=self._hyper("beta"),
-            weight_decays=self._hyper("weight_decay"),
-            eps=self.eps,
-        )
+        soft_sign_sgd(self.flat.params, self.flat.offsets, grads=self.flat.split(average), active=self._active,
+                      exp_avg=b["exp_avg"], exp_avg_abs=b["exp_avg_abs"], update=average, lrs=self._hyper("lr"),
+                      betas=self._hyper("beta"), weight_decays=self._hyper("weight_decay"), eps=self.eps)

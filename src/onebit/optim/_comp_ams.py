@@ -1,30 +1,33 @@
-"""Comp-AMS (Li et al., 2022, Algorithm 2) and its baseline QAdam (Algorithm 4)."""
+"""Comp-AMS (Li et al., 2022, Algorithm 2) and its baseline QAdam (Algorithm 4).
+
+The math: :func:`comp_ams` (AMSGrad, lines 13-16, on the average of the compressed
+gradients) and :func:`qadam_direction` (what a QAdam rank sends, ``m / sqrt(v + eps)``).
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
-from datetime import timedelta
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from .. import comm
+from .._checks import check_adam_args, check_bool
 from ..compress import BlockSignCompressor, Compressor, TopKCompressor, UniformCompressor
-from ._base import OnebitOptimizer, check_adam_args, check_bool
-from ._functional import _ema_, apply_update_
-from ._overlap import Buckets, collectives_state, load_collectives_state, restart_errors
+from ._base import OneStage, OnebitOptimizer
+from ._driver import COMPRESSED_FORMED, COMPRESSED_GRADIENT, Wire
+from ._functional import apply_update_, ema_
 
-__all__ = ["CompAMS", "QAdam", "comp_ams"]
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from .._checks import CommonOptions
+
+__all__ = ["CompAMS", "QAdam", "comp_ams", "qadam_direction"]
 
 _COMPRESSORS = ("topk", "block_sign", "none")
-
-
-def _waited(pending: comm.Pending) -> comm.Stages:
-    """A collective already in flight, as stages (its result the last)."""
-    yield pending
-    return pending.wait()
 
 
 def comp_ams(
@@ -36,7 +39,6 @@ def comp_ams(
     exp_avg: Tensor,
     exp_avg_sq: Tensor,
     max_exp_avg_sq: Tensor,
-    exchange,
     step: int,
     lrs: Sequence[float],
     betas: Sequence[tuple[float, float]],
@@ -44,18 +46,15 @@ def comp_ams(
     eps: float,
     bias_correction: bool,
 ) -> None:
-    """One Comp-AMS step: ``g = exchange(grad)`` (lines 7-12), then AMSGrad (lines 13-16).
-
-    ``exchange(grad)`` returns the average over workers of the (compressed) gradients.
-    ``m = b1 m + (1-b1) g``, ``v = b2 v + (1-b2) g^2``, ``v^ = max(v^, v)``,
+    """Comp-AMS's server step, AMSGrad (lines 13-16), on ``grad``, the average over the workers of
+    their (compressed) gradients (lines 7-12): ``m = b1 m + (1-b1) g``, ``v = b2 v + (1-b2) g^2``, ``v^ = max(v^, v)``,
     ``x <- x - lr m / (sqrt(v^) + eps)`` (with ``bias_correction``: ``m / (1 - b1^t)`` and
     ``v^ / (1 - b2^t)``, as ``torch.optim.AdamW(amsgrad=True)``); decoupled weight decay.
     """
-    g_all = exchange(grad)
     for p, (lo, hi), lr, (b1, b2), wd, on in zip(params, offsets, lrs, betas, weight_decays, active):
         if not on:  # no gradient on any rank: not updated
             continue
-        g = g_all[lo:hi]
+        g = grad[lo:hi]
         m, v, vmax = exp_avg[lo:hi], exp_avg_sq[lo:hi], max_exp_avg_sq[lo:hi]
         m.mul_(b1).add_(g, alpha=1.0 - b1)
         v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
@@ -66,41 +65,54 @@ def comp_ams(
         apply_update_(p, m, denom, lr=lr, weight_decay=wd, step_size=lr / bc1)
 
 
-class _GradientExchange(OnebitOptimizer):
-    """A flat buffer (Comp-AMS: the gradients; QAdam: ``m / sqrt(v + eps)``) plus the exchange
-    that averages it across the group in place."""
-
-    def _setup_exchange(self, compressor: Compressor | None, error_feedback: bool) -> None:
-        self._grad = self._new_grad_buffer()
-        self.exchange = None if compressor is None else comm.CompressedAllGather(
-            compressor, self.process_group, error_feedback=error_feedback, timeout=self.timeout
-        )
-        if self.exchange is not None:
-            self.exchange.warm_up(self.flat.device)
-
-    def _average(self, buffer: Tensor) -> Tensor:
-        if self.exchange is None:
-            return self._allreduce(buffer)
-        return self.exchange(buffer, out=buffer)
-
-    def _collectives(self) -> list[comm.CompressedAllGather | None]:
-        """The compressed all-gathers: the one-shot one, or one per bucket (None: none)."""
-        return [self.exchange] if self._buckets is None else self._bucket_exchange
-
-    def _extra_state(self) -> dict[str, Any]:
-        collectives = self._collectives()
-        return {} if all(c is None for c in collectives) else collectives_state("exchange", self._buckets, collectives)
-
-    def _load_extra_state(self, state: Mapping[str, Any], own_state: bool) -> None:
-        collectives = self._collectives()
-        if any(c is not None for c in collectives):
-            load_collectives_state(self, "exchange", state, own_state, collectives)
+def qadam_direction(m: Tensor, v: Tensor, grad: Tensor | None, *, betas: tuple[float, float], eps: float,
+                    out: Tensor, scratch: Tensor) -> Tensor:
+    """Algorithm 4, one block: the moments ``m' = b1 m + (1-b1) g``, ``v' = b2 v + (1-b2) g^2``
+    (``grad=None``: a zero gradient), then ``a = m' / sqrt(v' + eps)`` in ``out``; ``m`` and ``v``
+    are left as they are (``scratch``: a row of their size)."""
+    b1, b2 = betas
+    m = ema_(m, grad, b1, out=out)
+    v = torch.mul(v, b2, out=scratch)
+    if grad is not None:
+        v.addcmul_(grad, grad, value=1.0 - b2)
+    return torch.div(m, torch.add(v, eps, out=scratch).sqrt_(), out=out)
 
 
 def _check_common(lr: float, betas: object, eps: float, weight_decay: float, error_feedback: object) -> None:
     check_adam_args(lr, betas, eps, weight_decay)
     if not isinstance(error_feedback, bool):
         raise TypeError(f"Invalid error_feedback value: {error_feedback!r} (expected a bool)")
+
+
+class _GradientExchange(OnebitOptimizer):
+    """Comp-AMS and QAdam: a flat buffer (the gradients; ``m / sqrt(v + eps)``) averaged by a
+    compressed all-gather (or an exact all-reduce), in place."""
+
+    def _init_exchange(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], *, lr: float,
+                       betas: tuple[float, float], weight_decay: float, group: comm.Group,
+                       options: CommonOptions) -> None:
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay}, group=group,
+                         **options)
+        self._grad = self.flat.zeros()
+
+    def _gathers(self, compressor: Callable[[int, int], Compressor] | None, error_feedback: bool,
+                 overlap: bool = False) -> Callable[[int, int], comm.CompressedAllGather | None] | None:
+        """``collective(start, end)`` for the driver: the compressed all-gather of ``compressor(start,
+        end)`` (None: an exact all-reduce, no collective of its own)."""
+        if compressor is None:
+            return None
+        # a bucket's span without a whole block (Block-Sign) has nothing to send
+        return lambda start, end: None if overlap and end == start else comm.CompressedAllGather(
+            compressor(start, end), self.process_group, error_feedback=error_feedback, timeout=self.timeout)
+
+    @property
+    def exchange(self) -> comm.CompressedAllGather | None:
+        """The compressed all-gather of the one-shot exchange (None with ``overlap=True``, where each
+        bucket has its own, or without compression)."""
+        return None if self._driver.overlapped else self._driver.collectives[0]
+
+    def _landing(self, wire: Wire) -> Tensor:
+        return self._grad
 
 
 class CompAMS(_GradientExchange):
@@ -164,13 +176,9 @@ class CompAMS(_GradientExchange):
         group: comm.Group = None,
         *,
         bias_correction: bool = False,
-        timeout: float | timedelta | None = None,
-        broadcast_parameters: bool = True,
-        on_nonfinite: str = "skip",
-        check_replicas_every: int = 0,
-        max_grad_norm: float | None = None,
         overlap: bool = False,
         bucket_cap_mb: float = 25.0,
+        **options: Unpack[CommonOptions],
     ) -> None:
         _check_common(lr, betas, eps, weight_decay, error_feedback)
         if compressor not in _COMPRESSORS:
@@ -186,21 +194,13 @@ class CompAMS(_GradientExchange):
             raise TypeError(f"Invalid bias_correction value: {bias_correction!r} (expected a bool)")
         self.eps = float(eps)
         self.bias_correction = bias_correction
-        super().__init__(
-            params,
-            {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay},
-            group=group,
-            timeout=timeout,
-            broadcast_parameters=broadcast_parameters,
-            on_nonfinite=on_nonfinite,
-            check_replicas_every=check_replicas_every,
-            max_grad_norm=max_grad_norm,
-        )
+        self._stages = OneStage(COMPRESSED_GRADIENT if compressor != "none" else
+                                Wire("compressed", formed=False, exact=True))
+        self._init_exchange(params, lr=lr, betas=betas, weight_decay=weight_decay, group=group, options=options)
         self._block = block if compressor == "block_sign" else None
-        if overlap:
-            self._use_buckets(bucket_cap_mb, error_feedback)
-        else:
-            self._setup_exchange(topk if self._block is None else self._block_sign(0, self.flat.numel), error_feedback)
+        make = None if compressor == "none" else (lambda start, end: topk) if self._block is None else self._block_sign
+        self._drive(self._gathers(make, error_feedback, overlap), overlap=overlap, bucket_cap_mb=bucket_cap_mb,
+                    alignment=self._block if isinstance(self._block, int) else 1, key="exchange")
 
     def _block_sign(self, lo: int, hi: int) -> BlockSignCompressor:
         """Block-Sign of the flat values ``[lo, hi)``: ``block`` values per block, or (``"tensor"``)
@@ -210,76 +210,12 @@ class CompAMS(_GradientExchange):
         # a zero-size tensor is no block
         return BlockSignCompressor(block_sizes=[b - a for a, b in self.flat.offsets if lo <= a < b <= hi])
 
-    def _use_buckets(self, bucket_cap_mb: float, error_feedback: bool) -> None:
-        """The overlapped exchange: each bucket's span of whole blocks, and its all-gather (or
-        ``compressor="none"``: all-reduce) in flight between backward and ``step()``."""
-        self._grad = self._new_grad_buffer()
-        self.exchange = None
-        self._buckets = Buckets(self.flat.params, self.flat.offsets, bucket_cap_mb, self._launch_bucket)
-        n, size = self.flat.numel, self._block if isinstance(self._block, int) else 1
-        # A bucket's span starts at the first block boundary inside it and ends where the span
-        # of the bucket launched before it (the parameters after it) starts -- at the model's
-        # end for the first bucket.
-        starts = [min(n, -(-lo // size) * size) for lo, _, _ in self._buckets.bounds]
-        self._spans = [(start, end) for start, end in zip(starts, [n, *starts])]
-        self._bucket_exchange = [
-            None if self._block is None or end == start else comm.CompressedAllGather(
-                self._block_sign(start, end), self.process_group, error_feedback=error_feedback, timeout=self.timeout)
-            for start, end in self._spans
-        ]
-        for exchange in self._bucket_exchange:
-            if exchange is not None:
-                exchange.warm_up(self.flat.device)
-        self._flights: list[comm.Stages | None] = [None] * len(self._spans)
-
-    def _launch_bucket(self, b: int) -> None:
-        """Gather bucket ``b``'s gradients into ``self._grad`` and start its span's exchange."""
-        lo, hi, members = self._buckets.bounds[b]
-        self.flat.gather_grads(self._grad[lo:hi], members, base=lo)
-        start, end = self._spans[b]
-        exchange = self._bucket_exchange[b]
-        if self._block is None:  # distributed AMSGrad: the bucket's exact average
-            stages = _waited(comm.all_reduce_mean(self._grad[lo:hi], self.process_group, self.timeout, async_op=True))
-        elif exchange is not None:
-            stages = exchange.stages(self._grad[start:end], out=self._grad[start:end])
-        else:  # no whole block in this bucket: its values go with the next one
-            return
-        next(stages)
-        self._flights[b] = stages
-
-    def _finish_buckets(self, grad: Tensor) -> Tensor:
-        """Wait for every bucket's exchange; ``grad`` (``self._grad``) then holds the average."""
-        for b, stages in enumerate(self._flights):
-            if stages is not None:
-                self._flights[b] = None
-                comm.run_stages(stages)
-        return grad
-
-    def _abandon_buckets(self) -> None:
-        self._finish_buckets(self._grad)
-        if self._block is not None:
-            restart_errors(self, self._bucket_exchange)
-
-    def _step(self) -> None:
-        if self._buckets is None:
-            self.flat.gather_grads(self._grad)
+    def _apply(self, wire: Wire, average: Tensor | None) -> None:
         b = self.flat.buffers
-        comp_ams(
-            self.flat.params,
-            self.flat.offsets,
-            grad=self._grad,
-            active=self._active,
-            exp_avg=b["exp_avg"],
-            exp_avg_sq=b["exp_avg_sq"],
-            max_exp_avg_sq=b["max_exp_avg_sq"],
-            exchange=self._clipped(self._average if self._buckets is None else self._finish_buckets),
-            step=self._step_count,
-            lrs=self._hyper("lr"),
-            betas=self._hyper("betas"),
-            weight_decays=self._hyper("weight_decay"),
-            eps=self.eps,
-            bias_correction=self.bias_correction,
-        )
+        comp_ams(self.flat.params, self.flat.offsets, grad=average, active=self._active, exp_avg=b["exp_avg"],
+                 exp_avg_sq=b["exp_avg_sq"], max_exp_avg_sq=b["max_exp_avg_sq"], step=self._step_count,
+                 lrs=self._hyper("lr"), betas=self._hyper("betas"), weight_decays=self._hyper("weight_decay"),
+                 eps=self.eps, bias_correction=self.bias_correction)
 
 
 class QAdam(_GradientExchange):
@@ -305,41 +241,35 @@ class QAdam(_GradientExchange):
         group: comm.Group = None,
         *,
         error_feedback: bool = True,
-        timeout: float | timedelta | None = None,
-        broadcast_parameters: bool = True,
-        on_nonfinite: str = "skip",
-        check_replicas_every: int = 0,
-        max_grad_norm: float | None = None,
+        **options: Unpack[CommonOptions],
     ) -> None:
         _check_common(lr, betas, eps, weight_decay, error_feedback)
         quantizer = UniformCompressor(bits)  # validates bits
         self.eps = float(eps)
-        super().__init__(
-            params,
-            {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay},
-            group=group,
-            timeout=timeout,
-            broadcast_parameters=broadcast_parameters,
-            on_nonfinite=on_nonfinite,
-            check_replicas_every=check_replicas_every,
-            max_grad_norm=max_grad_norm,
-        )
-        self._setup_exchange(quantizer, error_feedback)
+        self._stages = OneStage(COMPRESSED_FORMED)
+        self._init_exchange(params, lr=lr, betas=betas, weight_decay=weight_decay, group=group, options=options)
+        self._drive(self._gathers(lambda start, end: quantizer, error_feedback), key="exchange")
 
-    def _step(self) -> None:
-        m_all, v_all, a = self.flat.buffers["exp_avg"], self.flat.buffers["exp_avg_sq"], self._grad
-        grads = self._local_grads()  # local moments: the averaged gradient never exists
-        for (lo, hi), g, (b1, b2), on in zip(self.flat.offsets, grads, self._hyper("betas"), self._active):
+    def _form(self, i: int, lo: int, hi: int, grad: Tensor | None, live: bool, group: dict[str, Any], step: int,
+              scratch: Tensor) -> Tensor:
+        b = self.flat.buffers
+        m, v = b["exp_avg"][lo:hi], b["exp_avg_sq"][lo:hi]
+        if live:
+            return qadam_direction(m, v, grad, betas=group["betas"], eps=self.eps, out=scratch[0], scratch=scratch[1])
+        return torch.div(m, torch.add(v, self.eps, out=scratch[1]).sqrt_(), out=scratch[0])
+
+    def _apply(self, wire: Wire, average: Tensor | None) -> None:
+        """The moments move (each rank's own), then ``x <- x (1 - lr wd) - lr a_bar``."""
+        m_all, v_all = self.flat.buffers["exp_avg"], self.flat.buffers["exp_avg_sq"]
+        for (lo, hi), g, (b1, b2), on in zip(self.flat.offsets, self._local_grads(), self._hyper("betas"),
+                                             self._active):
             if not on:
                 continue
-            _ema_(m_all[lo:hi], g, b1)
+            ema_(m_all[lo:hi], g, b1)
             v = v_all[lo:hi].mul_(b2)
             if g is not None:
                 v.view(g.shape).addcmul_(g, g, value=1.0 - b2)
-        # a = m / sqrt(v + eps), formed in the exchange's buffer and averaged there in place.
-        torch.div(m_all, torch.add(v_all, self.eps, out=a).sqrt_(), out=a)
-        a_bar = self._average(a)
         for p, (lo, hi), lr, wd, on in zip(self.flat.params, self.flat.offsets, self._hyper("lr"),
                                            self._hyper("weight_decay"), self._active):
             if on:
-                apply_update_(p, a_bar[lo:hi], None, lr=lr, weight_decay=wd, step_size=lr)
+                apply_update_(p, average[lo:hi], None, lr=lr, weight_decay=wd, step_size=lr)

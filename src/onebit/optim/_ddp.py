@@ -12,6 +12,7 @@ DDP's logging data (``_get_ddp_logging_data()["comm_hook"]``) then names this ho
 # No ``from __future__ import annotations``: DDP compares a hook's annotations with the real
 # ``dist.GradBucket`` and ``Future[Tensor]`` objects, not strings.
 import gc
+import logging
 from collections.abc import Iterable
 from typing import Optional
 
@@ -20,7 +21,10 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["attach", "ddp_modules_holding", "has_local_gradient_hook", "local_gradient_hook", "register_local_gradient_hook"]
+__all__ = ["attach", "attach_ddp", "check_ddp", "ddp_modules_holding", "has_local_gradient_hook", "local_gradient_hook",
+           "register_local_gradient_hook"]
+
+_log = logging.getLogger("onebit.optim")
 
 
 def local_gradient_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -69,6 +73,42 @@ def register_local_gradient_hook(ddp: DistributedDataParallel, owner: str) -> No
         ddp.register_comm_hook(None, local_gradient_hook)
     except RuntimeError as exc:  # a built-in hook (fp16 compression, ...) was registered in C++
         raise ValueError(f"cannot switch off the DDP all-reduce for {owner}: {exc}") from None
+
+
+def attach_ddp(opt, model: Optional[DistributedDataParallel] = None) -> list[DistributedDataParallel]:
+    """Register :func:`local_gradient_hook` on ``model`` (default: every DDP module holding
+    ``opt``'s parameters); the DDP modules now carrying it."""
+    found = ddp_modules_holding(opt.flat.params)
+    if model is not None:
+        if not any(ddp is model for ddp in found):
+            raise ValueError(f"the DistributedDataParallel model holds none of {type(opt).__name__}'s parameters")
+        found = [model]
+    for ddp in found:
+        register_local_gradient_hook(ddp, type(opt).__name__)
+    return found
+
+
+def check_ddp(opt, construction: bool) -> None:
+    """A DDP module holding ``opt``'s parameters gets :func:`local_gradient_hook` at construction
+    (DDP's fp32 all-reduce would otherwise run before the optimizer's exchange, and nothing
+    would be saved); one found at the first step without it raises, because DDP takes a hook
+    only before its first backward, which has run by then."""
+    if opt.world_size == 1:
+        return
+    name = type(opt).__name__
+    if construction:
+        if attach_ddp(opt):
+            _log.info("%s: DDP's gradient all-reduce switched off (local_gradient_hook); the optimizer "
+                      "exchanges in step()", name)
+        return
+    if not all(has_local_gradient_hook(ddp) for ddp in ddp_modules_holding(opt.flat.params)):
+        raise ValueError(
+            f"the parameters of {name} belong to a DistributedDataParallel model wrapped after "
+            f"the optimizer was built: DDP all-reduced the gradients in fp32 and {name} would "
+            "exchange them again, saving nothing. Call onebit.attach(optimizer) after wrapping the model "
+            "and before the first backward (Accelerate: after accelerator.prepare; HF Trainer: "
+            "callbacks=[onebit.integrations.transformers.AttachCallback()]), or build the optimizer after wrapping"
+        )
 
 
 def attach(optimizer: object, model: Optional[DistributedDataParallel] = None) -> list[DistributedDataParallel]:

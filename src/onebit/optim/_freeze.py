@@ -23,10 +23,11 @@ from typing import Any
 
 from torch import Tensor
 
+from .._checks import check_positive
 from ..ops import zero_where_equal_
-from ._base import check_positive
+from ._driver import Wire
 
-__all__ = ["FreezeSchedule", "TwoStage"]
+__all__ = ["FreezeSchedule", "TwoStages", "count_unused", "freeze_schedule", "mask_unused_", "warn_early_freeze"]
 
 _log = logging.getLogger("onebit.optim")
 
@@ -88,114 +89,80 @@ class FreezeSchedule:
         self.history = deque((float(v) for v in state["history"]), maxlen=self.window + 1)
 
 
-class TwoStage:
-    """Warm-up → compression bookkeeping shared by 1-bit Adam and 1-bit LAMB (a mixin for
-    :class:`onebit.optim.OnebitOptimizer` subclasses, which provide ``_step_count``)."""
+class TwoStages:
+    """The stages of 1-bit Adam and 1-bit LAMB: ``warmup`` until :class:`FreezeSchedule` decides,
+    ``compressed`` from the next step on; ``frozen_at`` is the last warm-up step (None before)."""
 
-    freeze: FreezeSchedule
-    _frozen_at: int | None
-    _step_count: int
-    _has_unused: bool
-    _grad: Tensor | None
-    _new_grad_buffer: Any
-    allreduce: Any
+    def __init__(self, owner: str, warmup: Wire, compressed: Wire, schedule: FreezeSchedule) -> None:
+        self.owner = owner
+        self.wires = (warmup, compressed)
+        self.schedule = schedule
+        self.frozen_at: int | None = None
 
-    def _init_two_stage(
-        self,
-        freeze_step: int | str,
-        beta2: float,
-        *,
-        threshold: float,
-        window: int | None,
-        min_step: int,
-        max_step: int | None,
-    ) -> None:
-        self.freeze = FreezeSchedule(
-            freeze_step,
-            threshold=threshold,
-            window=round(1.0 / (1.0 - beta2)) if window is None else window,
-            min_step=min_step,
-            max_step=max_step,
+    @property
+    def wire(self) -> Wire:
+        return self.wires[self.frozen_at is not None]
+
+    def observe(self, step: int, variance: Tensor) -> bool:
+        """After warm-up step ``step``: feed the criterion ``||v||_1``; True when the warm-up ends here."""
+        l1 = float(variance.sum()) if self.schedule.auto else None  # v >= 0: its sum is its l1 norm
+        if self.schedule.should_freeze(step, l1):
+            self.frozen_at = step
+            _log.info("%s: warm-up ended at step %d; compression stage starts", self.owner, step)
+            return True
+        return False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"frozen_at": self.frozen_at, "freeze": self.schedule.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.schedule.load_state_dict(state["freeze"])
+        self.frozen_at = state["frozen_at"]
+
+
+def freeze_schedule(freeze_step: int | str, beta2: float, *, threshold: float, window: int | None, min_step: int,
+                    max_step: int | None) -> FreezeSchedule:
+    """:class:`FreezeSchedule` with the window ``D = round(1 / (1 - beta2))`` unless given."""
+    return FreezeSchedule(freeze_step, threshold=threshold, window=round(1.0 / (1.0 - beta2)) if window is None else window,
+                          min_step=min_step, max_step=max_step)
+
+
+def warn_early_freeze(owner: str, frozen_at: int, beta2: float) -> None:
+    """Warn when the variance is frozen without bias correction while ``1 - beta2^T`` is small.
+
+    The raw EMA then holds only that fraction of the gradient's second moment, so every
+    compressed step is ``1 / sqrt(1 - beta2^T)`` times larger than Adam's (3x at T = 120,
+    beta2 = 0.999) for the rest of training -- the divergence found by the convergence
+    benchmark on short runs.
+    """
+    filled = 1.0 - beta2**frozen_at
+    if filled < 0.5:
+        warnings.warn(
+            f"{owner}: variance frozen at step {frozen_at} without bias correction, "
+            f"when its EMA holds only {filled:.0%} of the second moment (1 - beta2^T); compressed steps will "
+            f"be {1 / math.sqrt(filled):.1f}x Adam's. Use bias_correction=True (the default) or freeze after "
+            f"step {math.ceil(math.log(0.5) / math.log(beta2))}.",
+            stacklevel=8,
         )
-        self._frozen_at = None
-        self._has_unused = False
 
-    def _stage(self) -> str:
-        return "warmup" if self._frozen_at is None else "compressed"
 
-    def _freeze_step_stat(self) -> int | None:
-        return self._frozen_at
+def count_unused(owner: str, frozen: Tensor, value: float) -> bool:
+    """Whether any value of the flat frozen state ``frozen`` equals ``value``: it had a zero
+    variance at the freeze, no gradient through the whole warm-up (an embedding row never looked
+    up, a frozen tensor). No mask is kept: :func:`mask_unused_` re-derives it from the frozen
+    state when needed, at no memory cost between steps."""
+    count = int((frozen == value).sum())
+    if count:
+        _log.info("%s: %d values had a zero gradient through the warm-up; their momentum is held at zero",
+                  owner, count)
+    return count > 0
 
-    def _after_warmup_step(self, variance: Tensor) -> None:
-        """Feed the criterion ``||v||_1``; on the decision, record the step and call ``_on_freeze``."""
-        l1 = float(variance.sum()) if self.freeze.auto else None  # v >= 0: its sum is its l1 norm
-        if self.freeze.should_freeze(self._step_count, l1):
-            self._frozen_at = self._step_count
-            _log.info("%s: warm-up ended at step %d; compression stage starts", type(self).__name__, self._frozen_at)
-            self._on_freeze()
-            self._grad = None  # the compression stage reads each rank's own gradients where they lie
 
-    def _on_freeze(self) -> None:
-        raise NotImplementedError
+def mask_unused_(m: Tensor, frozen: Tensor, value: float) -> None:
+    """Zero the averaged momentum where the frozen state equals ``value`` (see :func:`count_unused`).
 
-    def _warn_early_freeze(self) -> None:
-        """Warn when the variance is frozen without bias correction while ``1 - beta2^T`` is small.
-
-        The raw EMA then holds only that fraction of the gradient's second moment, so every
-        compressed step is ``1 / sqrt(1 - beta2^T)`` times larger than Adam's (3x at T = 120,
-        beta2 = 0.999) for the rest of training -- the divergence found by the convergence
-        benchmark on short runs.
-        """
-        beta2 = max(b for _, b in self._hyper("betas"))  # type: ignore[attr-defined]
-        filled = 1.0 - beta2**self._frozen_at
-        if filled < 0.5:
-            warnings.warn(
-                f"{type(self).__name__}: variance frozen at step {self._frozen_at} without bias correction, "
-                f"when its EMA holds only {filled:.0%} of the second moment (1 - beta2^T); compressed steps will "
-                f"be {1 / math.sqrt(filled):.1f}x Adam's. Use bias_correction=True (the default) or freeze after "
-                f"step {math.ceil(math.log(0.5) / math.log(beta2))}.",
-                stacklevel=4,
-            )
-
-    def _unused_marker(self) -> tuple[Tensor, float]:
-        """``(buffer, value)``: the values where the flat frozen-state ``buffer`` equals ``value``
-        had a zero frozen variance (no gradient through the warm-up)."""
-        raise NotImplementedError
-
-    def _note_unused(self) -> None:
-        """Record whether any value is unused (see :meth:`_unused_marker`; no mask is kept: it
-        is re-derived from the frozen state when needed, at no memory cost between steps)."""
-        buffer, value = self._unused_marker()
-        count = int((buffer == value).sum())
-        self._has_unused = count > 0
-        if count:
-            _log.info("%s: %d values had a zero gradient through the warm-up; their momentum is held at zero",
-                      type(self).__name__, count)
-
-    def _exchange_momentum(self, m: Tensor) -> None:
-        """The compressed all-reduce of the fused momentum, in place, then the zero-variance mask.
-
-        1-bit compression gives every value a magnitude; where ``v_frozen == 0`` (the value
-        never had a gradient in the warm-up: an embedding row never looked up, a frozen
-        tensor) the step would be ``lr * scale / eps``. DeepSpeed asks users for an
-        ``exp_avg_mask``; ``v == 0`` is that mask, derived instead of asked for.
-        """
-        self.allreduce(m, out=m)
-        self._mask_unused(m)
-
-    def _mask_unused(self, m: Tensor) -> None:
-        """Zero the momentum where the frozen variance is zero (see :meth:`_exchange_momentum`)."""
-        if self._has_unused:
-            zero_where_equal_(m, *self._unused_marker())
-
-    def _two_stage_state(self) -> dict[str, Any]:
-        return {"frozen_at": self._frozen_at, "freeze": self.freeze.state_dict()}
-
-    def _load_two_stage_state(self, state: Mapping[str, Any]) -> None:
-        self.freeze.load_state_dict(state["freeze"])
-        self._frozen_at = state["frozen_at"]
-        if self._frozen_at is None:  # the warm-up averages the gradients in a flat buffer
-            self._grad = self._grad if self._grad is not None else self._new_grad_buffer()
-        else:
-            self._grad = None
-            self._note_unused()
+    1-bit compression gives every value a magnitude; where the frozen variance is zero the
+    step would be ``lr * scale / eps``. DeepSpeed asks users for an ``exp_avg_mask``; the zero
+    variance is that mask, derived instead of asked for.
+    """
+    zero_where_equal_(m, frozen, value)

@@ -1,23 +1,19 @@
-"""The math of 1-bit Adam (Algorithm 1) on flat buffers, with the collective passed in.
-
-``exchange(buffer)`` must replace ``buffer`` in place by its average over the workers (the
-compressed all-reduce of the momentum, or in a single-process test any stand-in).
-"""
+"""The pieces of math the optimizers share, on flat fp32 buffers: moving averages, Adam's
+preconditioner and its step bound, and the parameter update (decoupled weight decay)."""
 
 from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from ..ops import clamp_scaled_
 
-__all__ = ["UpdateByChunks", "adam_denominator", "adam_step_bound", "apply_update_", "clip_to_adam_step_", "onebit_adam"]
+__all__ = ["UpdateByChunks", "adam_denominator", "adam_step_bound", "apply_update_", "clip_to_adam_step_", "ema_"]
 
-Exchange = Callable[[Tensor], object]
 _BLOCK = 1 << 20  # values per block where a step needs scratch: its size is bounded, not the model's
 
 
@@ -83,7 +79,7 @@ def apply_update_(
         param.copy_(x.view(param.shape))
 
 
-def _ema_(state: Tensor, value: Tensor | None, beta: float, out: Tensor | None = None) -> Tensor:
+def ema_(state: Tensor, value: Tensor | None, beta: float, out: Tensor | None = None) -> Tensor:
     """``state <- beta state + (1 - beta) value`` in place, ``value=None`` counting as zero;
     ``state`` is a flat slice, ``value`` may have its parameter's shape and layout (``p.grad``).
     With ``out`` (flat, ``state``'s size) the result goes there and ``state`` is left as it is:
@@ -127,69 +123,3 @@ class UpdateByChunks:
                     if b == end:
                         apply_update_(p, self._pending.pop(i), None, **kw)
             i += 1
-
-
-def onebit_adam(
-    params: Sequence[Tensor],
-    offsets: Sequence[tuple[int, int]],
-    *,
-    grads: Sequence[Tensor | None] | None,
-    active: Sequence[bool],
-    exp_avg: Tensor,
-    exp_avg_sq: Tensor | None,
-    frozen_denom: Tensor | None,
-    exchange: Exchange | None,
-    step: int,
-    lrs: Sequence[float],
-    betas: Sequence[tuple[float, float]],
-    weight_decays: Sequence[float],
-    eps: float,
-    bias_correction: bool,
-    clip_update: float | None = 10.0,
-    frozen_at: int = 0,
-) -> None:
-    """One step of 1-bit Adam over all parameters, on flat fp32 state (parameter ``i`` at
-    ``offsets[i]``); ``active[i]`` says whether parameter ``i`` has a gradient on some rank:
-    the others keep their value and moments.
-
-    Warm-up (``frozen_denom`` is None): ``grads`` are the averaged gradients (contiguous fp32,
-    scratch once used: each denominator is formed in its gradient's place), and exact Adam,
-    eq. (1), updates ``exp_avg``, ``exp_avg_sq`` and the parameters.
-    Compression (Algorithm 1 lines 6-13): ``grads`` are this rank's own (``None`` counts as
-    zero); ``m <- beta1 m + (1 - beta1) g``; ``exchange(exp_avg)`` replaces the fused momentum
-    by its error-compensated 1-bit average (``grads=None``: the overlapped exchange already
-    did both, bucket by bucket, and ``exp_avg`` holds the average), clipped to ``clip_update`` times Adam's largest
-    step (:func:`clip_to_adam_step_`); ``x <- x - lr m / frozen_denom``, where
-    ``frozen_denom`` is the preconditioner ``sqrt(v_T / bias_correction2) + eps`` of the
-    variance frozen at step ``frozen_at`` (:func:`adam_denominator`).
-    With ``bias_correction`` the momentum is divided by ``1 - beta1^t`` and the variance by
-    ``1 - beta2^t`` (frozen at the freeze step), as ``torch.optim.AdamW``.
-    """
-    compressed = frozen_denom is not None
-    if grads is not None:
-        for i, (p, (lo, hi)) in enumerate(zip(params, offsets)):
-            if not active[i]:
-                continue
-            beta1, beta2 = betas[i]
-            g = grads[i]
-            if compressed:
-                _ema_(exp_avg[lo:hi], g, beta1)
-            else:
-                exp_avg[lo:hi].view(p.shape).lerp_(g, 1.0 - beta1)
-                exp_avg_sq[lo:hi].view(p.shape).mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-        if compressed:
-            exchange(exp_avg)
-    for i, (p, (lo, hi)) in enumerate(zip(params, offsets)):
-        if not active[i]:
-            continue
-        beta1, beta2 = betas[i]
-        bc1 = 1.0 - beta1**step if bias_correction else 1.0
-        if compressed:
-            denom = frozen_denom[lo:hi]
-            if clip_update is not None:
-                bc2 = 1.0 if bias_correction else 1.0 - beta2**frozen_at
-                clip_to_adam_step_(exp_avg[lo:hi], denom, beta1, beta2, bc1, bc2, clip_update)
-        else:
-            bc2 = 1.0 - beta2**step if bias_correction else 1.0
-            denom = adam_denominator(exp_avg_sq[lo:hi], eps=eps, bias_correction2=bc2, out=grads[i].view(-1))
-        apply_update_(p, exp_avg[lo:hi], denom, lr=lrs[i], weight_decay=weight_decays[i], step_size=lrs[i] / bc1)

@@ -1,83 +1,130 @@
-"""1-bit Adam (Tang et al., 2021): Adam warm-up, then frozen variance and 1-bit momentum."""
+"""1-bit Adam (Tang et al., 2021): Adam warm-up, then frozen variance and 1-bit momentum.
+
+The math (plain functions on flat fp32 state, parameter ``i`` at ``offsets[i]``; ``active[i]``
+says whether it has a gradient on some rank -- the others keep their value and moments):
+:func:`adam` is eq. (1), the warm-up (and the naive control's every step); the momentum a
+rank sends in the compression stage is ``beta1 m + (1 - beta1) g`` (Algorithm 1 line 6,
+:func:`~onebit.optim._functional.ema_`); :func:`onebit_adam` is lines 11-13 on its
+error-compensated 1-bit average.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from datetime import timedelta
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
 from .. import comm
-from ._base import OnebitOptimizer, check_adam_args, check_betas, check_bool, check_optional_positive
-from ._freeze import TwoStage
-from ._functional import _ema_, adam_denominator, onebit_adam
-from ._overlap import OverlappedExchange
+from .._checks import check_adam_args, check_bool, check_optional_positive
+from ._base import OneStage, OnebitOptimizer
+from ._driver import COMPRESSED_FORMED, COMPRESSED_GRADIENT, EXACT_GRADIENT, Wire, allreduce_factory
+from ._freeze import TwoStages, count_unused, freeze_schedule, mask_unused_, warn_early_freeze
+from ._functional import adam_denominator, apply_update_, clip_to_adam_step_, ema_
 
-__all__ = ["OnebitAdam", "OnebitAdamNaive"]
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from .._checks import CommonOptions
+
+__all__ = ["OnebitAdam", "OnebitAdamNaive", "adam", "onebit_adam"]
+
+
+def adam(
+    params: Sequence[Tensor],
+    offsets: Sequence[tuple[int, int]],
+    *,
+    grads: Sequence[Tensor],
+    active: Sequence[bool],
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    step: int,
+    lrs: Sequence[float],
+    betas: Sequence[tuple[float, float]],
+    weight_decays: Sequence[float],
+    eps: float,
+    bias_correction: bool,
+) -> None:
+    """Adam, eq. (1), with decoupled weight decay (``torch.optim.AdamW``) on the averaged
+    gradients ``grads`` (contiguous fp32 views, scratch once used: each denominator is formed
+    in its gradient's place). With ``bias_correction`` the momentum is divided by
+    ``1 - beta1^t`` and the variance by ``1 - beta2^t``."""
+    for i, (p, (lo, hi)) in enumerate(zip(params, offsets)):
+        if not active[i]:
+            continue
+        beta1, beta2 = betas[i]
+        g = grads[i]
+        exp_avg[lo:hi].view(p.shape).lerp_(g, 1.0 - beta1)
+        exp_avg_sq[lo:hi].view(p.shape).mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+        bc1 = 1.0 - beta1**step if bias_correction else 1.0
+        bc2 = 1.0 - beta2**step if bias_correction else 1.0
+        denom = adam_denominator(exp_avg_sq[lo:hi], eps=eps, bias_correction2=bc2, out=g.view(-1))
+        apply_update_(p, exp_avg[lo:hi], denom, lr=lrs[i], weight_decay=weight_decays[i], step_size=lrs[i] / bc1)
+
+
+def onebit_adam(
+    params: Sequence[Tensor],
+    offsets: Sequence[tuple[int, int]],
+    *,
+    active: Sequence[bool],
+    exp_avg: Tensor,
+    frozen_denom: Tensor,
+    step: int,
+    lrs: Sequence[float],
+    betas: Sequence[tuple[float, float]],
+    weight_decays: Sequence[float],
+    bias_correction: bool,
+    clip_update: float | None = 10.0,
+    frozen_at: int = 0,
+) -> None:
+    """Algorithm 1 lines 11-13: ``x <- x - lr m / frozen_denom`` with ``m`` (``exp_avg``) the
+    averaged momentum, first clipped to ``clip_update`` times Adam's largest step
+    (:func:`clip_to_adam_step_`; None: no clip). ``frozen_denom`` is the preconditioner
+    ``sqrt(v_T / bias_correction2) + eps`` of the variance frozen at step ``frozen_at``
+    (:func:`adam_denominator`); with ``bias_correction`` the momentum is divided by ``1 - beta1^t``."""
+    for i, (p, (lo, hi)) in enumerate(zip(params, offsets)):
+        if not active[i]:
+            continue
+        beta1, beta2 = betas[i]
+        bc1 = 1.0 - beta1**step if bias_correction else 1.0
+        denom = frozen_denom[lo:hi]
+        if clip_update is not None:
+            bc2 = 1.0 if bias_correction else 1.0 - beta2**frozen_at
+            clip_to_adam_step_(exp_avg[lo:hi], denom, beta1, beta2, bc1, bc2, clip_update)
+        apply_update_(p, exp_avg[lo:hi], denom, lr=lrs[i], weight_decay=weight_decays[i], step_size=lrs[i] / bc1)
 
 
 class _AdamFamily(OnebitOptimizer):
-    """Argument checks and the flat gradient buffer shared by the Adam variants."""
+    """Argument checks, the averaged gradient's buffer and eq. (1) shared by the Adam variants."""
 
     _flat_names = ("exp_avg", "exp_avg_sq")
-    clip_update: float | None = None  # only OnebitAdam's compression stage clips
-    _frozen_at: int | None = None  # OnebitAdamNaive never freezes
 
-    def __init__(
-        self,
-        params: Iterable[Tensor] | Iterable[dict[str, Any]],
-        *,
-        lr: float,
-        betas: tuple[float, float],
-        eps: float,
-        weight_decay: float,
-        bias_correction: bool,
-        group: comm.Group,
-        timeout: float | timedelta | None,
-        broadcast_parameters: bool,
-        on_nonfinite: str,
-        check_replicas_every: int,
-        max_grad_norm: float | None,
-    ) -> None:
-        check_adam_args(lr, betas, eps, weight_decay)
+    def _init_adam(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], *, lr: float,
+                   betas: tuple[float, float], eps: float, weight_decay: float, bias_correction: bool,
+                   group: comm.Group, options: CommonOptions) -> None:
         self.bias_correction = check_bool("bias_correction", bias_correction)
         self.eps = float(eps)
-        defaults = {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay}
-        super().__init__(
-            params, defaults, group=group, timeout=timeout, broadcast_parameters=broadcast_parameters,
-            on_nonfinite=on_nonfinite,
-            check_replicas_every=check_replicas_every,
-            max_grad_norm=max_grad_norm,
-        )
-        # The averaged gradient (the fp32 all-reduce needs one flat buffer); OnebitAdam drops it
-        # at the freeze, when each rank's momentum takes its own gradient where it lies.
-        self._grad: Tensor | None = self._new_grad_buffer()
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay}, group=group,
+                         **options)
+        # The averaged gradient (the exchange needs one flat buffer); OnebitAdam drops it at the
+        # freeze, when each rank's momentum takes its own gradient where it lies.
+        self._grad: Tensor | None = self.flat.zeros()
 
-    def _run(self, grads: list[Tensor | None] | None, *, exchange: Callable[[Tensor], object] | None = None,
-             frozen_denom: Tensor | None = None) -> None:
-        onebit_adam(
-            self.flat.params,
-            self.flat.offsets,
-            grads=grads,
-            active=self._active,
-            exp_avg=self.flat.buffers["exp_avg"],
-            exp_avg_sq=self.flat.buffers.get("exp_avg_sq"),
-            frozen_denom=frozen_denom,
-            exchange=exchange,
-            step=self._step_count,
-            lrs=self._hyper("lr"),
-            betas=self._hyper("betas"),
-            weight_decays=self._hyper("weight_decay"),
-            eps=self.eps,
-            bias_correction=self.bias_correction,
-            clip_update=self.clip_update,
-            frozen_at=self._frozen_at or 0,
-        )
+    @property
+    def allreduce(self) -> Any:
+        """The compressed all-reduce (with ``overlap=True``, the first bucket's)."""
+        return self._driver.collectives[0]
+
+    def _adam(self, average: Tensor) -> None:
+        b = self.flat.buffers
+        adam(self.flat.params, self.flat.offsets, grads=self.flat.split(average), active=self._active,
+             exp_avg=b["exp_avg"], exp_avg_sq=b["exp_avg_sq"], step=self._step_count, lrs=self._hyper("lr"),
+             betas=self._hyper("betas"), weight_decays=self._hyper("weight_decay"), eps=self.eps,
+             bias_correction=self.bias_correction)
 
 
-class OnebitAdam(TwoStage, OverlappedExchange, _AdamFamily):
-    """1-bit Adam (Algorithm 1 of Tang et al., 2021). Use it WITHOUT DDP.
+class OnebitAdam(_AdamFamily):
+    """1-bit Adam (Algorithm 1 of Tang et al., 2021).
 
     * Warm-up (steps ``1 .. freeze_step``): gradients are averaged with a full-precision
       all-reduce and exact Adam, eq. (1), runs. With ``bias_correction=True`` (the default)
@@ -85,19 +132,18 @@ class OnebitAdam(TwoStage, OverlappedExchange, _AdamFamily):
       variance is frozen bias-corrected. ``False`` is the paper's BERT setting (and
       DeepSpeed's): safe only when the freeze comes after ``1 - beta2^T`` is near 1 (thousands
       of steps); frozen earlier, the raw variance is too small and every compressed step too
-      large (a short run diverged to NaN on the byte-LM task of ``onebit bench convergence``),
-      so freezing with ``1 - beta2^T < 0.5`` warns.
+      large, so freezing with ``1 - beta2^T < 0.5`` warns.
     * Compression (after the freeze): the variance is frozen as a preconditioner; each
-      rank updates its momentum with its local gradient; the momentum of all parameters,
-      one fused flat buffer, is exchanged by :class:`onebit.comm.CompressedAllReduce` with
-      worker and server error feedback (1-bit signs + one scale per chunk), replacing the
-      momentum on every rank; then ``x <- x - lr * m / (sqrt(v_frozen) + eps)``. Values
-      whose variance is exactly zero at the freeze (no gradient during the whole warm-up,
-      e.g. unused embedding rows) keep a zero momentum -- DeepSpeed's ``exp_avg_mask``,
-      derived instead of asked for. At the freeze the variance buffer becomes the
-      preconditioner ``sqrt(v_T / (1 - beta2^T)) + eps`` itself (``state[p]["frozen_denom"]``
-      from then on): the compression stage holds ``m``, that, and the collective's worker
-      and server errors -- 3 + 1/w model sizes (README, "Memory").
+      rank updates its momentum with its local gradient (line 6); the momentum of all
+      parameters, one fused flat buffer, is exchanged by :class:`onebit.comm.CompressedAllReduce`
+      with worker and server error feedback (1-bit signs + one scale per chunk), replacing the
+      momentum on every rank; then ``x <- x - lr * m / (sqrt(v_frozen) + eps)`` (lines 11-13).
+      Values whose variance is exactly zero at the freeze (no gradient during the whole
+      warm-up, e.g. unused embedding rows) keep a zero momentum -- DeepSpeed's
+      ``exp_avg_mask``, derived instead of asked for. At the freeze the variance buffer becomes
+      the preconditioner ``sqrt(v_T / (1 - beta2^T)) + eps`` itself (``state[p]["frozen_denom"]``
+      from then on): the compression stage holds ``m``, that, and the collective's worker and
+      server errors -- 3 + 1/w model sizes.
 
     Args:
         params: parameters or param groups (options ``lr``, ``betas``, ``weight_decay``).
@@ -123,9 +169,8 @@ class OnebitAdam(TwoStage, OverlappedExchange, _AdamFamily):
         overlap: start each bucket's exchange during backward, as soon as its gradients are
             accumulated (see below); ``False``: one exchange of the whole model in ``step()``.
         bucket_cap_mb: bucket size of the overlapped exchange, in MB of fp32 state (as DDP's).
-        timeout: per-collective timeout in seconds (default 300).
-        broadcast_parameters: copy rank 0's parameters to all ranks at construction, so
-            replicas start equal.
+        **options: :class:`onebit.optim.CommonOptions` (``timeout``, ``broadcast_parameters``,
+            ``on_nonfinite``, ``check_replicas_every``, ``max_grad_norm``).
 
     ``stats`` reports the stage, the bytes this rank sent in the last step and the step
     the warm-up ended (also logged at INFO on ``onebit.optim``).
@@ -143,9 +188,16 @@ class OnebitAdam(TwoStage, OverlappedExchange, _AdamFamily):
     gradient) of the compression stage restarts the error-feedback buffers at zero (they were
     updated before the ranks could agree), and a trainable parameter with no gradient on
     *any* rank still has its momentum decayed by ``beta1`` in the exchange.
-    """
 
-    _flat_names = ("exp_avg", "exp_avg_sq")
+    Example::
+
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = onebit.OnebitAdam(model.parameters(), lr=1e-3, freeze_step=100)
+        >>> model(torch.randn(8, 4)).square().mean().backward()
+        >>> opt.step()
+        >>> opt.stats["stage"]
+        'warmup'
+    """
 
     def __init__(
         self,
@@ -168,70 +220,64 @@ class OnebitAdam(TwoStage, OverlappedExchange, _AdamFamily):
         ranks_per_node: int | None = None,
         overlap: bool = False,
         bucket_cap_mb: float = 25.0,
-        timeout: float | timedelta | None = None,
-        broadcast_parameters: bool = True,
-        on_nonfinite: str = "skip",
-        check_replicas_every: int = 0,
-        max_grad_norm: float | None = None,
+        **options: Unpack[CommonOptions],
     ) -> None:
         self.clip_update = check_optional_positive("clip_update", clip_update)
         check_bool("overlap", overlap)
-        self._init_two_stage(
-            freeze_step,
-            check_betas(betas)[1],
-            threshold=freeze_threshold,
-            window=freeze_window,
-            min_step=min_freeze_step,
-            max_step=max_freeze_step,
-        )
-        super().__init__(
-            params,
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            bias_correction=bias_correction,
-            group=group,
-            timeout=timeout,
-            broadcast_parameters=broadcast_parameters,
-            on_nonfinite=on_nonfinite,
-            check_replicas_every=check_replicas_every,
-            max_grad_norm=max_grad_norm,
-        )
-        def collective() -> Any:
-            return comm.compressed_allreduce(compressor, self.process_group, hierarchical=hierarchical,
-                                             ranks_per_node=ranks_per_node, timeout=self.timeout)
+        beta2 = check_adam_args(lr, betas, eps, weight_decay)[1]
+        self._stages = TwoStages(type(self).__name__, EXACT_GRADIENT, COMPRESSED_FORMED, freeze_schedule(
+            freeze_step, beta2, threshold=freeze_threshold, window=freeze_window, min_step=min_freeze_step,
+            max_step=max_freeze_step))
+        self._has_unused = False
+        self._init_adam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                        bias_correction=bias_correction, group=group, options=options)
+        self._drive(allreduce_factory(self, compressor, hierarchical=hierarchical, ranks_per_node=ranks_per_node,
+                                      overlap=overlap), overlap=overlap, bucket_cap_mb=bucket_cap_mb)
 
-        self.allreduce = collective()
-        self.allreduce.warm_up(self.flat.device)  # kernels loaded now, not at the first compressed step
-        if overlap:
-            self._use_buckets(bucket_cap_mb, collective, hierarchical=hierarchical)
-
-    def _bucket_input(self, i: int, lo: int, hi: int, grad: Tensor | None, live: bool, options: dict[str, Any],
-                      scratch: Tensor) -> Tensor:
-        """``m' = beta1 m + (1 - beta1) g`` in scratch, ``m`` untouched (a frozen parameter's ``m``
-        as it is): with one bucket, the one-shot exchange's bits."""
+    def _form(self, i: int, lo: int, hi: int, grad: Tensor | None, live: bool, group: dict[str, Any], step: int,
+              scratch: Tensor) -> Tensor:
+        """``m' = beta1 m + (1 - beta1) g`` (line 6) in scratch; a frozen parameter's ``m`` as it is."""
         m = self.flat.buffers["exp_avg"][lo:hi]
-        return _ema_(m, grad, options["betas"][0], out=scratch[0]) if live else m
+        return ema_(m, grad, group["betas"][0], out=scratch[0]) if live else m
 
-    def _on_freeze(self) -> None:
-        """Freeze the variance (Algorithm 1 line 2)."""
-        self._freeze_denominator()
-        if not self.bias_correction:
-            self._warn_early_freeze()
+    def _landing(self, wire: Wire) -> Tensor:
+        # the warm-up averages the gradients; the compressed momentum average replaces m
+        return self._grad if not wire.formed else self.flat.buffers["exp_avg"]
 
-    def _freeze_denominator(self) -> None:
-        """Turn the variance, in place, into the frozen preconditioner ``sqrt(v_T / (1 - beta2^T)) + eps``
-        (``1`` for ``1 - beta2^T`` without bias correction), registered as ``"frozen_denom"``.
+    def _apply(self, wire: Wire, average: Tensor | None) -> None:
+        if not wire.formed:
+            self._adam(average)
+            if self._stages.observe(self._step_count, self.flat.buffers["exp_avg_sq"]):
+                self._freeze()
+            return
+        b = self.flat.buffers
+        if self._has_unused:
+            mask_unused_(b["exp_avg"], b["frozen_denom"], self.eps)
+        onebit_adam(self.flat.params, self.flat.offsets, active=self._active, exp_avg=b["exp_avg"],
+                    frozen_denom=b["frozen_denom"], step=self._step_count, lrs=self._hyper("lr"),
+                    betas=self._hyper("betas"), weight_decays=self._hyper("weight_decay"),
+                    bias_correction=self.bias_correction, clip_update=self.clip_update,
+                    frozen_at=self._stages.frozen_at)
 
-        The compression stage only ever divides by it, so it takes ``v``'s buffer rather than a
-        second model-sized one, and costs nothing per step."""
+    def _freeze(self) -> None:
+        """Algorithm 1 line 2: turn the variance, in place, into the frozen preconditioner
+        ``sqrt(v_T / (1 - beta2^T)) + eps`` (``1`` for ``1 - beta2^T`` without bias correction),
+        registered as ``"frozen_denom"``. The compression stage only ever divides by it, so it
+        takes ``v``'s buffer rather than a second model-sized one, and costs nothing per step."""
+        frozen_at = self._stages.frozen_at
         v = self.flat.buffers["exp_avg_sq"]
         for (lo, hi), (_, beta2) in zip(self.flat.offsets, self._hyper("betas")):
-            bc2 = 1.0 - beta2**self._frozen_at if self.bias_correction else 1.0
+            bc2 = 1.0 - beta2**frozen_at if self.bias_correction else 1.0
             adam_denominator(v[lo:hi], eps=self.eps, bias_correction2=bc2, out=v[lo:hi])
         self._use_frozen_layout(True)
         self._note_unused()
+        if not self.bias_correction:
+            warn_early_freeze(type(self).__name__, frozen_at, max(b for _, b in self._hyper("betas")))
+        self._grad = None  # the compression stage reads each rank's own gradients where they lie
+
+    def _note_unused(self) -> None:
+        # sqrt(v_hat) + eps == eps: no gradient through the warm-up (or one below eps's rounding)
+        self._has_unused = count_unused(type(self).__name__, self.flat.buffers["frozen_denom"], self.eps)
 
     def _use_frozen_layout(self, frozen: bool) -> None:
         names = ("exp_avg_sq", "frozen_denom") if frozen else ("frozen_denom", "exp_avg_sq")
@@ -239,39 +285,18 @@ class OnebitAdam(TwoStage, OverlappedExchange, _AdamFamily):
             self.flat.rename(*names)
             self._link_state()
 
-    def _unused_marker(self) -> tuple[Tensor, float]:
-        # sqrt(v_hat) + eps == eps: no gradient through the warm-up (or one below eps's rounding)
-        return self.flat.buffers["frozen_denom"], self.eps
-
-    def _step(self) -> None:
-        if self._buckets is not None:  # the exchanges started during backward
-            self._finish_buckets(out=self.flat.buffers["exp_avg"])
-        if self._frozen_at is None:
-            if self._buckets is None:
-                grads = self._averaged_grads(self._clipped(self._allreduce))
-            else:  # averaged by the buckets' all-reduces (overlap refuses max_grad_norm)
-                grads = self.flat.split(self._grad)
-            self._run(grads)
-            self._after_warmup_step(self.flat.buffers["exp_avg_sq"])
-        elif self._buckets is None:  # no averaged gradient in this stage: the local one, clipped locally
-            self._run(self._local_grads(), exchange=self._exchange_momentum,
-                      frozen_denom=self.flat.buffers["frozen_denom"])
-        else:
-            self._mask_unused(self.flat.buffers["exp_avg"])
-            self._run(None, frozen_denom=self.flat.buffers["frozen_denom"])
-
-    def _extra_state(self) -> dict[str, Any]:
-        return {**self._two_stage_state(), **self._collectives_state()}
-
     def _layout_for(self, state: Mapping[str, Any]) -> None:
         self._use_frozen_layout(state.get("frozen_at") is not None)
 
     def _load_extra_state(self, state: Mapping[str, Any], own_state: bool) -> None:
-        self._load_two_stage_state(state)
-        self._load_collectives_state(state, own_state)
+        if self._stages.frozen_at is None:  # the warm-up averages the gradients in a flat buffer
+            self._grad = self._grad if self._grad is not None else self.flat.zeros()
+        else:
+            self._grad = None
+            self._note_unused()
 
 
-class OnebitAdamNaive(OverlappedExchange, _AdamFamily):
+class OnebitAdamNaive(_AdamFamily):
     """The paper's control "Adam (1-bit naive)" (sections 3.2 and 7.2): error-compensated
     1-bit compression of the *gradient*, with both Adam moments updated from the
     compressed average. It shows why 1-bit Adam freezes the variance: the squared
@@ -282,6 +307,15 @@ class OnebitAdamNaive(OverlappedExchange, _AdamFamily):
     :class:`OnebitAdam`, without the freeze options; with ``overlap=True`` each bucket's
     gradients leave during backward, and ``max_grad_norm`` (which clips the average) is
     allowed.
+
+    Example::
+
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = onebit.OnebitAdamNaive(model.parameters(), lr=1e-3)
+        >>> model(torch.randn(8, 4)).square().mean().backward()
+        >>> opt.step()
+        >>> opt.stats["stage"]
+        'compressed'
     """
 
     def __init__(
@@ -299,53 +333,18 @@ class OnebitAdamNaive(OverlappedExchange, _AdamFamily):
         ranks_per_node: int | None = None,
         overlap: bool = False,
         bucket_cap_mb: float = 25.0,
-        timeout: float | timedelta | None = None,
-        broadcast_parameters: bool = True,
-        on_nonfinite: str = "skip",
-        check_replicas_every: int = 0,
-        max_grad_norm: float | None = None,
+        **options: Unpack[CommonOptions],
     ) -> None:
         check_bool("overlap", overlap)
-        super().__init__(
-            params,
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            bias_correction=bias_correction,
-            group=group,
-            timeout=timeout,
-            broadcast_parameters=broadcast_parameters,
-            on_nonfinite=on_nonfinite,
-            check_replicas_every=check_replicas_every,
-            max_grad_norm=max_grad_norm,
-        )
-        def collective() -> Any:
-            return comm.compressed_allreduce(compressor, self.process_group, hierarchical=hierarchical,
-                                             ranks_per_node=ranks_per_node, timeout=self.timeout)
+        check_adam_args(lr, betas, eps, weight_decay)
+        self._stages = OneStage(COMPRESSED_GRADIENT)
+        self._init_adam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                        bias_correction=bias_correction, group=group, options=options)
+        self._drive(allreduce_factory(self, compressor, hierarchical=hierarchical, ranks_per_node=ranks_per_node,
+                                      overlap=overlap), overlap=overlap, bucket_cap_mb=bucket_cap_mb)
 
-        self.allreduce = collective()
-        self.allreduce.warm_up(self.flat.device)  # kernels loaded now, not at the first compressed step
-        if overlap:  # the clip is on the average, which step() has in full
-            self._use_buckets(bucket_cap_mb, collective, hierarchical=hierarchical, clips_locally=False)
+    def _landing(self, wire: Wire) -> Tensor:
+        return self._grad
 
-    def _bucket_input(self, i: int, lo: int, hi: int, grad: Tensor | None, live: bool, options: dict[str, Any],
-                      scratch: Tensor) -> Tensor | None:
-        """The gradient itself: what the naive variant compresses."""
-        return grad
-
-    def _exchange_gradient(self, buffer: Tensor) -> Tensor:
-        return self.allreduce(buffer, out=buffer)
-
-    def _step(self) -> None:
-        if self._buckets is None:
-            self._run(self._averaged_grads(self._clipped(self._exchange_gradient)))
-            return
-        self._finish_buckets(out=self._grad)  # the exchanges started during backward
-        self._run(self.flat.split(self._clip_grad_(self._grad)))
-
-    def _extra_state(self) -> dict[str, Any]:
-        return self._collectives_state()
-
-    def _load_extra_state(self, state: Mapping[str, Any], own_state: bool) -> None:
-        self._load_collectives_state(state, own_state)
+    def _apply(self, wire: Wire, average: Tensor | None) -> None:
+        self._adam(average)

@@ -1,0 +1,80 @@
+"""What the ranks agree on before and after a step: finite gradients, and identical replicas."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from .. import comm
+from ..ops import max_abs
+
+if TYPE_CHECKING:
+    from ._base import OnebitOptimizer
+
+__all__ = ["agree_nonfinite", "check_replicas"]
+
+_log = logging.getLogger("onebit.optim")
+
+
+def agree_nonfinite(opt: OnebitOptimizer) -> tuple[bool, list[bool]]:
+    """Unscale (GradScaler), then one tiny all-reduce(max) of "some gradient here is not finite"
+    and of "parameter i has a gradient here"; returns whether every rank skips the step and
+    which parameters have a gradient on some rank. Raises ``FloatingPointError`` instead of
+    skipping with ``on_nonfinite="raise"``."""
+    params = opt.flat.params
+    grads = [p.grad for p in params if p.grad is not None]
+    if any(g.is_sparse for g in grads):
+        raise ValueError("onebit optimizers do not support sparse gradients")
+    scale = getattr(opt, "grad_scale", None)
+    if scale is not None and grads:
+        torch._foreach_mul_(grads, scale.double().reciprocal().float().to(grads[0].device))
+    # flag[0]: some gradient here is not finite; flag[1 + i]: parameter i has a gradient here.
+    flag = torch.zeros(1 + len(params), dtype=torch.float32, device=opt.flat.device)
+    if grads:
+        peaks = torch.stack([max_abs(g.detach()).float() if g.numel() else flag[0] for g in grads])
+        flag[0] = (~torch.isfinite(peaks)).any()
+    if len(grads) == len(params):
+        flag[1:] = 1.0  # the common case, without a host-to-device copy
+    else:
+        flag[1:] = torch.tensor([p.grad is not None for p in params], dtype=torch.float32)
+    found_inf = getattr(opt, "found_inf", None)
+    if found_inf is not None:
+        flag[0] = torch.maximum(flag[0], found_inf.reshape(()).to(flag))
+    if opt.world_size > 1:
+        comm.all_reduce_max(flag, opt.process_group, opt.timeout)
+    values = flag.tolist()
+    active = [v > 0 for v in values[1:]]
+    if not values[0]:
+        return False, active
+    step = opt._step_count + 1
+    if opt.on_nonfinite == "raise":
+        local = [i for i, p in enumerate(params) if p.grad is not None and not torch.isfinite(p.grad).all()]
+        where = f"parameter {local[0]} (shape {tuple(params[local[0]].shape)}) on rank {opt.rank}" if local \
+            else f"another rank than {opt.rank}"
+        raise FloatingPointError(f"non-finite gradient at step {step}: {where}")
+    _log.warning("step %d skipped on every rank: non-finite gradient", step)
+    return True, active
+
+
+def check_replicas(opt: OnebitOptimizer) -> str | None:
+    """Which parameter differs between ranks after the last step, as a message (None: none).
+
+    Each parameter's bits, read as integers, are summed on its device, and the sums (8 bytes
+    per parameter) are all-gathered -- any single-value difference shows.
+    """
+    if opt.world_size == 1:
+        return None
+    params = opt.flat.params
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+    sums = torch.stack([p.detach().reshape(-1).view(ints[p.element_size()]).sum(dtype=torch.int64) for p in params])
+    table = comm.all_gather_object_sizes(sums.tolist(), opt.process_group, opt.timeout, opt.flat.device)
+    differs = (table != table[0]).any(dim=0).nonzero()
+    if not differs.numel():
+        return None
+    i = int(differs[0])
+    names = [n for g in opt.param_groups for n in g.get("param_names", [None] * len(g["params"]))]
+    name = names[i] or f"parameter {i} (shape {tuple(params[i].shape)})"
+    ranks = [r for r in range(opt.world_size) if table[r, i] != table[0, i]]
+    return f"replicas differ after step {opt._step_count}: {name} on ranks {ranks} differs from rank 0"

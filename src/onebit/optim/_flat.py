@@ -1,0 +1,61 @@
+"""The fused flat state: one fp32 buffer per state name, laid out like the parameters.
+
+One slot per parameter, parameters in group order (so each param group is one contiguous
+segment); ``self.state[p]`` holds views into the buffers. The whole model's momentum is then
+one tensor for one collective, and a bucket of the overlapped exchange is one range of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+
+__all__ = ["FlatState"]
+
+
+class FlatState:
+    """Named flat fp32 buffers laid out like the parameters, with per-parameter views."""
+
+    def __init__(self, params: list[Tensor]) -> None:
+        self.params = params
+        self.offsets: list[tuple[int, int]] = []
+        start = 0
+        for p in params:
+            self.offsets.append((start, start + p.numel()))
+            start += p.numel()
+        self.numel = start
+        self.device = params[0].device
+        self.buffers: dict[str, Tensor] = {}
+
+    def new(self, name: str) -> Tensor:
+        """A zeroed flat buffer registered under ``name``."""
+        self.buffers[name] = self.zeros()
+        return self.buffers[name]
+
+    def zeros(self) -> Tensor:
+        """A zeroed flat fp32 buffer of the parameters' size, not registered (scratch)."""
+        return torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+
+    def views(self, name: str) -> list[Tensor]:
+        """Per-parameter views (shaped like the parameters) of buffer ``name``."""
+        return self.split(self.buffers[name])
+
+    def split(self, flat: Tensor) -> list[Tensor]:
+        """Per-parameter views (shaped like the parameters) of a flat buffer laid out like them."""
+        return [flat[lo:hi].view(p.shape) for p, (lo, hi) in zip(self.params, self.offsets)]
+
+    def rename(self, old: str, new: str) -> None:
+        """Register buffer ``old`` under the name ``new`` (its values unchanged)."""
+        self.buffers[new] = self.buffers.pop(old)
+
+    def gather_grads(self, out: Tensor, indices: Iterable[int] | None = None, base: int = 0) -> None:
+        """Copy every gradient (cast to fp32) into ``out``, zeros where a grad is None; or only
+        those of parameters ``indices``, into ``out`` starting at flat offset ``base``."""
+        for i in range(len(self.params)) if indices is None else indices:
+            p, (lo, hi) = self.params[i], self.offsets[i]
+            if p.grad is None:
+                out[lo - base : hi - base].zero_()
+            else:
+                out[lo - base : hi - base].copy_(p.grad.reshape(-1))
