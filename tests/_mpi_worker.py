@@ -19,9 +19,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-import onebit  # noqa: E402
 from onebit import comm  # noqa: E402
-from _problem import OPTIMIZERS, digest, run_problem  # noqa: E402
+from _problem import OPTIMIZERS, digest, optimizer_class, run_problem  # noqa: E402
+
 
 def _inputs(rank: int, step: int, n: int = 1001) -> torch.Tensor:
     return torch.randn(n, generator=torch.Generator().manual_seed(100 * step + rank))
@@ -58,7 +58,7 @@ def optimizers(rank: int, world: int) -> dict:
     res = {}
     for backend in ("torch", "mpi"):
         for name, kwargs in OPTIMIZERS:
-            cls = getattr(onebit, name)
+            cls = optimizer_class(name)
             run = run_problem(lambda params: cls(params, group=backend, **kwargs), rank, steps=6)
             res[backend, name] = {"digests": run["digests"], "bytes": [s["bytes_sent"] for s in run["stats"]],
                                   "params": run["params"]}
@@ -70,11 +70,11 @@ def overlap(rank: int, world: int) -> dict:
     collectives start during backward, several in flight at once."""
     res = {}
     for backend in ("torch", "mpi"):
-        for name, kwargs in (("OnebitAdam", dict(freeze_step=2)), ("Birder", dict(seed=1))):
+        for name, kwargs in (("onebit_adam", dict(freeze_step=2)), ("birder", dict(seed=1))):
             torch.manual_seed(0)
             model = torch.nn.Sequential(torch.nn.Linear(12, 48), torch.nn.GELU(), torch.nn.Linear(48, 40),
                                         torch.nn.GELU(), torch.nn.Linear(40, 3))
-            opt = getattr(onebit, name)(model.parameters(), lr=0.01, group=backend, overlap=True,
+            opt = optimizer_class(name)(model.parameters(), lr=0.01, group=backend, overlap=True,
                                         bucket_cap_mb=0.004, **kwargs)
             run = {"digests": [], "bytes": [], "in_backward": [], "buckets": len(opt._driver.bounds)}
             for step in range(6):

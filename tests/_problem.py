@@ -6,17 +6,18 @@ import hashlib
 
 import torch
 
+from onebit.optim import REGISTRY
+
 DIM, BATCH = 37, 16
 
-# Every library optimizer with settings that reach its compressed stage within a few steps.
-OPTIMIZERS = [
-    ("OnebitAdam", dict(lr=0.01, freeze_step=2)),
-    ("OnebitLamb", dict(lr=0.01, freeze_step=2)),
-    ("CompAMS", dict(lr=0.01, compressor="topk", ratio=0.3)),
-    ("QAdam", dict(lr=0.01)),
-    ("Birder", dict(lr=0.01, seed=1)),
-    ("SoftSignSGD", dict(lr=0.01)),
-]
+# Every optimizer of the registry, by its registry name, with settings that reach its compressed
+# stage within a few steps: the shared contract tables iterate over these rows.
+OPTIMIZERS = [(name, {**spec.kwargs, **spec.test_kwargs}) for name, spec in REGISTRY.items()]
+
+
+def optimizer_class(name: str) -> type:
+    """The class of registry optimizer ``name`` (its row's arguments select the variant)."""
+    return REGISTRY[name].cls
 
 
 def flag_bytes(world: int, tensors: int = 2) -> int:

@@ -7,7 +7,7 @@ import torch
 
 import onebit
 from _harness import run_ranks
-from _problem import OPTIMIZERS, grads, initial_params
+from _problem import OPTIMIZERS, grads, initial_params, optimizer_class
 
 CLIP = 0.05  # binds on this problem: the gradients' norms are ~0.3-3
 
@@ -22,7 +22,7 @@ def _run(rank, world, name, kw, steps, clip_in_optimizer, averaged_until):
     clipped as the documentation says: by the average's norm for steps <= ``averaged_until``,
     by the rank's own norm after."""
     params = [p.clone().requires_grad_() for p in initial_params()]
-    opt = getattr(onebit, name)(params, max_grad_norm=CLIP if clip_in_optimizer else None, **kw)
+    opt = optimizer_class(name)(params, max_grad_norm=CLIP if clip_in_optimizer else None, **kw)
     for step in range(1, steps + 1):
         mine = grads([p.detach() for p in params], rank, step)
         if not clip_in_optimizer:
@@ -38,17 +38,25 @@ def _run(rank, world, name, kw, steps, clip_in_optimizer, averaged_until):
     return [p.detach() for p in params]
 
 
-# The last step whose gradient each optimizer averages before using it (the 1-bit optimizers
-# freeze at step 2 in OPTIMIZERS); Comp-AMS runs uncompressed here, so that its average is
-# exact and the test's average equals it.
-_AVERAGED_UNTIL = {"OnebitAdam": 2, "OnebitLamb": 2, "CompAMS": 10**9, "QAdam": 0, "Birder": 0, "SoftSignSGD": 10**9}
+# The optimizers that average compressed gradients run uncompressed here, so that their average
+# is exact and the test's average equals it.
+_EXACT = {"CompAMS": "none", "OnebitAdamNaive": "identity"}
+
+
+def _averaged_until(opt) -> int:
+    """The last step whose gradient ``opt`` averages before using it, from its declared stages:
+    the warm-up of a two-stage optimizer, every step where the gradients are what is sent."""
+    if opt.freeze is not None:
+        return opt.freeze.freeze_step
+    return 0 if opt._stages.wire.formed else 10**9
 
 
 def _compare(rank, world):
     out = {}
     for name, kw in OPTIMIZERS:
-        kw = dict(kw, compressor="none") if name == "CompAMS" else kw
-        until = _AVERAGED_UNTIL[name]
+        cls = optimizer_class(name)
+        kw = dict(kw, compressor=_EXACT[cls.__name__]) if cls.__name__ in _EXACT else kw
+        until = _averaged_until(cls([torch.nn.Parameter(torch.zeros(1))], **kw))
         clipped = _run(rank, world, name, kw, 6, True, until)
         fed = _run(rank, world, name, kw, 6, False, until)
         out[name] = (clipped, fed)

@@ -14,24 +14,19 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-import onebit
 from _harness import run_ranks
-from onebit.comm import _dist
+from onebit import comm
+from onebit.optim import REGISTRY, make_optimizer
 
-# label -> (class, arguments)
-OPTIMIZERS = {
-    "OnebitAdam": ("OnebitAdam", dict(lr=0.01, freeze_step=2)),
-    "OnebitLamb": ("OnebitLamb", dict(lr=0.01, freeze_step=2)),
-    "CompAMS": ("CompAMS", dict(lr=0.01, compressor="block_sign")),
-    "QAdam": ("QAdam", dict(lr=0.01)),
-    "Birder": ("Birder", dict(lr=0.01)),
-    "SoftSignSGD": ("SoftSignSGD", dict(lr=0.01)),
-    # 100-byte buckets: a bucket per parameter or two
-    "OnebitLamb/overlap": ("OnebitLamb", dict(lr=0.01, freeze_step=2, overlap=True, bucket_cap_mb=1e-4)),
-    "Birder/overlap": ("Birder", dict(lr=0.01, overlap=True, bucket_cap_mb=1e-4)),
-    # 4-value blocks: bucket boundaries cut blocks, and buckets smaller than one send nothing
-    "CompAMS/overlap": ("CompAMS", dict(lr=0.01, compressor="block_sign", block=4, overlap=True, bucket_cap_mb=1e-5)),
-}
+# 4-value blocks in 10-byte buckets: bucket boundaries cut blocks, and buckets smaller than one send nothing
+_OVERLAP = {"comp_ams_block_sign": {"block": 4, "bucket_cap_mb": 1e-5}}
+
+# label -> (registry name, arguments): every optimizer of the registry, and its overlapped exchange
+# in tiny buckets (a bucket per parameter or two) where it has one
+OPTIMIZERS = {name: (name, {**spec.test_kwargs, "lr": 0.01}) for name, spec in REGISTRY.items()}
+OPTIMIZERS.update({f"{name}/overlap": (name, {**spec.test_kwargs, "lr": 0.01, "overlap": True, "bucket_cap_mb": 1e-4,
+                                              **_OVERLAP.get(name, {})})
+                   for name, spec in REGISTRY.items() if spec.overlap})
 # How a parameter gets its gradient: "grad" random, "zero" all zeros, "none" never (unused),
 # "some" on one rank per step only, "frozen" requires_grad=False (never).
 KINDS = ("grad", "zero", "none", "some", "frozen")
@@ -46,7 +41,7 @@ def _crc(tensors) -> int:
 
 
 def _agree(value: int) -> bool:
-    table = _dist.all_gather_object_sizes([value])
+    table = comm.all_gather_object_sizes([value])
     return bool((table == table[0]).all())
 
 
@@ -68,8 +63,8 @@ def _fuzz(rank, world, examples):
         params = [torch.nn.Parameter((torch.randn(shape, generator=gen) * 0.1).to(DTYPES[dtype]),
                                      requires_grad=kind != "frozen") for shape, kind in specs]
         kinds = [kind for _, kind in specs]
-        cls, kwargs = OPTIMIZERS[name]
-        opt = getattr(onebit, cls)(params, timeout=30, weight_decay=0.1, **kwargs)
+        entry, kwargs = OPTIMIZERS[name]
+        opt = make_optimizer(entry, params, timeout=30, weight_decay=0.1, **kwargs)
         data = torch.Generator().manual_seed(seed * 10 + rank)
         # the NaN goes into the first non-empty parameter with a gradient on every rank, if any
         target = next((i for i, (p, k) in enumerate(zip(params, kinds)) if k in ("grad", "zero") and p.numel()), None)

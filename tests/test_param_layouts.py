@@ -4,9 +4,8 @@ what the same values in contiguous parameters give (the math runs in logical ord
 import pytest
 import torch
 
-import onebit
 from _harness import run_ranks
-from _problem import OPTIMIZERS
+from _problem import OPTIMIZERS, optimizer_class
 
 
 def _both(rank, world, name, kw):
@@ -22,7 +21,7 @@ def _run(rank, world, name, kw, layout):
         mat = mat.t().contiguous().t()  # a transposed layout: strides (1, 5)
     params = [conv.requires_grad_(), mat.requires_grad_()]
     assert (not params[0].is_contiguous()) == (layout == "strided")
-    opt = getattr(onebit, name)(params, weight_decay=0.01, **kw)
+    opt = optimizer_class(name)(params, weight_decay=0.01, **kw)
     data = torch.Generator().manual_seed(100 + rank)
     for _ in range(6):
         for p in params:
@@ -39,12 +38,12 @@ def test_channels_last_and_transposed_parameters_equal_contiguous_ones(name, kw)
         assert all(torch.equal(a, b) for a, b in zip(ps, pc))
         assert all(torch.equal(ss[k], sc[k]) for k in sc)
         assert all(torch.equal(a, b) for a, b in zip(ps, strided[0][0]))  # replicas
-        assert stage == ("warmup" if name == "SoftSignSGD" else "compressed")
+        assert stage == ("warmup" if name == "softsign_sgd" else "compressed")
 
 
 @pytest.mark.parametrize("name,kw", OPTIMIZERS, ids=[n for n, _ in OPTIMIZERS])
 def test_options_that_would_be_ignored_are_refused(name, kw):
-    make = getattr(onebit, name)
+    make = optimizer_class(name)
     w, v = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
     with pytest.raises(ValueError, match=r"param group 1 sets \['eps'\], which .* takes only for all parameters"):
         make([{"params": [w]}, {"params": [v], "eps": 1e-6}], **kw)

@@ -7,14 +7,14 @@ import torch
 
 import onebit
 from _harness import run_ranks
-from _problem import OPTIMIZERS, digest, grads, initial_params
+from _problem import OPTIMIZERS, digest, grads, initial_params, optimizer_class
 from onebit.launch import RankFailure
 
 def _loop(rank, world, name, kwargs, poison_step, poison_rank, skip_step=None, steps=7):
     """Step on the least-squares gradients; at ``poison_step`` rank ``poison_rank`` gets a NaN/Inf gradient;
     at ``skip_step`` no rank calls step() (the reference for "the step left everything untouched")."""
     params = [p.clone().requires_grad_() for p in initial_params()]
-    opt = getattr(onebit, name)(params, **kwargs)
+    opt = optimizer_class(name)(params, **kwargs)
     digests, skipped = [], []
     for step in range(1, steps + 1):
         for p, g in zip(params, grads([p.detach() for p in params], rank, step)):
@@ -48,7 +48,7 @@ def test_nonfinite_gradient_on_one_rank_skips_the_step_everywhere(name, kwargs):
 
 def test_raise_mode_raises_on_every_rank():
     with pytest.raises(RankFailure) as exc:
-        run_ranks(_loop, 2, "OnebitAdam", dict(lr=0.01, freeze_step=2, on_nonfinite="raise"), 3, 1)
+        run_ranks(_loop, 2, "onebit_adam", dict(lr=0.01, freeze_step=2, on_nonfinite="raise"), 3, 1)
     text = str(exc.value)
     assert "rank 0 failed" in text and "rank 1 failed" in text
     assert "FloatingPointError: non-finite gradient at step 3: another rank than 0" in text
@@ -139,7 +139,7 @@ def test_replica_check_names_the_divergent_parameter():
 
 @pytest.mark.parametrize("name,kwargs", OPTIMIZERS, ids=[n for n, _ in OPTIMIZERS])
 def test_reliability_options_are_validated_everywhere(name, kwargs):
-    cls = getattr(onebit, name)
+    cls = optimizer_class(name)
     p = [torch.nn.Parameter(torch.ones(2))]
     with pytest.raises(ValueError, match="Invalid on_nonfinite value: 'ignore'"):
         cls(p, on_nonfinite="ignore")
@@ -151,7 +151,7 @@ def _resume_runs(rank, world, name, kwargs):
     """Straight, resumed after step 3 (1-bit Adam/LAMB then compress), and the final state."""
     from _problem import run_problem
 
-    cls = getattr(onebit, name)
+    cls = optimizer_class(name)
     holder = {}
     straight = run_problem(lambda params: holder.setdefault("opt", cls(params, **kwargs)), rank, 7)
     resumed = run_problem(lambda params: cls(params, **kwargs), rank, 7, 3)
@@ -167,7 +167,7 @@ def test_checkpoints_resume_exactly_and_across_world_sizes(name, kwargs, caplog)
     # Another world size: loads with a warning, errors restart at zero, training goes on.
     state = res[0][2]
     params = [p.clone().requires_grad_() for p in initial_params()]
-    opt = getattr(onebit, name)(params, **kwargs)
+    opt = optimizer_class(name)(params, **kwargs)
     with caplog.at_level("WARNING"):
         opt.load_state_dict(state)
     assert "saved on world size 2 by rank 0, loaded on world size 1 by rank 0" in caplog.text

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from .. import comm
 from ..launch import spawn
-from ..optim import Birder, CompAMS, OnebitAdam, OnebitLamb, ReplicaDivergence, SoftSignSGD
+from ..optim import REGISTRY, ReplicaDivergence, make_optimizer
 from ._tasks import ByteCorpus, ByteMLP, ByteTransformer, DigitsCNN, digits_split
 
 __all__ = ["CONVERGENCE_TASKS", "FAMILIES", "Cell", "convergence_cells", "markdown_table", "measure_training",
@@ -57,6 +57,28 @@ _TWO_STAGE = ("onebit_adam", "onebit_adam_overlap", "onebit_lamb", "onebit_lamb_
 # the cells of benchmarks/deepspeed_convergence.py: DeepSpeed's name -> (family, onebit's optimizer)
 _DEEPSPEED = {"deepspeed_OneBitAdam": ("adamw", "onebit_adam"), "deepspeed_OneBitLamb": ("lamb", "onebit_lamb")}
 _NEVER = 10**9  # a freeze step no run reaches: the two-stage optimizers' exact warm-up throughout
+# 0.5 MB buckets: every task's model is split into several, each compressed on its own
+_OVERLAP = {"overlap": True, "bucket_cap_mb": 0.5}
+# the matrix's optimizers -> (registry name, arguments beyond the defaults)
+_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "adamw": ("onebit_adam", {"freeze_step": _NEVER}),
+    "onebit_adam": ("onebit_adam", {}),
+    "onebit_adam_overlap": ("onebit_adam", _OVERLAP),
+    "lamb": ("onebit_lamb", {"freeze_step": _NEVER}),
+    "onebit_lamb": ("onebit_lamb", {}),
+    "onebit_lamb_overlap": ("onebit_lamb", _OVERLAP),
+    "amsgrad": ("comp_ams", {"compressor": "none"}),
+    "comp_ams_topk": ("comp_ams", {}),
+    "comp_ams_topk_no_ef": ("comp_ams", {"error_feedback": False}),
+    "comp_ams_block_sign": ("comp_ams_block_sign", {}),
+    "comp_ams_block_sign_overlap": ("comp_ams_block_sign", _OVERLAP),
+    "comp_ams_block_sign_no_ef": ("comp_ams_block_sign", {"error_feedback": False}),
+    # the paper's layout, one block per layer: the evidence for the default block size
+    "comp_ams_block_sign_layers": ("comp_ams_block_sign", {"block": "tensor"}),
+    "softsign_sgd": ("softsign_sgd", {}),
+    "birder": ("birder", {}),
+    "birder_overlap": ("birder", _OVERLAP),
+}
 
 
 @dataclass(frozen=True)
@@ -180,29 +202,11 @@ def build_optimizer(cell: Cell, params: list[nn.Parameter], steps: int, seed: in
     when given, ``max_grad_norm`` set)."""
     name, lr = cell.optimizer, cell.lr
     freeze = _NEVER if cell.freeze_fraction is None else max(1, round(cell.freeze_fraction * steps))
-    kw = {"lr": lr, "max_grad_norm": max_grad_norm}
-    makers: dict[str, Callable[[], torch.optim.Optimizer]] = {
-        "adamw": lambda: OnebitAdam(params, freeze_step=_NEVER, **kw),
-        "onebit_adam": lambda: OnebitAdam(params, freeze_step=freeze, **kw),
-        # 0.5 MB buckets: every task's model is split into several, each compressed on its own
-        "onebit_adam_overlap": lambda: OnebitAdam(params, freeze_step=freeze, overlap=True, bucket_cap_mb=0.5, **kw),
-        "lamb": lambda: OnebitLamb(params, freeze_step=_NEVER, **kw),
-        "onebit_lamb": lambda: OnebitLamb(params, freeze_step=freeze, **kw),
-        "onebit_lamb_overlap": lambda: OnebitLamb(params, freeze_step=freeze, overlap=True, bucket_cap_mb=0.5, **kw),
-        "amsgrad": lambda: CompAMS(params, compressor="none", **kw),
-        "comp_ams_topk": lambda: CompAMS(params, compressor="topk", **kw),
-        "comp_ams_topk_no_ef": lambda: CompAMS(params, compressor="topk", error_feedback=False, **kw),
-        "comp_ams_block_sign": lambda: CompAMS(params, compressor="block_sign", **kw),
-        "comp_ams_block_sign_overlap": lambda: CompAMS(params, compressor="block_sign", overlap=True, bucket_cap_mb=0.5,
-                                                       **kw),
-        "comp_ams_block_sign_no_ef": lambda: CompAMS(params, compressor="block_sign", error_feedback=False, **kw),
-        # the paper's layout, one block per layer: the evidence for the default block size
-        "comp_ams_block_sign_layers": lambda: CompAMS(params, compressor="block_sign", block="tensor", **kw),
-        "softsign_sgd": lambda: SoftSignSGD(params, **kw),
-        "birder": lambda: Birder(params, seed=seed, **kw),
-        "birder_overlap": lambda: Birder(params, seed=seed, overlap=True, bucket_cap_mb=0.5, **kw),
-    }
-    return makers[name]()
+    entry, extra = _VARIANTS[name]
+    spec = REGISTRY[entry]
+    kw = {"lr": lr, "max_grad_norm": max_grad_norm, **({"freeze_step": freeze} if spec.two_stage else {}),
+          **({"seed": seed} if spec.seeded else {}), **extra}
+    return make_optimizer(entry, params, **kw)
 
 
 def measure_training(task: ConvergenceTask, model: nn.Module, update: Callable[[Tensor, int], object], *,

@@ -27,22 +27,14 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..launch import spawn
-from ..optim import Birder, CompAMS, OnebitAdam, OnebitAdamNaive, OnebitLamb, QAdam, SoftSignSGD
+from ..optim import REGISTRY, make_optimizer
 
 __all__ = ["FOOTPRINTS", "WIRE_ALLOWANCE", "MemoryResult", "bench_memory", "held_bytes"]
 
-# What each algorithm itself keeps, in fp32 model sizes, at world size w (README, "Memory").
-FOOTPRINTS: dict[str, Callable[[int], float]] = {
-    "adamw": lambda w: 2.0,  # m, v
-    "onebit_adam": lambda w: 3.0 + 1.0 / w,  # m, frozen v, worker error, server error (n/w)
-    "onebit_adam_naive": lambda w: 4.0 + 1.0 / w,  # m, v, the exchanged gradient, worker and server error
-    "onebit_lamb": lambda w: 5.0 + 1.0 / w,  # m, fresh v, frozen v, last m, worker and server error
-    "comp_ams": lambda w: 5.0,  # m, v, v^, error, the averaged gradient
-    "comp_ams_block_sign": lambda w: 5.0,
-    "qadam": lambda w: 4.0,  # m, v, a = m / sqrt(v + eps) (sent and averaged in place), error
-    "softsign_sgd": lambda w: 3.0,  # m, b, the averaged gradient
-    "birder": lambda w: 3.0 + 1.0 / w,  # m, b, worker error, server error (n/w)
-}
+# What each algorithm itself keeps, in fp32 model sizes, at world size w: the registry's
+# footprints, and torch.optim.AdamW's m and v for reference.
+FOOTPRINTS: dict[str, Callable[[int], float]] = {"adamw": lambda w: 2.0,
+                                                  **{name: spec.footprint for name, spec in REGISTRY.items()}}
 # Packed wire buffers on top of the footprint: 1-bit payloads are n/8 bytes (1/32 of the fp32
 # model) each way, plus one scale per chunk or block and one scalar per tensor.
 WIRE_ALLOWANCE = 0.1
@@ -96,18 +88,9 @@ class MemoryResult:
 
 
 def _build(name: str, params: list[nn.Parameter], freeze: int) -> torch.optim.Optimizer:
-    builders: dict[str, Callable[[], torch.optim.Optimizer]] = {
-        "adamw": lambda: torch.optim.AdamW(params),
-        "onebit_adam": lambda: OnebitAdam(params, freeze_step=freeze),
-        "onebit_adam_naive": lambda: OnebitAdamNaive(params),
-        "onebit_lamb": lambda: OnebitLamb(params, freeze_step=freeze),
-        "comp_ams": lambda: CompAMS(params),
-        "comp_ams_block_sign": lambda: CompAMS(params, compressor="block_sign"),
-        "qadam": lambda: QAdam(params),
-        "softsign_sgd": lambda: SoftSignSGD(params),
-        "birder": lambda: Birder(params),
-    }
-    return builders[name]()
+    if name == "adamw":
+        return torch.optim.AdamW(params)
+    return make_optimizer(name, params, **({"freeze_step": freeze} if REGISTRY[name].two_stage else {}))
 
 
 def _resident() -> tuple[int, int]:

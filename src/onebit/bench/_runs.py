@@ -10,6 +10,7 @@ around the hooks that add each bucket's bytes to the meter before delegating.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,30 +23,20 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import comm, hooks
-from ..comm._meter import record
-from ..optim import Birder, CompAMS, OnebitAdam, OnebitAdamNaive, OnebitLamb, QAdam, SoftSignSGD
+from ..optim import REGISTRY, CompAMS, OnebitLamb, make_optimizer
 
 __all__ = ["NO_COMMUNICATION", "OPTIMIZERS", "Run", "build_run"]
 
 _log = logging.getLogger(__name__)
 
+# The references (uncompressed, as users run them), every optimizer of the registry and its
+# overlapped exchange where it has one, and DDP with its communication hooks.
 OPTIMIZERS = (
     "adam",
     "local_adam",
-    "onebit_adam",
-    "onebit_adam_overlap",
-    "onebit_adam_naive",
     "lamb",
-    "onebit_lamb",
-    "onebit_lamb_overlap",
     "amsgrad",
-    "comp_ams",
-    "comp_ams_block_sign",
-    "comp_ams_block_sign_overlap",
-    "qadam",
-    "softsign_sgd",
-    "birder",
-    "birder_overlap",
+    *(variant for name, spec in REGISTRY.items() for variant in (name, f"{name}_overlap")[: 1 + spec.overlap]),
     "ddp_allreduce",
     "ddp_fp16",
     "ddp_powersgd",
@@ -127,7 +118,7 @@ def _metered(hook, count, op: str):
     """``hook`` with its bytes recorded first (DDP checks the parameter is named ``bucket``)."""
 
     def metered_hook(state, bucket):
-        record(op, count(state, bucket))
+        comm.record(op, count(state, bucket))
         return hook(state, bucket)
 
     return metered_hook
@@ -171,6 +162,27 @@ def _ddp_run(name: str, model: nn.Module, cfg, per_node: int | None) -> Run:
     return Run(ddp, opt, stage, lambda: None, state)
 
 
+def _registry_optimizer(name: str, params, cfg, exchange: dict[str, Any]) -> torch.optim.Optimizer:
+    """Registry optimizer ``name`` (``<name>_overlap``: its overlapped exchange) with the options of
+    ``cfg`` it takes."""
+    overlap = name.endswith("_overlap")
+    spec = REGISTRY[name.removesuffix("_overlap")]
+    kw: dict[str, Any] = {"lr": cfg.lr, "group": exchange["group"]}
+    if spec.hierarchical:
+        kw.update(exchange)
+    if spec.overlap:
+        kw["overlap"] = overlap
+    if spec.two_stage:
+        kw["freeze_step"] = cfg.freeze_step
+    if spec.seeded:
+        kw["seed"] = cfg.seed
+    # what some constructors take: Adam's bias correction, Top-k's ratio, QAdam's bits
+    takes = inspect.signature(spec.cls).parameters
+    options = {"bias_correction": cfg.bias_correction, "ratio": cfg.topk_ratio, "bits": cfg.qadam_bits}
+    kw.update({k: v for k, v in options.items() if k in takes})
+    return make_optimizer(name.removesuffix("_overlap"), params, **kw)
+
+
 def build_run(name: str, model: nn.Module, cfg, per_node: int | None) -> Run:
     """The model wrapper and optimizer of ``name`` for ``cfg`` (a :class:`TrainConfig`)."""
     if name not in OPTIMIZERS:
@@ -187,25 +199,12 @@ def build_run(name: str, model: nn.Module, cfg, per_node: int | None) -> Run:
         opt: torch.optim.Optimizer = _AllReduceAdam(params, lr=cfg.lr, group=group)
     elif name == NO_COMMUNICATION:
         opt = torch.optim.Adam(params, lr=cfg.lr)
-    elif name in ("onebit_adam", "onebit_adam_overlap"):
-        opt = OnebitAdam(params, lr=cfg.lr, freeze_step=cfg.freeze_step, bias_correction=cfg.bias_correction,
-                         overlap=name == "onebit_adam_overlap", **exchange)
-    elif name == "onebit_adam_naive":
-        opt = OnebitAdamNaive(params, lr=cfg.lr, bias_correction=cfg.bias_correction, **exchange)
-    elif name in ("lamb", "onebit_lamb", "onebit_lamb_overlap"):
-        # "lamb" is 1-bit LAMB that never leaves its warm-up: exact LAMB on all-reduced gradients.
-        freeze = cfg.steps + 1 if name == "lamb" else cfg.freeze_step
-        opt = OnebitLamb(params, lr=cfg.lr, freeze_step=freeze, overlap=name == "onebit_lamb_overlap", **exchange)
-    elif name in ("amsgrad", "comp_ams", "comp_ams_block_sign", "comp_ams_block_sign_overlap"):
-        compressor = {"amsgrad": "none", "comp_ams": "topk"}.get(name, "block_sign")
-        opt = CompAMS(params, lr=cfg.lr, compressor=compressor, ratio=cfg.topk_ratio,
-                      bias_correction=cfg.bias_correction, group=group, overlap=name.endswith("_overlap"))
-    elif name == "qadam":
-        opt = QAdam(params, lr=cfg.lr, bits=cfg.qadam_bits, group=group)
-    elif name == "softsign_sgd":
-        opt = SoftSignSGD(params, lr=cfg.lr, group=group)
+    elif name == "lamb":  # 1-bit LAMB that never leaves its warm-up: exact LAMB on all-reduced gradients
+        opt = OnebitLamb(params, lr=cfg.lr, freeze_step=cfg.steps + 1, **exchange)
+    elif name == "amsgrad":
+        opt = CompAMS(params, lr=cfg.lr, compressor="none", bias_correction=cfg.bias_correction, group=group)
     else:
-        opt = Birder(params, lr=cfg.lr, seed=cfg.seed, overlap=name == "birder_overlap", **exchange)
+        opt = _registry_optimizer(name, params, cfg, exchange)
     if name in ("adam", NO_COMMUNICATION):
         return Run(model, opt, lambda: "warmup", lambda: None)
     return Run(model, opt, lambda: opt.stats["stage"], lambda: opt.stats["freeze_step"],

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 from .. import comm
-from ..comm import _dist
 from ..launch import spawn
 from ._runs import NO_COMMUNICATION, OPTIMIZERS, build_run
 from ._tasks import TASKS, Task, TaskSpec
@@ -202,7 +201,7 @@ def _this_mpi_rank(cfg: TrainConfig, out: Path, progress: bool, cluster) -> list
         raise ValueError(f"world_size={cfg.world_size} but the MPI job has {world} ranks")
     result = _rank_main(rank, world, cfg, out, None, progress)
     # 60 bits of each rank's digest are plenty to tell replicas apart.
-    table = _dist.all_gather_object_sizes([int(result["digest"][:15], 16)], "mpi")
+    table = comm.all_gather_object_sizes([int(result["digest"][:15], 16)], "mpi")
     if not bool((table == table[0]).all()):
         raise RuntimeError(f"replicas differ at the end: parameter digests {[f'{int(d):015x}' for d in table[:, 0]]}")
     return [result] if rank == 0 else None

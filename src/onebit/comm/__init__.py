@@ -24,7 +24,7 @@ from ._dist import (
     to_timedelta,
 )
 from ._mpi import MPIGroup
-from ._meter import Meter, measure
+from ._meter import Meter, measure, record
 
 __all__ = [
     "BACKENDS",
@@ -51,6 +51,7 @@ __all__ = [
     "get_world_size",
     "is_distributed",
     "measure",
+    "record",
     "resolve_group",
     "run_stages",
     "to_timedelta",

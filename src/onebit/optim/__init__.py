@@ -10,6 +10,7 @@ from ._freeze import FreezeSchedule
 from ._functional import adam_step_bound, clip_to_adam_step_
 from ._onebit_adam import OnebitAdam, OnebitAdamNaive, adam, onebit_adam
 from ._onebit_lamb import OnebitLamb, lamb, onebit_lamb
+from ._registry import REGISTRY, Spec, make_optimizer
 
 __all__ = [
     "Birder",
@@ -21,8 +22,10 @@ __all__ = [
     "OnebitLamb",
     "OnebitOptimizer",
     "QAdam",
+    "REGISTRY",
     "ReplicaDivergence",
     "SoftSignSGD",
+    "Spec",
     "adam",
     "adam_step_bound",
     "attach",
@@ -31,6 +34,7 @@ __all__ = [
     "from_deepspeed_config",
     "lamb",
     "local_gradient_hook",
+    "make_optimizer",
     "onebit_adam",
     "onebit_lamb",
     "qadam_direction",

@@ -62,6 +62,7 @@ class OneStage:
 
     def __init__(self, wire: Wire) -> None:
         self.wire = wire
+        self.wires = (wire,)
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -163,16 +164,12 @@ class OnebitOptimizer(Optimizer):
         (:class:`~onebit.optim._driver.Driver`). With ``overlap``, ``max_grad_norm`` is refused
         where a stage forms what it sends: the local clip needs every gradient before the first
         bucket leaves."""
-        if overlap and self.max_grad_norm is not None and any(w.formed for w in self._wires()):
+        if overlap and self.max_grad_norm is not None and any(w.formed for w in self._stages.wires):
             raise ValueError(f"Invalid max_grad_norm value with overlap=True: {self.max_grad_norm!r} (the "
                              f"{type(self).__name__} step clips each rank's gradient over all parameters, which the "
                              "first bucket's exchange cannot wait for); use overlap=False to clip")
         self._driver = Driver(self, collective, overlap=overlap, bucket_cap_mb=bucket_cap_mb, alignment=alignment,
                               key=key)
-
-    def _wires(self) -> tuple[Wire, ...]:
-        """Every wire this optimizer's stages may use."""
-        return getattr(self._stages, "wires", (self._stages.wire,))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Only during construction: the fused flat state and the collectives are sized for the

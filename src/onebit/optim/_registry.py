@@ -18,7 +18,7 @@ from ._comp_ams import CompAMS, QAdam
 from ._onebit_adam import OnebitAdam, OnebitAdamNaive
 from ._onebit_lamb import OnebitLamb
 
-__all__ = ["REGISTRY", "Spec", "build", "spec"]
+__all__ = ["REGISTRY", "Spec", "make_optimizer", "spec"]
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ def spec(name: str) -> Spec:
         raise ValueError(f"unknown optimizer {name!r}; available: {', '.join(REGISTRY)}") from None
 
 
-def build(name: str, params: Any, **kwargs: Any) -> OnebitOptimizer:
+def make_optimizer(name: str, params: Any, **kwargs: Any) -> OnebitOptimizer:
     """``REGISTRY[name].cls(params, **REGISTRY[name].kwargs, **kwargs)``."""
     entry = spec(name)
     return entry.cls(params, **{**entry.kwargs, **kwargs})
