@@ -3,8 +3,8 @@
 An algorithm is one contract in three phases (the driver, ``_driver.py``, runs the exchange
 between them, one-shot or bucketed and overlapped with backward):
 
-1. ``_form(i, lo, hi, grad, live, group, step, scratch)``: what goes on the wire for the flat
-   values ``[lo, hi)`` of parameter ``i``, from its gradient and the state as it was; the
+1. ``_form(i, lo, hi, grad, live, group, step, scratch, out)``: what goes on the wire for the
+   flat values ``[lo, hi)`` of parameter ``i``, from its gradient and the state as it was; the
    state is not touched (a bucket may be formed during backward, before the ranks agreed
    that the step is taken). Only stages whose :class:`~onebit.optim._driver.Wire` is
    ``formed`` have one; the others send the gradients themselves.
@@ -189,12 +189,15 @@ class OnebitOptimizer(Optimizer):
 
     # ------------------------------------------------------------------ the contract
     def _form(self, i: int, lo: int, hi: int, grad: Tensor | None, live: bool, group: dict[str, Any], step: int,
-              scratch: Tensor) -> Tensor | None:
-        """Values ``[lo, hi)`` (flat offsets, inside parameter ``i``) of what this rank sends at
-        step ``step``, or None for zeros; the state is left as it is. ``grad``: that block of the
-        parameter's gradient in logical order (None where it has none here); ``live``: the
-        parameter takes its gradient this step, else its state enters as it is; ``group``: its
-        param group; ``scratch``: two rows of ``hi - lo`` fp32 values."""
+              scratch: Tensor, out: Tensor) -> None:
+        """Write into ``out`` the values ``[lo, hi)`` (flat offsets, inside parameter ``i``) of what
+        this rank sends at step ``step``. ``grad``: that block of the parameter's gradient in
+        logical order (None where it has none here); ``live``: the parameter takes its gradient
+        this step, else its state enters as it is; ``group``: its param group; ``scratch``: two
+        rows of ``hi - lo`` fp32 values. ``out`` is ``scratch[0]``, or (the one-shot exchange,
+        after the ranks agreed to step) the block of the landing buffer itself, which may be the
+        state the average replaces: write it last, element by element, and otherwise leave the
+        state as it is."""
         raise NotImplementedError
 
     def _landing(self, wire: Wire) -> Tensor | Callable[[int, int, Tensor], None]:

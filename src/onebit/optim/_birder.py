@@ -233,7 +233,7 @@ class Birder(_SoftSign):
         return self.threshold_step is not None and step > self.threshold_step
 
     def _form(self, i: int, lo: int, hi: int, grad: Tensor | None, live: bool, group: dict[str, Any], step: int,
-              scratch: Tensor) -> Tensor:
+              scratch: Tensor, out: Tensor) -> None:
         """``m' / (b' + eps)`` (lines 5-7) with ``m'``, ``b'`` in scratch; a frozen parameter's
         moments as they are."""
         b = self.flat.buffers
@@ -243,7 +243,7 @@ class Birder(_SoftSign):
             b_abs = ema_(b_abs, None if grad is None else grad.abs(), group["beta"], out=scratch[1])
         if "max_exp_avg_abs" in b and self._use_max(step):
             b_abs = torch.maximum(b["max_exp_avg_abs"][lo:hi], b_abs, out=scratch[1])
-        return torch.div(m, b_abs + self.eps, out=scratch[0])
+        torch.div(m, b_abs + self.eps, out=out)
 
     def _landing(self, wire: Wire) -> Tensor | UpdateByChunks:
         # u_bar applied chunk by chunk as it arrives; in u's own buffer where the exchange needs one

@@ -251,12 +251,13 @@ class QAdam(_GradientExchange):
         self._drive(self._gathers(lambda start, end: quantizer, error_feedback), key="exchange")
 
     def _form(self, i: int, lo: int, hi: int, grad: Tensor | None, live: bool, group: dict[str, Any], step: int,
-              scratch: Tensor) -> Tensor:
+              scratch: Tensor, out: Tensor) -> None:
         b = self.flat.buffers
         m, v = b["exp_avg"][lo:hi], b["exp_avg_sq"][lo:hi]
         if live:
-            return qadam_direction(m, v, grad, betas=group["betas"], eps=self.eps, out=scratch[0], scratch=scratch[1])
-        return torch.div(m, torch.add(v, self.eps, out=scratch[1]).sqrt_(), out=scratch[0])
+            qadam_direction(m, v, grad, betas=group["betas"], eps=self.eps, out=out, scratch=scratch[1])
+        else:
+            torch.div(m, torch.add(v, self.eps, out=scratch[1]).sqrt_(), out=out)
 
     def _apply(self, wire: Wire, average: Tensor | None) -> None:
         """The moments move (each rank's own), then ``x <- x (1 - lr wd) - lr a_bar``."""

@@ -219,10 +219,12 @@ class Driver:
     bucket launched before it starts, so that no block straddles two exchanges; a bucket
     with an empty span sends nothing, its values going with the next one.
 
-    The collective's capabilities decide how a bucket is sent: one that ``reduces_added_input``
-    takes what is formed added into its worker error (no model-sized input buffer) and can
-    hand its average out chunk by chunk; any other gets its input written where the average
-    lands and runs in place, as stages. ``key`` names the collectives' entry in checkpoints.
+    A bucket's input is formed where its average lands and exchanged in place (the
+    collective's ``stages``), except where it must stay out of that buffer -- a bucket formed
+    during backward, before the ranks agreed to step -- or where the average is handed out
+    chunk by chunk: it is then added into the worker error of a collective that
+    ``reduces_added_input`` (no model-sized buffer for either). ``key`` names the
+    collectives' entry in checkpoints.
     """
 
     def __init__(self, opt: OnebitOptimizer, collective: Callable[[int, int], Any] | None, *, overlap: bool,
@@ -345,7 +347,14 @@ class Driver:
         start, end = self.spans[b]
         collective = None if wire.exact else self.collectives[b]
         self._compressed_in_flight |= collective is not None
-        if collective is not None and collective.reduces_added_input:
+        # Added into the collective's worker error where what is formed must stay out of the
+        # landing buffer (a bucket formed during backward, before the ranks agreed to step) or
+        # where the average is handed out chunk by chunk; otherwise formed in place where the
+        # average lands and exchanged there, as the one-shot step does: a pass fewer over the
+        # model, since the collective's fused compression reads x and e together.
+        added = collective is not None and collective.reduces_added_input and (
+            self.buckets is not None or not isinstance(self._landing(wire), Tensor))
+        if added:
             self._form(collective.input_buffer(end - start, opt.flat.device), lo, members, wire, step, live, True)
             collective.start_added()
             self._flights[b] = collective
@@ -378,16 +387,15 @@ class Driver:
             for at in range(first, last, _BLOCK):
                 to = min(at + _BLOCK, last)
                 grad = None if g is None else g[at - first : to - first]
-                x = opt._form(i, at, to, grad, live[i], groups[i], step, scratch[:, : to - at]) if wire.formed \
-                    else grad
                 target = out[at - base : to - base]
+                if not wire.formed:  # the gradients, added
+                    if grad is not None:
+                        target.add_(grad)
+                    continue
+                rows = scratch[:, : to - at]
+                opt._form(i, at, to, grad, live[i], groups[i], step, rows, rows[0] if add else target)
                 if add:
-                    if x is not None:
-                        target.add_(x)
-                elif x is None:
-                    target.zero_()
-                elif x.data_ptr() != target.data_ptr():
-                    target.copy_(x)
+                    target.add_(rows[0])
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -235,10 +235,13 @@ class OnebitAdam(_AdamFamily):
                                       overlap=overlap), overlap=overlap, bucket_cap_mb=bucket_cap_mb)
 
     def _form(self, i: int, lo: int, hi: int, grad: Tensor | None, live: bool, group: dict[str, Any], step: int,
-              scratch: Tensor) -> Tensor:
-        """``m' = beta1 m + (1 - beta1) g`` (line 6) in scratch; a frozen parameter's ``m`` as it is."""
+              scratch: Tensor, out: Tensor) -> None:
+        """``m' = beta1 m + (1 - beta1) g`` (line 6); a frozen parameter's ``m`` as it is."""
         m = self.flat.buffers["exp_avg"][lo:hi]
-        return ema_(m, grad, group["betas"][0], out=scratch[0]) if live else m
+        if live:
+            ema_(m, grad, group["betas"][0], out=out)
+        else:
+            out.copy_(m)
 
     def _landing(self, wire: Wire) -> Tensor:
         # the warm-up averages the gradients; the compressed momentum average replaces m

@@ -268,12 +268,14 @@ class OnebitLamb(OnebitOptimizer):
         return self._driver.collectives[0]
 
     def _form(self, i: int, lo: int, hi: int, grad: Tensor | None, live: bool, group: dict[str, Any], step: int,
-              scratch: Tensor) -> Tensor:
-        """``s_l (beta1 m + (1 - beta1) g)`` (line 6 and A.5.2) in scratch (``s_l m`` for a frozen
-        parameter)."""
+              scratch: Tensor, out: Tensor) -> None:
+        """``s_l (beta1 m + (1 - beta1) g)`` (line 6 and A.5.2); ``s_l m`` for a frozen parameter."""
         m = self.flat.buffers["exp_avg"][lo:hi]
-        x = ema_(m, grad, group["betas"][0], out=scratch[0]) if live else scratch[0].copy_(m)
-        return x.mul_(self.momentum_scale[i])
+        if live:
+            ema_(m, grad, group["betas"][0], out=out)
+        else:
+            out.copy_(m)
+        out.mul_(self.momentum_scale[i])
 
     def _landing(self, wire: Wire) -> Tensor:
         if not wire.formed:
