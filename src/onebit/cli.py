@@ -12,6 +12,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from .bench._analysis import compare_rows, demo_verdict, fmt, ms
+
 __all__ = ["build_parser", "main"]
 
 
@@ -78,14 +80,6 @@ def _table(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value * 1e3:.1f}"
-
-
 def _report(summaries: dict[str, dict], baseline: str | None = "adam") -> str:
     base_bytes = summaries.get(baseline, {}).get("bytes_sent_per_rank") if baseline else None
     rows = [["optimizer", "final loss", "eval loss", "samples/s warmup", "samples/s compressed",
@@ -97,8 +91,8 @@ def _report(summaries: dict[str, dict], baseline: str | None = "adam") -> str:
             name,
             f"{s['final_loss']:.4f}",
             f"{s['eval_loss']:.4f}",
-            _fmt(rates.get("warmup"), ".0f"),
-            _fmt(rates.get("compressed"), ".0f"),
+            fmt(rates.get("warmup"), ".0f"),
+            fmt(rates.get("compressed"), ".0f"),
             f"{sent / 1e6:.2f}",
             f"{base_bytes / sent:.1f}x" if base_bytes and sent else "-",
             str(s["freeze_step"]) if s["freeze_step"] is not None else "-",
@@ -229,37 +223,6 @@ def _demo_link(args: argparse.Namespace) -> str:
             "--bandwidth changes it, --loopback runs without it")
 
 
-def _demo_verdict(summaries: dict[str, dict], args: argparse.Namespace) -> list[str]:
-    """What the demo showed: the measured speed-up, and on loopback the cost model's for real links."""
-    from .bench._model import ModelInput, predict
-
-    adam, onebit = summaries["adam"], summaries["onebit_adam"]
-    adam_step = adam["step_time_s"]["warmup"]
-    compressed = onebit["step_time_s"]["compressed"]
-    lines = [
-        f"1-bit Adam's compressed step: {compressed * 1e3:.1f} ms vs Adam's {adam_step * 1e3:.1f} ms "
-        f"({adam_step / compressed:.2f}x); the whole run {onebit['train_time_s']:.1f} s vs {adam['train_time_s']:.1f} s "
-        f"({adam['train_time_s'] / onebit['train_time_s']:.2f}x), sending "
-        f"{adam['bytes_sent_per_rank'] / onebit['bytes_sent_per_rank']:.1f}x fewer bytes "
-        f"({onebit['eval_loss'] / adam['eval_loss'] - 1:+.1%} held-out loss)"
-    ]
-    if not args.nodes:
-        compute = max(0.0, adam_step - (adam["comm_time_s"]["warmup"] or 0.0))
-        freeze = onebit["freeze_step"] or 0
-        lines.append("Loopback moves gigabytes per second between processes of one machine: the fp32 all-reduce "
-                     "costs about what the compression costs, so no speed-up shows here. The cost model "
-                     f"(`onebit model`) for this model, {args.world_size} nodes, {compute * 1e3:.1f} ms of compute "
-                     "per step as measured:")
-        for bandwidth in (1e9, 10e9):
-            model = ModelInput(params=adam["parameters"], world_size=args.world_size, nodes=args.world_size,
-                               bandwidth=bandwidth, compute=compute, warmup_fraction=min(1.0, freeze / args.steps))
-            pred = {p.optimizer: p for p in predict(model)}
-            a, o = pred["adam"], pred["onebit_adam"]
-            lines.append(f"  {bandwidth / 1e9:g} Gbit/s: Adam {a.step_seconds * 1e3:.1f} ms/step, 1-bit Adam "
-                         f"{o.step_seconds * 1e3:.1f} ms ({o.stage_speedup:.2f}x; whole run {o.end_to_end_speedup:.2f}x)")
-    return lines
-
-
 def _cmd_demo(args: argparse.Namespace) -> int:
     names = ["adam", "onebit_adam"]
     link = _demo_link(args)
@@ -267,7 +230,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
           f"{args.steps} steps, batch {args.batch_size}/rank, {link}")
     summaries = _run_all(args, names)
     print(_report(summaries))
-    for line in _demo_verdict(summaries, args):
+    for line in demo_verdict(summaries, nodes=args.nodes, world_size=args.world_size, steps=args.steps):
         print(line)
     out = Path(args.out)
     with open(out / "summary.json", "w") as f:
@@ -291,92 +254,30 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _time_to_loss(records: list[dict[str, Any]], target: float, window: int = 10) -> float | None:
-    """Training time (step times after the first) until the ``window``-step mean loss first reaches ``target``."""
-    elapsed = 0.0
-    for i, r in enumerate(records):
-        if i:
-            elapsed += r["step_time"]
-        recent = records[max(0, i - window + 1) : i + 1]
-        if len(recent) == window and sum(x["loss"] for x in recent) / window <= target:
-            return elapsed
-    return None
-
-
-def _compare_rows(summaries: dict[str, dict], baseline: str, args: argparse.Namespace) -> tuple[list[list[str]], str]:
-    from .bench._model import ModelInput, predict
-    from .bench._runs import NO_COMMUNICATION
-
-    base = summaries[baseline]
-    base_step = base["step_time_s"].get("warmup") or next(iter(base["step_time_s"].values()))
-    base_comm = base["comm_time_s"].get("warmup") or 0.0
-    compute = max(0.0, base_step - base_comm)
-    note = (f"{baseline}: {base_step * 1e3:.1f} ms/step, of which {base_comm * 1e3:.1f} ms "
-            f"({100 * base_comm / base_step:.0f}%) in its collectives")
-    predictions: dict[str, Any] = {}
-    if args.nodes:
-        freeze = base["config"]["freeze_step"]
-        warm = freeze / args.steps if isinstance(freeze, int) else 0.15
-        model = ModelInput(params=base["parameters"], world_size=args.world_size, nodes=args.nodes,
-                           bandwidth=args.bandwidth, latency=args.latency, compute=compute,
-                           warmup_fraction=min(1.0, warm), topk_ratio=min(args.topk_ratio, 1.0))
-        predictions = {p.optimizer: p for p in predict(model)}
-    # What users run (DDP's overlapped fp32 all-reduce) and the compute floor (no communication),
-    # when they ran in the same comparison: each optimizer's last stage against them.
-    def step_of(name: str) -> float | None:
-        steps = summaries[name]["step_time_s"] if name in summaries else {}
-        return steps.get("compressed") or steps.get("warmup")
-
-    ddp, floor = step_of("ddp_allreduce"), step_of(NO_COMMUNICATION)
-    rows = [["optimizer", "eval loss", "gap", "ms/step warmup", "ms/step compressed", "stage speedup",
-             "vs DDP", "vs no-comm floor", "overlap", "end-to-end", "to baseline loss", "MB/rank", "reduction",
-             "freeze", "model: stage", "model: end-to-end"]]
-    runs = {}
-    for name in summaries:
-        with open(Path(args.out) / name / "metrics.jsonl") as f:
-            runs[name] = [json.loads(line) for line in f]
-    target = summaries[baseline]["final_loss"]
-    for name, s in summaries.items():
-        reach = _time_to_loss(runs[name], target)
-        steps = s["step_time_s"]
-        stage_time = steps.get("compressed") or steps.get("warmup")
-        key = "birder_hierarchical" if name == "birder" and args.hierarchical else name
-        pred = predictions.get(key)
-        sent = s["bytes_sent_per_rank"]
-        overlap = s.get("overlap", {})
-        rows.append([
-            name,
-            f"{s['eval_loss']:.4f}",
-            f"{100 * (s['eval_loss'] / base['eval_loss'] - 1):+.1f}%",
-            _ms(steps.get("warmup")),
-            _ms(steps.get("compressed")),
-            f"{base_step / stage_time:.2f}x",
-            f"{ddp / stage_time:.2f}x" if ddp else "-",
-            f"{stage_time / floor:.2f}x" if floor else "-",
-            _fmt(overlap.get("compressed", overlap.get("warmup")), ".0%"),
-            f"{base['train_time_s'] / s['train_time_s']:.2f}x" if s["train_time_s"] else "-",
-            f"{base['train_time_s'] / reach:.2f}x" if reach else "never",
-            f"{sent / 1e6:.1f}",
-            f"{base['bytes_sent_per_rank'] / sent:.1f}x" if sent else "-",
-            str(s["freeze_step"]) if s["freeze_step"] is not None else "-",
-            f"{pred.stage_speedup:.2f}x" if pred else "-",
-            f"{pred.end_to_end_speedup:.2f}x" if pred else "-",
-        ])
-    return rows, note
-
-
 def _cmd_compare(args: argparse.Namespace) -> int:
+    from .bench._model import ModelInput
     from .bench._train import OPTIMIZERS
 
     names = list(_names(args.optimizers, OPTIMIZERS, "--optimizers"))
     if args.baseline not in names:
         names.insert(0, args.baseline)
     summaries = _run_all(args, names)
-    rows, note = _compare_rows(summaries, args.baseline, args)
+    out = Path(args.out)
+    runs = {}
+    for name in summaries:
+        with open(out / name / "metrics.jsonl") as f:
+            runs[name] = [json.loads(line) for line in f]
+    model = None
+    if args.nodes:  # the cost model for the emulated cluster (compute: the baseline's, set by compare_rows)
+        freeze = summaries[args.baseline]["config"]["freeze_step"]
+        warm = freeze / args.steps if isinstance(freeze, int) else 0.15
+        model = ModelInput(params=summaries[args.baseline]["parameters"], world_size=args.world_size,
+                           nodes=args.nodes, bandwidth=args.bandwidth, latency=args.latency, compute=0.0,
+                           warmup_fraction=min(1.0, warm), topk_ratio=min(args.topk_ratio, 1.0))
+    rows, note = compare_rows(summaries, runs, args.baseline, model, hierarchical=args.hierarchical)
     text = _table(rows)
     print(note)
     print(text)
-    out = Path(args.out)
     (out / "table.txt").write_text(note + "\n" + text + "\n")
     with open(out / "summary.json", "w") as f:
         json.dump(summaries, f, indent=2)
@@ -414,8 +315,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             world = results[0].world_size
             rows = [["collective", "ms", "bytes sent/rank", "inter-node bytes/rank", "vs fp32 all_reduce",
                      "wire-limited ideal ms", "vs ideal"]]
-            rows += [[r.collective, f"{r.seconds * 1e3:.1f}", str(r.bytes_sent), _fmt(r.inter_node_bytes, "d"),
-                      f"{r.vs_fp32:.2f}x", _ms(r.ideal_seconds),
+            rows += [[r.collective, f"{r.seconds * 1e3:.1f}", str(r.bytes_sent), fmt(r.inter_node_bytes, "d"),
+                      f"{r.vs_fp32:.2f}x", ms(r.ideal_seconds),
                       f"{r.seconds / r.ideal_seconds:.2f}x" if r.ideal_seconds else "-"] for r in results]
             print(f"onebit bench comm: {numel} fp32 values, {world} ranks ({args.backend}), median of {args.repeat}")
             print(_table(rows))
@@ -492,7 +393,7 @@ def _bench_memory(args: argparse.Namespace) -> int:
     rows = [["optimizer", "world size", "stage", "held", "footprint", "held - footprint", "peak during steps",
              "CUDA peak"]]
     rows += [[r.optimizer, str(r.world_size), r.stage, f"{r.held:.3f}", f"{r.footprint:.3f}",
-              f"{r.held - r.footprint:+.3f}", _fmt(r.peak, ".2f"), _fmt(r.cuda_peak, ".2f")] for r in results]
+              f"{r.held - r.footprint:+.3f}", fmt(r.peak, ".2f"), fmt(r.cuda_peak, ".2f")] for r in results]
     text = _table(rows)
     print(text)
     over = [r for r in results if r.held > r.footprint + WIRE_ALLOWANCE]

@@ -1,0 +1,116 @@
+"""What the ``onebit`` command reports, computed from the runs' summaries and metrics: the
+comparison table, the demo's verdict, time to a target loss. ``cli.py`` parses and prints."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from ._model import ModelInput, predict
+from ._runs import NO_COMMUNICATION
+
+__all__ = ["compare_rows", "demo_verdict", "fmt", "ms", "time_to_loss"]
+
+
+def fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1e3:.1f}"
+
+
+def demo_verdict(summaries: dict[str, dict], *, nodes: int | None, world_size: int, steps: int) -> list[str]:
+    """What ``onebit demo`` showed: the measured speed-up of 1-bit Adam over Adam, and without an
+    emulated cluster (``nodes`` None: loopback) the cost model's for real links."""
+    adam, onebit = summaries["adam"], summaries["onebit_adam"]
+    adam_step = adam["step_time_s"]["warmup"]
+    compressed = onebit["step_time_s"]["compressed"]
+    lines = [
+        f"1-bit Adam's compressed step: {compressed * 1e3:.1f} ms vs Adam's {adam_step * 1e3:.1f} ms "
+        f"({adam_step / compressed:.2f}x); the whole run {onebit['train_time_s']:.1f} s vs {adam['train_time_s']:.1f} s "
+        f"({adam['train_time_s'] / onebit['train_time_s']:.2f}x), sending "
+        f"{adam['bytes_sent_per_rank'] / onebit['bytes_sent_per_rank']:.1f}x fewer bytes "
+        f"({onebit['eval_loss'] / adam['eval_loss'] - 1:+.1%} held-out loss)"
+    ]
+    if not nodes:
+        compute = max(0.0, adam_step - (adam["comm_time_s"]["warmup"] or 0.0))
+        freeze = onebit["freeze_step"] or 0
+        lines.append("Loopback moves gigabytes per second between processes of one machine: the fp32 all-reduce "
+                     "costs about what the compression costs, so no speed-up shows here. The cost model "
+                     f"(`onebit model`) for this model, {world_size} nodes, {compute * 1e3:.1f} ms of compute "
+                     "per step as measured:")
+        for bandwidth in (1e9, 10e9):
+            model = ModelInput(params=adam["parameters"], world_size=world_size, nodes=world_size,
+                               bandwidth=bandwidth, compute=compute, warmup_fraction=min(1.0, freeze / steps))
+            pred = {p.optimizer: p for p in predict(model)}
+            a, o = pred["adam"], pred["onebit_adam"]
+            lines.append(f"  {bandwidth / 1e9:g} Gbit/s: Adam {a.step_seconds * 1e3:.1f} ms/step, 1-bit Adam "
+                         f"{o.step_seconds * 1e3:.1f} ms ({o.stage_speedup:.2f}x; whole run {o.end_to_end_speedup:.2f}x)")
+    return lines
+
+
+def time_to_loss(records: list[dict[str, Any]], target: float, window: int = 10) -> float | None:
+    """Training time (step times after the first) until the ``window``-step mean loss first reaches ``target``."""
+    elapsed = 0.0
+    for i, r in enumerate(records):
+        if i:
+            elapsed += r["step_time"]
+        recent = records[max(0, i - window + 1) : i + 1]
+        if len(recent) == window and sum(x["loss"] for x in recent) / window <= target:
+            return elapsed
+    return None
+
+
+def compare_rows(summaries: dict[str, dict], runs: dict[str, list[dict[str, Any]]], baseline: str,
+                 model: ModelInput | None, *, hierarchical: bool = False) -> tuple[list[list[str]], str]:
+    """The table of ``onebit compare`` (a header row, then one row per optimizer) and a note on
+    the baseline: each run's loss, step times, speed-ups against the baseline, DDP and the
+    no-communication floor, time to the baseline's final loss, bytes, and with ``model`` (the
+    emulated cluster's parameters) the cost model's prediction. ``runs``: each optimizer's
+    ``metrics.jsonl`` records; the model's ``compute`` is taken from the baseline's step."""
+    base = summaries[baseline]
+    base_step = base["step_time_s"].get("warmup") or next(iter(base["step_time_s"].values()))
+    base_comm = base["comm_time_s"].get("warmup") or 0.0
+    compute = max(0.0, base_step - base_comm)
+    note = (f"{baseline}: {base_step * 1e3:.1f} ms/step, of which {base_comm * 1e3:.1f} ms "
+            f"({100 * base_comm / base_step:.0f}%) in its collectives")
+    predictions = {} if model is None else {p.optimizer: p for p in predict(replace(model, compute=compute))}
+    # What users run (DDP's overlapped fp32 all-reduce) and the compute floor (no communication),
+    # when they ran in the same comparison: each optimizer's last stage against them.
+    def step_of(name: str) -> float | None:
+        steps = summaries[name]["step_time_s"] if name in summaries else {}
+        return steps.get("compressed") or steps.get("warmup")
+
+    ddp, floor = step_of("ddp_allreduce"), step_of(NO_COMMUNICATION)
+    rows = [["optimizer", "eval loss", "gap", "ms/step warmup", "ms/step compressed", "stage speedup",
+             "vs DDP", "vs no-comm floor", "overlap", "end-to-end", "to baseline loss", "MB/rank", "reduction",
+             "freeze", "model: stage", "model: end-to-end"]]
+    target = summaries[baseline]["final_loss"]
+    for name, s in summaries.items():
+        reach = time_to_loss(runs[name], target)
+        steps = s["step_time_s"]
+        stage_time = steps.get("compressed") or steps.get("warmup")
+        key = "birder_hierarchical" if name == "birder" and hierarchical else name
+        pred = predictions.get(key)
+        sent = s["bytes_sent_per_rank"]
+        overlap = s.get("overlap", {})
+        rows.append([
+            name,
+            f"{s['eval_loss']:.4f}",
+            f"{100 * (s['eval_loss'] / base['eval_loss'] - 1):+.1f}%",
+            ms(steps.get("warmup")),
+            ms(steps.get("compressed")),
+            f"{base_step / stage_time:.2f}x",
+            f"{ddp / stage_time:.2f}x" if ddp else "-",
+            f"{stage_time / floor:.2f}x" if floor else "-",
+            fmt(overlap.get("compressed", overlap.get("warmup")), ".0%"),
+            f"{base['train_time_s'] / s['train_time_s']:.2f}x" if s["train_time_s"] else "-",
+            f"{base['train_time_s'] / reach:.2f}x" if reach else "never",
+            f"{sent / 1e6:.1f}",
+            f"{base['bytes_sent_per_rank'] / sent:.1f}x" if sent else "-",
+            str(s["freeze_step"]) if s["freeze_step"] is not None else "-",
+            f"{pred.stage_speedup:.2f}x" if pred else "-",
+            f"{pred.end_to_end_speedup:.2f}x" if pred else "-",
+        ])
+    return rows, note
