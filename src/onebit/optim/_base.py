@@ -3,10 +3,10 @@
 An algorithm is one contract in three phases (the driver, ``_driver.py``, runs the exchange
 between them, one-shot or bucketed and overlapped with backward):
 
-1. ``_form(i, lo, hi, grad, live, group, step, scratch, out)``: what goes on the wire for the
-   flat values ``[lo, hi)`` of parameter ``i``, from its gradient and the state as it was; the
-   state is not touched (a bucket may be formed during backward, before the ranks agreed
-   that the step is taken). Only stages whose :class:`~onebit.optim._driver.Wire` is
+1. ``_form(i, lo, hi, grad, live, group, step, scratch, out, agreed)``: what goes on the wire
+   for the flat values ``[lo, hi)`` of parameter ``i``, from its gradient and the state as it
+   was; the state is not touched where the step is not yet ``agreed`` (a bucket formed during
+   backward, before the ranks agreed that the step is taken). Only stages whose :class:`~onebit.optim._driver.Wire` is
    ``formed`` have one; the others send the gradients themselves.
 2. The exchange: the exact fp32 mean, or the collectives made by the ``collective`` factory
    handed to :meth:`OnebitOptimizer._drive`.
@@ -189,15 +189,17 @@ class OnebitOptimizer(Optimizer):
 
     # ------------------------------------------------------------------ the contract
     def _form(self, i: int, lo: int, hi: int, grad: Tensor | None, live: bool, group: dict[str, Any], step: int,
-              scratch: Tensor, out: Tensor) -> None:
+              scratch: Tensor, out: Tensor, agreed: bool) -> None:
         """Write into ``out`` the values ``[lo, hi)`` (flat offsets, inside parameter ``i``) of what
         this rank sends at step ``step``. ``grad``: that block of the parameter's gradient in
         logical order (None where it has none here); ``live``: the parameter takes its gradient
         this step, else its state enters as it is; ``group``: its param group; ``scratch``: two
-        rows of ``hi - lo`` fp32 values. ``out`` is ``scratch[0]``, or (the one-shot exchange,
-        after the ranks agreed to step) the block of the landing buffer itself, which may be the
-        state the average replaces: write it last, element by element, and otherwise leave the
-        state as it is."""
+        rows of ``hi - lo`` fp32 values. ``out`` is ``scratch[0]``, or (the one-shot exchange)
+        the block of the landing buffer itself, which may be the state the average replaces:
+        write it last, element by element. ``agreed``: every rank agreed to take this step (the
+        one-shot exchange, launched in ``step()``); the state may then move here, once, where
+        ``_apply`` would only repeat the work -- otherwise (a bucket formed during backward) it
+        must stay as it is."""
         raise NotImplementedError
 
     def _landing(self, wire: Wire) -> Tensor | Callable[[int, int, Tensor], None]:

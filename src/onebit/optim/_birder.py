@@ -209,6 +209,7 @@ class Birder(_SoftSign):
         self.seed = seed
         self.threshold_step = threshold_step
         self._flat_names = ("exp_avg", "exp_avg_abs") + (("max_exp_avg_abs",) if threshold_step is not None else ())
+        self._moved = False  # the moments of the step being taken moved in _form
         self._stages = OneStage(COMPRESSED_FORMED)
         self._init_soft_sign(params, lr=lr, beta=beta, eps=eps, weight_decay=weight_decay, group=group,
                              options=options)
@@ -233,16 +234,22 @@ class Birder(_SoftSign):
         return self.threshold_step is not None and step > self.threshold_step
 
     def _form(self, i: int, lo: int, hi: int, grad: Tensor | None, live: bool, group: dict[str, Any], step: int,
-              scratch: Tensor, out: Tensor) -> None:
-        """``m' / (b' + eps)`` (lines 5-7) with ``m'``, ``b'`` in scratch; a frozen parameter's
-        moments as they are."""
+              scratch: Tensor, out: Tensor, agreed: bool) -> None:
+        """``m / (b + eps)`` after lines 5-7. In the agreed step the moments move here, in place
+        (``_apply`` then leaves them); in a bucket formed during backward, ``m'``, ``b'`` are
+        formed in scratch and ``_apply`` moves the moments once the step is agreed."""
         b = self.flat.buffers
         m, b_abs = b["exp_avg"][lo:hi], b["exp_avg_abs"][lo:hi]
         if live:
-            m = ema_(m, grad, group["beta"], out=scratch[0])
-            b_abs = ema_(b_abs, None if grad is None else grad.abs(), group["beta"], out=scratch[1])
-        if "max_exp_avg_abs" in b and self._use_max(step):
-            b_abs = torch.maximum(b["max_exp_avg_abs"][lo:hi], b_abs, out=scratch[1])
+            m = ema_(m, grad, group["beta"], out=None if agreed else scratch[0])
+            b_abs = ema_(b_abs, None if grad is None else grad.abs(), group["beta"], out=None if agreed else scratch[1])
+        if "max_exp_avg_abs" in b:
+            b_max = b["max_exp_avg_abs"][lo:hi]
+            if agreed:
+                b_abs = torch.maximum(b_max, b_abs, out=b_max) if self._use_max(step) else b_max.copy_(b_abs)
+            elif self._use_max(step):
+                b_abs = torch.maximum(b_max, b_abs, out=scratch[1])
+        self._moved = agreed
         torch.div(m, b_abs + self.eps, out=out)
 
     def _landing(self, wire: Wire) -> Tensor | UpdateByChunks:
@@ -250,9 +257,13 @@ class Birder(_SoftSign):
         return self._update() if self._send is None else self._send
 
     def _apply(self, wire: Wire, average: Tensor | None) -> None:
-        """Line 16 where ``u_bar`` landed in a buffer, then lines 5-7: the moments move."""
+        """Line 16 where ``u_bar`` landed in a buffer; then lines 5-7, the moments move, unless
+        ``_form`` moved them in the agreed step."""
         if average is not None:
             self._update()(0, average.numel(), average)
+        if self._moved:
+            self._moved = False
+            return
         b = self.flat.buffers
         soft_sign_moments(self.flat.offsets, grads=self._local_grads(), active=self._active,
                           exp_avg=b["exp_avg"], exp_avg_abs=b["exp_avg_abs"],

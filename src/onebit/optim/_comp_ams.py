@@ -66,16 +66,16 @@ def comp_ams(
 
 
 def qadam_direction(m: Tensor, v: Tensor, grad: Tensor | None, *, betas: tuple[float, float], eps: float,
-                    out: Tensor, scratch: Tensor) -> Tensor:
-    """Algorithm 4, one block: the moments ``m' = b1 m + (1-b1) g``, ``v' = b2 v + (1-b2) g^2``
-    (``grad=None``: a zero gradient), then ``a = m' / sqrt(v' + eps)`` in ``out``; ``m`` and ``v``
-    are left as they are (``scratch``: a row of their size)."""
+                    out: Tensor) -> Tensor:
+    """Algorithm 4, one block of a rank's own state: the moments ``m <- b1 m + (1-b1) g``,
+    ``v <- b2 v + (1-b2) g^2`` in place (``grad=None``: a zero gradient), then what it sends,
+    ``a = m / sqrt(v + eps)``, in ``out``."""
     b1, b2 = betas
-    m = ema_(m, grad, b1, out=out)
-    v = torch.mul(v, b2, out=scratch)
+    ema_(m, grad, b1)
+    v.mul_(b2)
     if grad is not None:
         v.addcmul_(grad, grad, value=1.0 - b2)
-    return torch.div(m, torch.add(v, eps, out=scratch).sqrt_(), out=out)
+    return torch.div(m, torch.add(v, eps, out=out).sqrt_(), out=out)
 
 
 def _check_common(lr: float, betas: object, eps: float, weight_decay: float, error_feedback: object) -> None:
@@ -251,25 +251,18 @@ class QAdam(_GradientExchange):
         self._drive(self._gathers(lambda start, end: quantizer, error_feedback), key="exchange")
 
     def _form(self, i: int, lo: int, hi: int, grad: Tensor | None, live: bool, group: dict[str, Any], step: int,
-              scratch: Tensor, out: Tensor) -> None:
+              scratch: Tensor, out: Tensor, agreed: bool) -> None:
+        """``a = m / sqrt(v + eps)`` after the moments move (QAdam has no overlap: its exchange is
+        always launched in the agreed step, and its moments move here)."""
         b = self.flat.buffers
         m, v = b["exp_avg"][lo:hi], b["exp_avg_sq"][lo:hi]
         if live:
-            qadam_direction(m, v, grad, betas=group["betas"], eps=self.eps, out=out, scratch=scratch[1])
+            qadam_direction(m, v, grad, betas=group["betas"], eps=self.eps, out=out)
         else:
-            torch.div(m, torch.add(v, self.eps, out=scratch[1]).sqrt_(), out=out)
+            torch.div(m, torch.add(v, self.eps, out=out).sqrt_(), out=out)
 
     def _apply(self, wire: Wire, average: Tensor | None) -> None:
-        """The moments move (each rank's own), then ``x <- x (1 - lr wd) - lr a_bar``."""
-        m_all, v_all = self.flat.buffers["exp_avg"], self.flat.buffers["exp_avg_sq"]
-        for (lo, hi), g, (b1, b2), on in zip(self.flat.offsets, self._local_grads(), self._hyper("betas"),
-                                             self._active):
-            if not on:
-                continue
-            ema_(m_all[lo:hi], g, b1)
-            v = v_all[lo:hi].mul_(b2)
-            if g is not None:
-                v.view(g.shape).addcmul_(g, g, value=1.0 - b2)
+        """``x <- x (1 - lr wd) - lr a_bar``."""
         for p, (lo, hi), lr, wd, on in zip(self.flat.params, self.flat.offsets, self._hyper("lr"),
                                            self._hyper("weight_decay"), self._active):
             if on:

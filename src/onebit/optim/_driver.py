@@ -88,7 +88,7 @@ class Buckets:
     """The hooks and bookkeeping of the overlapped exchange of one optimizer.
 
     ``launch(b)`` starts bucket ``b``'s exchange (called once per step for every bucket, in
-    order); the optimizer finishes them in ``step()``. Of the last step: the number of buckets
+    order); the driver finishes them in ``step()``. Of the last step: the number of buckets
     ``launched_in_backward``, and ``overlap``, the fraction of the exchange's wall time (first
     launch to the last bucket finished) that passed before ``step()`` began, i.e. alongside
     backward.
@@ -282,7 +282,7 @@ class Driver:
         if self.buckets is None:
             if wire.formed:
                 opt._clip_local_grads()
-            self._launch(0, step, opt._active)
+            self._launch(0, step, opt._active, agreed=True)
         land = self._landing(wire)
         for c in self._flights:  # every all-gather in flight before waiting on one
             if c is not None and not isinstance(c, tuple):
@@ -336,12 +336,14 @@ class Driver:
     # ------------------------------------------------------------------ a bucket
     def _launch_in_backward(self, b: int) -> None:
         params = self.opt.flat.params
-        self._launch(b, self.opt._step_count + 1, [p.requires_grad or p.grad is not None for p in params])
+        self._launch(b, self.opt._step_count + 1, [p.requires_grad or p.grad is not None for p in params],
+                     agreed=False)
 
-    def _launch(self, b: int, step: int, live: Sequence[bool]) -> None:
+    def _launch(self, b: int, step: int, live: Sequence[bool], *, agreed: bool) -> None:
         """Form bucket ``b``'s input for step ``step`` and start its exchange. ``live[i]``: parameter
         ``i`` takes a gradient this step (one-shot: some rank has one; during backward: it is
-        trainable or has one here); the others' state enters as it is."""
+        trainable or has one here); the others' state enters as it is. ``agreed``: launched in
+        ``step()``, once every rank agreed to take it."""
         opt, wire = self.opt, self.opt._stages.wire
         lo, hi, members = self.bounds[b]
         start, end = self.spans[b]
@@ -355,12 +357,13 @@ class Driver:
         added = collective is not None and collective.reduces_added_input and (
             self.buckets is not None or not isinstance(self._landing(wire), Tensor))
         if added:
-            self._form(collective.input_buffer(end - start, opt.flat.device), lo, members, wire, step, live, True)
+            self._form(collective.input_buffer(end - start, opt.flat.device), lo, members, wire, step, live, agreed,
+                       add=True)
             collective.start_added()
             self._flights[b] = collective
             return
         land = self._landing(wire)
-        self._form(land[lo:hi], lo, members, wire, step, live, False)
+        self._form(land[lo:hi], lo, members, wire, step, live, agreed, add=False)
         if wire.exact:
             stages = _waited(comm.all_reduce_mean(land[lo:hi], opt.process_group, opt.timeout, async_op=True))
         elif collective is None:  # no whole block in this bucket: its values go with the next one
@@ -370,7 +373,7 @@ class Driver:
         self._flights[b] = (stages, next(stages))
 
     def _form(self, out: Tensor, base: int, members: Sequence[int], wire: Wire, step: int, live: Sequence[bool],
-              add: bool) -> None:
+              agreed: bool, *, add: bool) -> None:
         """What parameters ``members`` send, written (``add``: added) into ``out`` from flat
         offset ``base`` on: their gradients (zeros where missing), or the optimizer's
         ``_form`` block by block, in the parameters' logical order."""
@@ -393,7 +396,7 @@ class Driver:
                         target.add_(grad)
                     continue
                 rows = scratch[:, : to - at]
-                opt._form(i, at, to, grad, live[i], groups[i], step, rows, rows[0] if add else target)
+                opt._form(i, at, to, grad, live[i], groups[i], step, rows, rows[0] if add else target, agreed)
                 if add:
                     target.add_(rows[0])
 

@@ -235,7 +235,7 @@ class OnebitAdam(_AdamFamily):
                                       overlap=overlap), overlap=overlap, bucket_cap_mb=bucket_cap_mb)
 
     def _form(self, i: int, lo: int, hi: int, grad: Tensor | None, live: bool, group: dict[str, Any], step: int,
-              scratch: Tensor, out: Tensor) -> None:
+              scratch: Tensor, out: Tensor, agreed: bool) -> None:
         """``m' = beta1 m + (1 - beta1) g`` (line 6); a frozen parameter's ``m`` as it is."""
         m = self.flat.buffers["exp_avg"][lo:hi]
         if live:

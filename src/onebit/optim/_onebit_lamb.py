@@ -268,7 +268,7 @@ class OnebitLamb(OnebitOptimizer):
         return self._driver.collectives[0]
 
     def _form(self, i: int, lo: int, hi: int, grad: Tensor | None, live: bool, group: dict[str, Any], step: int,
-              scratch: Tensor, out: Tensor) -> None:
+              scratch: Tensor, out: Tensor, agreed: bool) -> None:
         """``s_l (beta1 m + (1 - beta1) g)`` (line 6 and A.5.2); ``s_l m`` for a frozen parameter."""
         m = self.flat.buffers["exp_avg"][lo:hi]
         if live:
