@@ -11,7 +11,7 @@ between them, one-shot or bucketed and overlapped with backward):
 2. The exchange: the exact fp32 mean, or the collectives made by the ``collective`` factory
    handed to :meth:`OnebitOptimizer._drive`.
 3. ``_landing(wire)``: where the average lands -- a flat buffer, or a callable that takes it
-   chunk by chunk -- and ``_apply(wire, average)``: the step, the only place state moves.
+   chunk by chunk -- and ``_apply(wire, average)``: the step, where the state moves.
 
 The stages and the state layout are declared: ``_stages`` (:class:`OneStage` or
 :class:`~onebit.optim._freeze.TwoStages`), each with its wire, and ``_flat_names``, the

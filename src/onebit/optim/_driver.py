@@ -3,10 +3,10 @@
 Every optimizer is one contract in three phases (:class:`~onebit.optim.OnebitOptimizer`):
 
 1. **form** (``_form``): what goes on the wire for a block of the flat layout, from the
-   gradients and the state as it was -- the state itself is not touched;
+   gradients and the state as it was -- the state is not touched before every rank agreed to
+   take the step (the one-shot exchange may move it there, where ``_apply`` would repeat it);
 2. **the exchange**: a collective from :mod:`onebit.comm`, run by :class:`Driver`;
-3. **apply** (``_apply``): the average lands (``_landing``) and the state moves -- the only
-   place it does.
+3. **apply** (``_apply``): the average lands (``_landing``) and the state moves.
 
 Each stage declares its :class:`Wire` -- what is sent (the gradients themselves, or what
 ``_form`` makes) and how (the exact fp32 mean, or the optimizer's compressed collective) --
