@@ -36,6 +36,7 @@ __all__ = [
     "all_gather_object_sizes",
     "all_reduce_max",
     "all_reduce_mean",
+    "all_reduce_mean_stages",
     "all_to_all_bytes",
     "backend_of",
     "barrier",
@@ -360,6 +361,15 @@ def all_reduce_mean(tensor: Tensor, group: Group = None, timeout: float | timede
                      lambda summed: summed.div_(world))
     record("all_reduce", 2 * (world - 1) * tensor.numel() * tensor.element_size() // world, link)
     return _finish(pending, async_op)
+
+
+def all_reduce_mean_stages(tensor: Tensor, group: Group = None,
+                           timeout: float | timedelta | None = None) -> Stages:
+    """:func:`all_reduce_mean` of ``tensor`` in place, as stages (see :func:`run_stages`): the
+    first ``next()`` starts it and yields its :class:`Pending`; the result is ``tensor``."""
+    inflight = all_reduce_mean(tensor, group, timeout, async_op=True)
+    yield inflight
+    return inflight.wait()
 
 
 def all_reduce_max(tensor: Tensor, group: Group = None, timeout: float | timedelta | None = None) -> Tensor:

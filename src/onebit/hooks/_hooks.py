@@ -173,9 +173,7 @@ class _HookState:
 
     def _mean(self, grad: Tensor) -> Stages:
         """The exact fp32 average of ``grad``, in place, as stages."""
-        inflight = comm.all_reduce_mean(grad, self.process_group, self.timeout, async_op=True)
-        yield inflight
-        return inflight.wait()
+        return comm.all_reduce_mean_stages(grad, self.process_group, self.timeout)
 
     def _schedule(self, bucket: dist.GradBucket, entry: dict[str, Any] | None,
                   stages: Stages) -> torch.futures.Future[Tensor]:

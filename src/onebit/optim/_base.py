@@ -59,6 +59,7 @@ class OneStage:
     """The stages of an optimizer with one wire for every step (no warm-up)."""
 
     frozen_at = None
+    schedule = None  # no warm-up to end
 
     def __init__(self, wire: Wire) -> None:
         self.wire = wire
@@ -185,7 +186,7 @@ class OnebitOptimizer(Optimizer):
     @property
     def freeze(self) -> Any:
         """The :class:`onebit.optim.FreezeSchedule` that ends the warm-up (None without one)."""
-        return getattr(self._stages, "schedule", None)
+        return self._stages.schedule
 
     # ------------------------------------------------------------------ the contract
     def _form(self, i: int, lo: int, hi: int, grad: Tensor | None, live: bool, group: dict[str, Any], step: int,

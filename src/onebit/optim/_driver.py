@@ -202,12 +202,6 @@ COMPRESSED_FORMED = Wire("compressed", formed=True, exact=False)
 Consume = Callable[[int, int, Tensor], None]
 
 
-def _waited(pending: comm.Pending) -> comm.Stages:
-    """A collective already in flight, as stages (its result the last)."""
-    yield pending
-    return pending.wait()
-
-
 class Driver:
     """Runs an optimizer's exchange, step after step (see the module docstring).
 
@@ -365,7 +359,7 @@ class Driver:
         land = self._landing(wire)
         self._form(land[lo:hi], lo, members, wire, step, live, agreed, add=False)
         if wire.exact:
-            stages = _waited(comm.all_reduce_mean(land[lo:hi], opt.process_group, opt.timeout, async_op=True))
+            stages = comm.all_reduce_mean_stages(land[lo:hi], opt.process_group, opt.timeout)
         elif collective is None:  # no whole block in this bucket: its values go with the next one
             return
         else:
