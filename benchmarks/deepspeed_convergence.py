@@ -1,4 +1,4 @@
-"""DeepSpeed 0.19.6's OneBitAdam / OneBitLamb on the tasks of ``onebit bench convergence``.
+"""DeepSpeed 0.19.6's OneBitAdam / OneBitLamb / ZeroOneAdam on the tasks of ``onebit bench convergence``.
 
 Same model, initial weights, per-rank data shards, batches and held-out batches as onebit's
 matrix (``onebit.bench._convergence``), so the two are comparable cell by cell. Run it in
@@ -39,19 +39,22 @@ import deepspeed.comm as dist  # noqa: E402
 from ds_cpu import apply_cpu_patches  # noqa: E402
 
 from onebit.bench._convergence import FAMILIES, ConvergenceTask, measure_training  # noqa: E402
+from onebit.optim import REGISTRY  # noqa: E402
 
 apply_cpu_patches()
 deepspeed.init_distributed(dist_backend="gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 task = ConvergenceTask(args.task, rank, world)
-family = {"OneBitAdam": "adamw", "OneBitLamb": "lamb"}
+family = {"OneBitAdam": "adamw", "OneBitLamb": "lamb", "ZeroOneAdam": "adamw"}
 freeze = max(1, round(args.freeze_fraction * args.steps))
 
 for name in args.optimizers.split(","):
     for lr in FAMILIES[family[name]][0]:
         torch.manual_seed(args.seed)
         model = task.model()
-        params = {"lr": lr, "freeze_step": freeze, "cuda_aware": False, "comm_backend_name": "compressed"}
+        # 0/1 Adam: the schedule onebit's matrix gives it (REGISTRY["zero_one_adam"].freeze)
+        stages = REGISTRY["zero_one_adam"].freeze(freeze) if name == "ZeroOneAdam" else {"freeze_step": freeze}
+        params = {"lr": lr, **stages, "cuda_aware": False, "comm_backend_name": "compressed"}
         cfg = {"train_micro_batch_size_per_gpu": args.batch_size, "optimizer": {"type": name, "params": params},
                "steps_per_print": 10**9}
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)

@@ -11,7 +11,8 @@ warm-up, onebit's optimizer does both itself. Run each side with its own environ
         benchmarks/deepspeed_migration.py --side onebit --config ... (same flags)
 
 DeepSpeed's first ``step()`` only initialises its buffers, so its runs make one update fewer;
-``--skip-first-step`` makes onebit's run do the same, for a step-by-step comparison.
+``--skip-first-step`` makes onebit's run do the same, for a step-by-step comparison (0/1 Adam's
+schedule then counts the skipped step too, as DeepSpeed's counter does: ``offset=1``).
 One JSON object per run is printed and appended to ``--out``.
 """
 
@@ -27,7 +28,8 @@ import torch
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--side", choices=("deepspeed", "onebit"), required=True)
-parser.add_argument("--config", required=True, help="a DeepSpeed JSON config with a OneBitAdam/OneBitLamb block")
+parser.add_argument("--config", required=True,
+                    help="a DeepSpeed JSON config with a OneBitAdam/OneBitLamb/ZeroOneAdam block")
 parser.add_argument("--task", default="byte_mlp")
 parser.add_argument("--steps", type=int, default=300)
 parser.add_argument("--seed", type=int, default=0)
@@ -77,6 +79,10 @@ if args.side == "deepspeed":
 else:
     opt = onebit.from_deepspeed_config(config, model.parameters(), **overrides)
     forward = model
+    if args.skip_first_step and isinstance(opt, onebit.ZeroOneAdam):
+        s = opt.schedule  # DeepSpeed's refresh and synchronisation steps, counted from its no-op step
+        opt._stages.schedule = onebit.optim.ZeroOneSchedule(s.var_freeze_step, s.var_update_scaler,
+                                                            s.local_step_scaler, s.local_step_clipper, offset=1)
 
     def update(loss: torch.Tensor, step: int) -> None:
         opt.zero_grad(set_to_none=True)
@@ -90,7 +96,9 @@ run = measure_training(task, model, update, steps=args.steps, batch=batch, seed=
 if rank == 0:
     row = {"side": args.side, "config": Path(args.config).name, "optimizer": config["optimizer"]["type"],
            "task": args.task, "steps": args.steps, "world_size": world,
-           "freeze_step": config["optimizer"]["params"].get("freeze_step"), "overrides": overrides,
+           "freeze_step": config["optimizer"]["params"].get("freeze_step",
+                                                             config["optimizer"]["params"].get("var_freeze_step")),
+           "seed": args.seed, "skip_first_step": args.skip_first_step, "overrides": overrides,
            **run}
     print(json.dumps(row), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -17,16 +17,16 @@ def _clip_factor(gs):
     return torch.clamp(CLIP / (norm + 1e-6), max=1.0)
 
 
-def _run(rank, world, name, kw, steps, clip_in_optimizer, averaged_until):
+def _run(rank, world, name, kw, steps, clip_in_optimizer):
     """With ``clip_in_optimizer`` the optimizer clips; otherwise the test feeds gradients already
-    clipped as the documentation says: by the average's norm for steps <= ``averaged_until``,
-    by the rank's own norm after."""
+    clipped as the documentation says: by the average's norm at the steps whose stage sends the
+    gradients (their average exists), by the rank's own norm at the others."""
     params = [p.clone().requires_grad_() for p in initial_params()]
     opt = optimizer_class(name)(params, max_grad_norm=CLIP if clip_in_optimizer else None, **kw)
     for step in range(1, steps + 1):
         mine = grads([p.detach() for p in params], rank, step)
         if not clip_in_optimizer:
-            if step <= averaged_until:
+            if not opt._stages.wire.formed:
                 every = [grads([p.detach() for p in params], r, step) for r in range(world)]
                 factor = _clip_factor([sum(g[i] for g in every) / world for i in range(len(mine))])
             else:
@@ -43,22 +43,13 @@ def _run(rank, world, name, kw, steps, clip_in_optimizer, averaged_until):
 _EXACT = {"CompAMS": "none", "OnebitAdamNaive": "identity"}
 
 
-def _averaged_until(opt) -> int:
-    """The last step whose gradient ``opt`` averages before using it, from its declared stages:
-    the warm-up of a two-stage optimizer, every step where the gradients are what is sent."""
-    if opt.freeze is not None:
-        return opt.freeze.freeze_step
-    return 0 if opt._stages.wire.formed else 10**9
-
-
 def _compare(rank, world):
     out = {}
     for name, kw in OPTIMIZERS:
         cls = optimizer_class(name)
         kw = dict(kw, compressor=_EXACT[cls.__name__]) if cls.__name__ in _EXACT else kw
-        until = _averaged_until(cls([torch.nn.Parameter(torch.zeros(1))], **kw))
-        clipped = _run(rank, world, name, kw, 6, True, until)
-        fed = _run(rank, world, name, kw, 6, False, until)
+        clipped = _run(rank, world, name, kw, 6, True)
+        fed = _run(rank, world, name, kw, 6, False)
         out[name] = (clipped, fed)
     return out
 

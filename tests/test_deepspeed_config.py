@@ -50,6 +50,21 @@ def test_onebit_lamb_arguments_map_from_a_json_file(tmp_path):
                                                                       factor_threshold=0.2)
 
 
+def test_zero_one_adam_arguments_map():
+    opt = onebit.from_deepspeed_config(_cfg("ZeroOneAdam", clipping=2.0, lr=3e-4, weight_decay=0.01,
+                                            var_freeze_step=400, var_update_scaler=8, local_step_scaler=100,
+                                            local_step_clipper=4, bias_correction=True), _params())
+    assert isinstance(opt, onebit.ZeroOneAdam)
+    s = opt.schedule
+    assert (s.var_freeze_step, s.var_update_scaler, s.local_step_scaler, s.local_step_clipper) == (400, 8, 100, 4)
+    assert opt.bias_correction is False and opt.max_grad_norm == 2.0
+    defaults = onebit.from_deepspeed_config(_cfg("zerooneadam"), _params()).schedule
+    assert (defaults.var_freeze_step, defaults.var_update_scaler, defaults.local_step_scaler,
+            defaults.local_step_clipper) == (100_000, 16, 32678, 16)  # DeepSpeed's defaults
+    with pytest.raises(ValueError, match=r"no argument\(s\) \['freeze_step'\]"):
+        onebit.from_deepspeed_config(_cfg("ZeroOneAdam", freeze_step=10), _params())
+
+
 def test_overrides_win():
     opt = onebit.from_deepspeed_config(_cfg(lr=1e-3), _params(), bias_correction=True, clip_update=None)
     assert opt.bias_correction is True and opt.clip_update is None
@@ -57,7 +72,7 @@ def test_overrides_win():
 
 @pytest.mark.parametrize("cfg,message", [
     ({"train_batch_size": 8}, "no 'optimizer' block"),
-    (_cfg("ZeroOneAdam"), "0/1 Adam is not implemented"),
+    (_cfg("ZeroOneAdam", amsgrad=True), "no AMSGrad variant"),
     (_cfg("AdamW"), "not a 1-bit optimizer"),
     (_cfg(lr=1e-3, momentum=0.9), r"no argument\(s\) \['momentum'\]"),
     (_cfg(max_coeff=1.0), r"no argument\(s\) \['max_coeff'\]"),

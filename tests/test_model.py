@@ -48,6 +48,23 @@ def test_speedups_and_end_to_end_formula():
     assert one["adam"].comm_seconds == 0 and one["onebit_adam"].stage_speedup <= 1
 
 
+def test_zero_one_adam_local_steps_send_nothing():
+    base = dict(params=8_400_000, world_size=4, nodes=4, bandwidth=2e8, compute=0.2, warmup_fraction=0.2)
+    rows = _by_name(ModelInput(**base, refresh_fraction=0.2, local_fraction=0.0))
+    # refreshes in place of the warm-up and no local steps: 1-bit Adam's figures
+    assert rows["zero_one_adam"].end_to_end_speedup == pytest.approx(rows["onebit_adam"].end_to_end_speedup)
+    assert rows["zero_one_adam"].volume_reduction == pytest.approx(rows["onebit_adam"].volume_reduction)
+    rows = _by_name(ModelInput(**base, refresh_fraction=0.02, local_fraction=0.5))
+    adam, zo = rows["adam"], rows["zero_one_adam"]
+    # by hand: a step is Adam's (2%), compute alone (50%) or the compressed step (48%)
+    mean = 0.02 * adam.step_seconds + 0.5 * 0.2 + 0.48 * zo.step_seconds
+    assert zo.end_to_end_speedup == pytest.approx(adam.step_seconds / mean)
+    volume = 0.02 + 0.48 * rank_bytes("onebit", ModelInput(**base)) / rank_bytes("allreduce_full", ModelInput(**base))
+    assert zo.volume_reduction == pytest.approx(1 / volume)
+    with pytest.raises(ValueError, match="refresh_fraction \\+ local_fraction must be <= 1"):
+        ModelInput(**base, refresh_fraction=0.6, local_fraction=0.5)
+
+
 def test_bad_input():
     with pytest.raises(ValueError, match="world_size=6 must be a multiple of nodes=4"):
         ModelInput(params=1, world_size=6, nodes=4, bandwidth=1e9)

@@ -438,12 +438,12 @@ def _cmd_model(args: argparse.Namespace) -> int:
     for bandwidth in args.bandwidth:
         m = ModelInput(params=args.params, world_size=args.world_size, nodes=args.nodes, bandwidth=bandwidth,
                        latency=args.latency, compute=args.compute_ms / 1e3, kernel_gbps=args.kernel_gbps,
-                       warmup_fraction=args.warmup_fraction, topk_ratio=args.topk_ratio,
-                       value_bytes=args.value_bytes)
+                       warmup_fraction=args.warmup_fraction, refresh_fraction=args.refresh_fraction,
+                       local_fraction=args.local_fraction, topk_ratio=args.topk_ratio, value_bytes=args.value_bytes)
         print(f"onebit model: {m.params} parameters, {m.world_size} ranks on {m.nodes} nodes, "
               f"{bandwidth / 1e9:g} Gbit/s, {m.latency * 1e3:g} ms latency, compute {args.compute_ms:g} ms/step")
         rows = [["optimizer", "collective", "MB out of the busiest node", "comm ms", "step ms", "stage speedup",
-                 "warm-up", "end-to-end", "volume reduction"]]
+                 "uncompressed", "end-to-end", "volume reduction"]]
         rows += [[p.optimizer, p.collective, f"{p.bytes_per_node / 1e6:.2f}", f"{p.comm_seconds * 1e3:.1f}",
                   f"{p.step_seconds * 1e3:.1f}", f"{p.stage_speedup:.2f}x", f"{p.warmup_fraction:.0%}",
                   f"{p.end_to_end_speedup:.2f}x", f"{p.volume_reduction:.1f}x"] for p in predict(m)]
@@ -530,6 +530,10 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--compute-ms", type=float, default=0.0, help="forward+backward+update time per step")
     model.add_argument("--kernel-gbps", type=_positive_float, default=5.0, help="compression kernel GB/s")
     model.add_argument("--warmup-fraction", type=float, default=0.15, help="1-bit Adam/LAMB warm-up share")
+    model.add_argument("--refresh-fraction", type=float, default=0.01,
+                       help="0/1 Adam: share of steps that refresh the variance (fp32)")
+    model.add_argument("--local-fraction", type=float, default=0.5,
+                       help="0/1 Adam: share of local steps, which send nothing")
     model.add_argument("--topk-ratio", type=_positive_float, default=0.01)
     model.add_argument("--value-bytes", type=int, choices=(2, 4), default=4,
                        help="bytes per uncompressed gradient value: 4 (fp32) or 2 (fp16 training, the papers')")

@@ -10,7 +10,8 @@ learning rate:
 counterpart         compressed
 ==================  =====================================================================
 AdamW               1-bit Adam, freeze at 10/20/40% of the steps, with the one-shot and the
-                    overlapped exchange (``overlap=True`` in 0.5 MB buckets)
+                    overlapped exchange (``overlap=True`` in 0.5 MB buckets); 0/1 Adam, its
+                    variance frozen at 10/20/40%, local steps after (the registry's setting)
 LAMB                1-bit LAMB, freeze at 10/20/40%, one-shot and overlapped
 AMSGrad             Comp-AMS Top-k 1% and Block-Sign, each with and without error feedback;
                     Block-Sign with one block per layer (the paper's layout)
@@ -46,16 +47,17 @@ FREEZE_FRACTIONS = (0.1, 0.2, 0.4)
 
 # counterpart -> (its two learning rates, the compressed optimizers compared with it)
 FAMILIES: dict[str, tuple[tuple[float, float], tuple[str, ...]]] = {
-    "adamw": ((1e-3, 3e-3), ("onebit_adam", "onebit_adam_overlap")),
+    "adamw": ((1e-3, 3e-3), ("onebit_adam", "onebit_adam_overlap", "zero_one_adam")),
     "lamb": ((3e-3, 1e-2), ("onebit_lamb", "onebit_lamb_overlap")),
     "amsgrad": ((1e-3, 3e-3), ("comp_ams_topk", "comp_ams_topk_no_ef", "comp_ams_block_sign",
                                "comp_ams_block_sign_overlap", "comp_ams_block_sign_no_ef",
                                "comp_ams_block_sign_layers")),
     "softsign_sgd": ((1e-3, 3e-3), ("birder", "birder_overlap")),
 }
-_TWO_STAGE = ("onebit_adam", "onebit_adam_overlap", "onebit_lamb", "onebit_lamb_overlap")
+_TWO_STAGE = ("onebit_adam", "onebit_adam_overlap", "onebit_lamb", "onebit_lamb_overlap", "zero_one_adam")
 # the cells of benchmarks/deepspeed_convergence.py: DeepSpeed's name -> (family, onebit's optimizer)
-_DEEPSPEED = {"deepspeed_OneBitAdam": ("adamw", "onebit_adam"), "deepspeed_OneBitLamb": ("lamb", "onebit_lamb")}
+_DEEPSPEED = {"deepspeed_OneBitAdam": ("adamw", "onebit_adam"), "deepspeed_OneBitLamb": ("lamb", "onebit_lamb"),
+              "deepspeed_ZeroOneAdam": ("adamw", "zero_one_adam")}
 _NEVER = 10**9  # a freeze step no run reaches: the two-stage optimizers' exact warm-up throughout
 # 0.5 MB buckets: every task's model is split into several, each compressed on its own
 _OVERLAP = {"overlap": True, "bucket_cap_mb": 0.5}
@@ -64,6 +66,7 @@ _VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "adamw": ("onebit_adam", {"freeze_step": _NEVER}),
     "onebit_adam": ("onebit_adam", {}),
     "onebit_adam_overlap": ("onebit_adam", _OVERLAP),
+    "zero_one_adam": ("zero_one_adam", {}),
     "lamb": ("onebit_lamb", {"freeze_step": _NEVER}),
     "onebit_lamb": ("onebit_lamb", {}),
     "onebit_lamb_overlap": ("onebit_lamb", _OVERLAP),
@@ -204,7 +207,7 @@ def build_optimizer(cell: Cell, params: list[nn.Parameter], steps: int, seed: in
     freeze = _NEVER if cell.freeze_fraction is None else max(1, round(cell.freeze_fraction * steps))
     entry, extra = _VARIANTS[name]
     spec = REGISTRY[entry]
-    kw = {"lr": lr, "max_grad_norm": max_grad_norm, **({"freeze_step": freeze} if spec.two_stage else {}),
+    kw = {"lr": lr, "max_grad_norm": max_grad_norm, **(spec.freeze(freeze) if spec.freeze is not None else {}),
           **({"seed": seed} if spec.seeded else {}), **extra}
     return make_optimizer(entry, params, **kw)
 

@@ -90,7 +90,8 @@ class MemoryResult:
 def _build(name: str, params: list[nn.Parameter], freeze: int) -> torch.optim.Optimizer:
     if name == "adamw":
         return torch.optim.AdamW(params)
-    return make_optimizer(name, params, **({"freeze_step": freeze} if REGISTRY[name].two_stage else {}))
+    spec = REGISTRY[name]
+    return make_optimizer(name, params, **(spec.freeze(freeze) if spec.freeze is not None else {}))
 
 
 def _resident() -> tuple[int, int]:

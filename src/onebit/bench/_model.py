@@ -16,8 +16,11 @@ bandwidth``, where ``node_egress_bytes`` is what the busiest node must send:
 
 Compressed steps also pay the kernels: the fused error-feedback compression touches the
 fp32 tensor ~3 times (``--kernel-gbps``, measured by ``onebit bench kernels``).
-End-to-end speedup with a warm-up fraction ``f`` of uncompressed steps, as in the papers:
-``1 / (f + (1 - f) / s)`` for compression-stage speedup ``s``.
+End-to-end speedup with a fraction ``f`` of uncompressed steps (the warm-up, or 0/1 Adam's
+variance refreshes) and a fraction ``l`` of local steps that send nothing (0/1 Adam, whose
+skipped rounds count as zero bytes and zero communication time), as in the papers:
+``1 / (f + l / s_0 + (1 - f - l) / s)`` for compression-stage speedup ``s`` and ``s_0`` the
+speedup of a step with no communication.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ class ModelInput:
     compute: float = 0.0  # seconds of forward + backward + update per step
     kernel_gbps: float = 5.0  # GB/s of the fused compression kernels
     warmup_fraction: float = 0.15  # 1-bit Adam / LAMB steps before the freeze
+    refresh_fraction: float = 0.01  # 0/1 Adam's variance refreshes (fp32 all-reduce)
+    local_fraction: float = 0.5  # 0/1 Adam's local steps (the paper: up to 54% fewer rounds than 1-bit Adam)
     topk_ratio: float = 0.01
     value_bytes: int = 4  # of the uncompressed gradient: 4 (fp32) or 2 (fp16 training, as the papers)
 
@@ -56,8 +61,12 @@ class ModelInput:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if self.value_bytes not in (2, 4):
             raise ValueError(f"value_bytes must be 2 or 4, got {self.value_bytes!r}")
-        if not 0 <= self.warmup_fraction <= 1:
-            raise ValueError(f"warmup_fraction must be in [0, 1], got {self.warmup_fraction!r}")
+        for name in ("warmup_fraction", "refresh_fraction", "local_fraction"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
+        if self.refresh_fraction + self.local_fraction > 1:
+            raise ValueError(f"refresh_fraction + local_fraction must be <= 1, got "
+                             f"{self.refresh_fraction!r} + {self.local_fraction!r}")
 
 
 @dataclass(frozen=True)
@@ -68,7 +77,7 @@ class Prediction:
     comm_seconds: float
     step_seconds: float  # compressed-stage step (or the only stage)
     stage_speedup: float  # vs Adam's fp32 ring all-reduce step
-    warmup_fraction: float
+    warmup_fraction: float  # of uncompressed steps (0/1 Adam: its refreshes)
     end_to_end_speedup: float
     volume_reduction: float  # bytes a rank sends over the whole run: Adam's / this optimizer's
 
@@ -155,30 +164,34 @@ def predict(m: ModelInput) -> list[Prediction]:
     kernels = 3 * 4 * m.params / (m.kernel_gbps * 1e9)
     full = f"ring all-reduce fp{8 * m.value_bytes}"
     rows = [
-        # name (as `onebit train --optimizer`), collective, cost-model kind, kernel time, warm-up fraction
-        ("adam", full, "allreduce_full", 0.0, 0.0),
-        ("lamb", full, "allreduce_full", 0.0, 0.0),
-        ("amsgrad", full, "allreduce_full", 0.0, 0.0),
-        ("softsign_sgd", full, "allreduce_full", 0.0, 0.0),
-        ("ddp_allreduce", full, "allreduce_full", 0.0, 0.0),
-        ("ddp_fp16", "ring all-reduce fp16", "allreduce_fp16", 0.0, 0.0),
-        ("onebit_adam", "1-bit compressed all-reduce", "onebit", kernels, m.warmup_fraction),
-        ("onebit_adam_naive", "1-bit compressed all-reduce", "onebit", kernels, 0.0),
-        ("onebit_lamb", "1-bit compressed all-reduce", "onebit", kernels, m.warmup_fraction),
-        ("birder", "1-bit compressed all-reduce", "onebit", kernels, 0.0),
-        ("birder_hierarchical", "Hierarchical-1-bit-All-Reduce", "onebit_hierarchical", kernels, 0.0),
-        ("comp_ams", "all-gather of top-k values+indices", "allgather_topk", kernels / 3, 0.0),
-        ("comp_ams_block_sign", "all-gather of signs+scales", "allgather_sign", kernels, 0.0),
-        ("qadam", "all-gather of signs+scale", "allgather_sign", kernels, 0.0),
+        # name (as `onebit train --optimizer`), collective, cost-model kind, kernel time, uncompressed and
+        # local-step fractions
+        ("adam", full, "allreduce_full", 0.0, 0.0, 0.0),
+        ("lamb", full, "allreduce_full", 0.0, 0.0, 0.0),
+        ("amsgrad", full, "allreduce_full", 0.0, 0.0, 0.0),
+        ("softsign_sgd", full, "allreduce_full", 0.0, 0.0, 0.0),
+        ("ddp_allreduce", full, "allreduce_full", 0.0, 0.0, 0.0),
+        ("ddp_fp16", "ring all-reduce fp16", "allreduce_fp16", 0.0, 0.0, 0.0),
+        ("onebit_adam", "1-bit compressed all-reduce", "onebit", kernels, m.warmup_fraction, 0.0),
+        ("onebit_adam_naive", "1-bit compressed all-reduce", "onebit", kernels, 0.0, 0.0),
+        ("onebit_lamb", "1-bit compressed all-reduce", "onebit", kernels, m.warmup_fraction, 0.0),
+        ("zero_one_adam", "1-bit compressed all-reduce", "onebit", kernels, m.refresh_fraction, m.local_fraction),
+        ("birder", "1-bit compressed all-reduce", "onebit", kernels, 0.0, 0.0),
+        ("birder_hierarchical", "Hierarchical-1-bit-All-Reduce", "onebit_hierarchical", kernels, 0.0, 0.0),
+        ("comp_ams", "all-gather of top-k values+indices", "allgather_topk", kernels / 3, 0.0, 0.0),
+        ("comp_ams_block_sign", "all-gather of signs+scales", "allgather_sign", kernels, 0.0, 0.0),
+        ("qadam", "all-gather of signs+scale", "allgather_sign", kernels, 0.0, 0.0),
     ]
     base_step = m.compute + collective_cost("allreduce_full", m)[1]
     base_volume = rank_bytes("allreduce_full", m)
     out = []
-    for name, collective, kind, kernel, warm in rows:
+    for name, collective, kind, kernel, warm, local in rows:
         egress, seconds = collective_cost(kind, m)
         step = m.compute + seconds + kernel
         s = base_step / step if step > 0 else 1.0
-        end_to_end = 1.0 / (warm + (1.0 - warm) / s)
-        volume = 1.0 / (warm + (1.0 - warm) * rank_bytes(kind, m) / base_volume) if base_volume else 1.0
+        mean_step = warm * base_step + local * m.compute + (1.0 - warm - local) * step
+        end_to_end = base_step / mean_step if mean_step > 0 else 1.0 / (warm + (1.0 - warm - local) / s)
+        sent = warm + (1.0 - warm - local) * rank_bytes(kind, m) / base_volume if base_volume else 0.0
+        volume = 1.0 / sent if sent > 0 else 1.0
         out.append(Prediction(name, collective, egress, seconds, step, s, warm, end_to_end, volume))
     return out

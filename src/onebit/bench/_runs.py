@@ -172,8 +172,8 @@ def _registry_optimizer(name: str, params, cfg, exchange: dict[str, Any]) -> tor
         kw.update(exchange)
     if spec.overlap:
         kw["overlap"] = overlap
-    if spec.two_stage:
-        kw["freeze_step"] = cfg.freeze_step
+    if spec.freeze is not None:
+        kw.update(spec.freeze(cfg.freeze_step))
     if spec.seeded:
         kw["seed"] = cfg.seed
     # what some constructors take: Adam's bias correction, Top-k's ratio, QAdam's bits

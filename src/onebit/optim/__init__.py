@@ -11,6 +11,7 @@ from ._functional import adam_step_bound, clip_to_adam_step_
 from ._onebit_adam import OnebitAdam, OnebitAdamNaive, adam, onebit_adam
 from ._onebit_lamb import OnebitLamb, lamb, onebit_lamb
 from ._registry import REGISTRY, Spec, make_optimizer
+from ._zero_one_adam import ZeroOneAdam, ZeroOneSchedule, local_step, refresh_variance, synchronise
 
 __all__ = [
     "Birder",
@@ -26,6 +27,8 @@ __all__ = [
     "ReplicaDivergence",
     "SoftSignSGD",
     "Spec",
+    "ZeroOneAdam",
+    "ZeroOneSchedule",
     "adam",
     "adam_step_bound",
     "attach",
@@ -34,11 +37,14 @@ __all__ = [
     "from_deepspeed_config",
     "lamb",
     "local_gradient_hook",
+    "local_step",
     "make_optimizer",
     "onebit_adam",
     "onebit_lamb",
     "qadam_direction",
+    "refresh_variance",
     "soft_sign_direction",
     "soft_sign_moments",
     "soft_sign_sgd",
+    "synchronise",
 ]

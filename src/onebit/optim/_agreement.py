@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
+from torch import Tensor
 
 from .. import comm
 from ..ops import max_abs
@@ -58,15 +60,16 @@ def agree_nonfinite(opt: OnebitOptimizer) -> tuple[bool, list[bool]]:
     return True, active
 
 
-def check_replicas(opt: OnebitOptimizer) -> str | None:
-    """Which parameter differs between ranks after the last step, as a message (None: none).
+def check_replicas(opt: OnebitOptimizer, tensors: Sequence[Tensor] | None = None) -> str | None:
+    """Which parameter differs between ranks after the last step, as a message (None: none);
+    ``tensors``: compare these, one per parameter, instead of the parameters.
 
     Each parameter's bits, read as integers, are summed on its device, and the sums (8 bytes
     per parameter) are all-gathered -- any single-value difference shows.
     """
     if opt.world_size == 1:
         return None
-    params = opt.flat.params
+    params = opt.flat.params if tensors is None else tensors
     ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}
     sums = torch.stack([p.detach().reshape(-1).view(ints[p.element_size()]).sum(dtype=torch.int64) for p in params])
     table = comm.all_gather_object_sizes(sums.tolist(), opt.process_group, opt.timeout, opt.flat.device)

@@ -1,9 +1,9 @@
 """Build an onebit optimizer from a DeepSpeed config: the way off DeepSpeed's removed 1-bit optimizers.
 
-DeepSpeed 0.19.6 was the last release with ``OneBitAdam`` and ``OneBitLamb``. Their configs
-name the optimizer and its arguments in an ``"optimizer"`` block, and clipping in the
-top-level ``"gradient_clipping"``. :func:`from_deepspeed_config` maps every argument of
-both to the onebit optimizer that behaves as DeepSpeed's did, and refuses what has no
+DeepSpeed 0.19.6 was the last release with ``OneBitAdam``, ``OneBitLamb`` and ``ZeroOneAdam``.
+Their configs name the optimizer and its arguments in an ``"optimizer"`` block, and clipping
+in the top-level ``"gradient_clipping"``. :func:`from_deepspeed_config` maps every argument of
+the three to the onebit optimizer that behaves as DeepSpeed's did, and refuses what has no
 meaning here with the reason.
 """
 
@@ -19,6 +19,7 @@ from torch import Tensor
 
 from ._onebit_adam import OnebitAdam
 from ._onebit_lamb import OnebitLamb
+from ._zero_one_adam import ZeroOneAdam
 
 __all__ = ["from_deepspeed_config"]
 
@@ -26,10 +27,13 @@ _log = logging.getLogger(__name__)
 
 _COMMON = ("lr", "betas", "eps", "weight_decay", "freeze_step")
 _LAMB = ("max_coeff", "min_coeff", "coeff_beta", "factor_max", "factor_min", "factor_threshold")
+_ZERO_ONE = ("lr", "betas", "eps", "weight_decay", "var_freeze_step", "var_update_scaler", "local_step_scaler",
+             "local_step_clipper")
 # DeepSpeed arguments handled below rather than passed on by name.
 _HANDLED = ("bias_correction", "eps_inside_sqrt", "max_grad_norm", "amsgrad", "cuda_aware", "comm_backend_name")
-_TYPES = {"onebitadam": (OnebitAdam, _COMMON), "onebitlamb": (OnebitLamb, _COMMON + _LAMB)}
-_FREEZE_DEFAULT = 100_000  # DeepSpeed's default freeze_step for both optimizers
+_TYPES = {"onebitadam": (OnebitAdam, _COMMON), "onebitlamb": (OnebitLamb, _COMMON + _LAMB),
+          "zerooneadam": (ZeroOneAdam, _ZERO_ONE)}
+_FREEZE_DEFAULT = 100_000  # DeepSpeed's default freeze_step of 1-bit Adam and LAMB
 
 
 def _load(config: Mapping[str, Any] | str | os.PathLike[str]) -> Mapping[str, Any]:
@@ -45,18 +49,22 @@ def from_deepspeed_config(
     config: Mapping[str, Any] | str | os.PathLike[str],
     params: Iterable[Tensor] | Iterable[dict[str, Any]],
     **overrides: Any,
-) -> OnebitAdam | OnebitLamb:
+) -> OnebitAdam | OnebitLamb | ZeroOneAdam:
     """The onebit optimizer a DeepSpeed config's ``"optimizer"`` block and ``"gradient_clipping"`` describe.
 
     ``type`` ``"OneBitAdam"`` gives :class:`OnebitAdam`, ``"OneBitLamb"``
-    :class:`OnebitLamb` (case-insensitive, as DeepSpeed). Arguments map by name
-    (``lr``, ``betas``, ``eps``, ``weight_decay``, ``freeze_step`` -- DeepSpeed's default
-    100000 when absent -- and LAMB's ``max_coeff``, ``min_coeff``, ``coeff_beta``,
-    ``factor_max``, ``factor_min``, ``factor_threshold``), with these translations:
+    :class:`OnebitLamb`, ``"ZeroOneAdam"`` :class:`ZeroOneAdam` (case-insensitive, as
+    DeepSpeed). Arguments map by name (``lr``, ``betas``, ``eps``, ``weight_decay``,
+    ``freeze_step`` -- DeepSpeed's default 100000 when absent -- LAMB's ``max_coeff``,
+    ``min_coeff``, ``coeff_beta``, ``factor_max``, ``factor_min``, ``factor_threshold``, and
+    0/1 Adam's ``var_freeze_step``, ``var_update_scaler``, ``local_step_scaler``,
+    ``local_step_clipper``, with DeepSpeed's defaults, which are also onebit's), with these
+    translations:
 
-    * ``bias_correction``: DeepSpeed's 1-bit Adam accepts it and never applies it (its update
-      is ``m / (sqrt(v) + eps)`` in both stages), so :class:`OnebitAdam` gets
-      ``bias_correction=False`` whatever the config says -- the same training.
+    * ``bias_correction``: DeepSpeed's 1-bit Adam and 0/1 Adam accept it and never apply it
+      (their update is ``m / (sqrt(v) + eps)``), so :class:`OnebitAdam` and
+      :class:`ZeroOneAdam` get ``bias_correction=False`` whatever the config says -- the same
+      training.
     * ``gradient_clipping`` (top level) becomes ``max_grad_norm``; the optimizer block's own
       ``max_grad_norm``, which DeepSpeed stored and never used, is refused when positive.
     * ``comm_backend_name``: ``"nccl"`` and ``"compressed"`` use the default process group
@@ -75,9 +83,8 @@ def from_deepspeed_config(
         raise ValueError("the DeepSpeed config has no 'optimizer' block with a 'type'")
     kind = str(block["type"])
     if kind.lower() not in _TYPES:
-        hint = " (0/1 Adam is not implemented in onebit; OneBitAdam is the closest)" if kind.lower() == "zerooneadam" \
-            else " (not a 1-bit optimizer: use torch.optim)"
-        raise ValueError(f"optimizer type {kind!r} is not OneBitAdam or OneBitLamb{hint}")
+        raise ValueError(f"optimizer type {kind!r} is not OneBitAdam, OneBitLamb or ZeroOneAdam (not a 1-bit "
+                         "optimizer: use torch.optim)")
     cls, names = _TYPES[kind.lower()]
     given = dict(block.get("params", {}))
     unknown = sorted(set(given) - set(names) - set(_HANDLED))
@@ -99,10 +106,11 @@ def from_deepspeed_config(
         raise ValueError(f"comm_backend_name {backend!r} is not supported: use 'nccl' or 'compressed' (the default "
                          "process group) or 'mpi'")
     kwargs: dict[str, Any] = {name: given[name] for name in names if name in given}
-    kwargs.setdefault("freeze_step", _FREEZE_DEFAULT)
+    if "freeze_step" in names:
+        kwargs.setdefault("freeze_step", _FREEZE_DEFAULT)
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
-    if cls is OnebitAdam:
+    if cls is not OnebitLamb:
         kwargs["bias_correction"] = False
     kwargs["group"] = "mpi" if backend == "mpi" else None
     clipping = cfg.get("gradient_clipping", 0.0)

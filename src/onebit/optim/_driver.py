@@ -43,8 +43,8 @@ from dataclasses import dataclass
 from .. import comm
 from ._functional import _BLOCK
 
-__all__ = ["COMPRESSED_FORMED", "COMPRESSED_GRADIENT", "Buckets", "Driver", "EXACT_GRADIENT", "Wire", "allreduce_factory",
-           "bucket_bounds"]
+__all__ = ["COMPRESSED_FORMED", "COMPRESSED_GRADIENT", "Buckets", "Driver", "EXACT_GRADIENT", "LOCAL", "Wire",
+           "allreduce_factory", "bucket_bounds"]
 
 _log = logging.getLogger("onebit.optim")
 
@@ -187,16 +187,20 @@ class Wire:
     ``max_grad_norm`` clips it; where they are not, it never exists and each rank clips its
     own gradients before forming (what ``clip_grad_norm_`` does on one process).
     ``exact``: the exact fp32 mean (an all-reduce); else the optimizer's compressed collectives.
+    ``exchanged``: False for a step each rank takes on its own (0/1 Adam's local steps): nothing
+    is sent, ``_apply`` gets no average and reads the local gradients itself.
     """
 
     stage: str
     formed: bool
     exact: bool
+    exchanged: bool = True
 
 
 EXACT_GRADIENT = Wire("warmup", formed=False, exact=True)
 COMPRESSED_GRADIENT = Wire("compressed", formed=False, exact=False)
 COMPRESSED_FORMED = Wire("compressed", formed=True, exact=False)
+LOCAL = Wire("local", formed=True, exact=False, exchanged=False)
 
 # consume(lo, hi, values): the average's flat values [lo, hi), handed over chunk by chunk (scratch)
 Consume = Callable[[int, int, Tensor], None]
@@ -273,6 +277,10 @@ class Driver:
         """Step ``step`` (every rank agreed its gradients are finite): launch the one-shot
         exchange, land every bucket's average, clip it where it is the gradients', apply."""
         opt, wire = self.opt, self.opt._stages.wire
+        if not wire.exchanged:
+            opt._clip_local_grads()
+            opt._apply(wire, None)
+            return
         if self.buckets is None:
             if wire.formed:
                 opt._clip_local_grads()
@@ -329,6 +337,8 @@ class Driver:
 
     # ------------------------------------------------------------------ a bucket
     def _launch_in_backward(self, b: int) -> None:
+        if not self.opt._stages.wire.exchanged:
+            return
         params = self.opt.flat.params
         self._launch(b, self.opt._step_count + 1, [p.requires_grad or p.grad is not None for p in params],
                      agreed=False)

@@ -1,0 +1,570 @@
+"""0/1 Adam (Lu et al., "Maximizing Communication Efficiency for Large-scale Training via 0/1 Adam",
+ICLR 2023, arXiv 2202.06009): adaptive variance freezing and 1-bit synchronisation with local steps.
+
+The math (plain functions on flat fp32 state, parameter ``i`` at ``offsets[i]``; ``active[i]``
+says whether it has a gradient on some rank):
+
+* :func:`refresh_variance` -- a step of ``T_v``: the gradients' exact average ``g`` updates
+  both moments, ``m <- beta1 m + (1 - beta1) g``, ``v <- beta2 v + (1 - beta2) g^2``, and
+  Adam steps (Algorithm 1's variance update, eq. (3) of the paper's section 4).
+* :func:`local_step` -- a step outside ``T_u``: ``m <- beta1 m + (1 - beta1) g_local``, the
+  step-size-weighted sum ``u <- u + (lr / bc1) m`` grows, and the parameters move to
+  ``x = x_anchor (1 - sum(lr) wd) - u / d`` (Algorithm 1's ``x_{t+1/2}`` and ``u_{t+1/2}``).
+* :func:`synchronise` -- a step of ``T_u``: before ``var_freeze_step``, the gradients' 1-bit
+  average ``g`` enters ``m <- beta1 m + (1 - beta1) g``; after it, the interval's weighted
+  average momentum ``u / S`` (``S = sum(lr / bc1)``) went through the 1-bit all-reduce and
+  replaced ``m``. Then ``x = x_anchor (1 - sum(lr) wd) - S m / d`` on every rank (Algorithm 1's
+  ``m_{t+1} = u_bar / sum(lr)`` and ``x_{t+1} = x_{t'} - u_bar / sqrt(v)``).
+
+``d = sqrt(v / (1 - beta2^k)) + eps`` with ``k`` the number of refreshes so far (1 without
+bias correction).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from .. import comm
+from .._checks import check_adam_args, check_bool, check_optional_positive
+from ..ops import zero_where_equal_
+from ._agreement import check_replicas
+from ._base import OnebitOptimizer, ReplicaDivergence
+from ._driver import COMPRESSED_FORMED, COMPRESSED_GRADIENT, LOCAL, Wire, allreduce_factory
+from ._freeze import count_unused, mask_unused_
+from ._functional import adam_denominator, apply_update_, clip_to_adam_step_, ema_
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from .._checks import CommonOptions
+
+__all__ = ["ZeroOneAdam", "ZeroOneSchedule", "local_step", "refresh_variance", "synchronise"]
+
+# A refresh step: the gradients' exact fp32 average (the variance needs it; so does nothing else).
+REFRESH = Wire("variance", formed=False, exact=True)
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"Invalid {name} value: {value!r} (expected an int >= 1)")
+    if value < 1:
+        raise ValueError(f"Invalid {name} value: {value} (expected an int >= 1)")
+    return value
+
+
+class ZeroOneSchedule:
+    """The steps of 0/1 Adam's two policies, as DeepSpeed 0.19.6 counts them.
+
+    * ``T_v`` (variance refreshes), up to ``var_freeze_step``: every step while the interval
+      ``I`` is 1, then the steps ``t`` with ``(t + offset) % I == 0``; ``I`` doubles after every
+      ``var_update_scaler`` refreshes (the paper's kappa). After ``var_freeze_step`` the
+      variance is frozen.
+    * ``T_u`` (synchronisations): every step up to ``var_freeze_step``; after it, the steps with
+      ``(t + offset) % H == 0`` where ``H`` starts at 1 and doubles every ``local_step_scaler``
+      steps, at most ``local_step_clipper`` (the paper's H).
+
+    ``offset`` is 1 in DeepSpeed, whose step counter includes its first ``step()``, which
+    only allocates state; onebit counts from the first step that updates (``offset=0``).
+
+    Example::
+
+        >>> s = ZeroOneSchedule(var_freeze_step=40, var_update_scaler=4, local_step_scaler=8,
+        ...                     local_step_clipper=4)
+        >>> [t for t in range(1, 41) if s.refreshes(t)]
+        [1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 28, 32, 40]
+        >>> [s.interval(t) for t in (40, 48, 49, 57, 90)]
+        [1, 1, 2, 4, 4]
+    """
+
+    def __init__(self, var_freeze_step: int, var_update_scaler: int, local_step_scaler: int,
+                 local_step_clipper: int, *, offset: int = 0) -> None:
+        self.var_freeze_step = _positive_int("var_freeze_step", var_freeze_step)
+        self.var_update_scaler = _positive_int("var_update_scaler", var_update_scaler)
+        self.local_step_scaler = _positive_int("local_step_scaler", local_step_scaler)
+        self.local_step_clipper = _positive_int("local_step_clipper", local_step_clipper)
+        self.offset = offset
+        # The refresh steps, one block of var_update_scaler per interval (a few hundred at most).
+        self._refresh_steps: list[int] = []
+        interval, count, counter = 1, 0, 1 + offset
+        while True:
+            counter = -(-counter // interval) * interval
+            if counter - offset > self.var_freeze_step:
+                break
+            self._refresh_steps.append(counter - offset)
+            counter += 1
+            count += 1
+            if count == self.var_update_scaler:
+                interval, count = 2 * interval, 0
+
+    def refreshes(self, step: int) -> bool:
+        """Whether the variance is refreshed at ``step`` (``T_v``)."""
+        i = bisect.bisect_left(self._refresh_steps, step)
+        return i < len(self._refresh_steps) and self._refresh_steps[i] == step
+
+    def refreshes_through(self, step: int) -> int:
+        """How many refreshes steps ``1 .. step`` hold (the variance's bias-correction exponent)."""
+        return bisect.bisect_right(self._refresh_steps, step)
+
+    def interval(self, step: int) -> int:
+        """The local-step interval ``H`` in force at ``step``."""
+        if step <= self.var_freeze_step:
+            return 1
+        doublings = (step - self.var_freeze_step - 1) // self.local_step_scaler
+        if doublings >= self.local_step_clipper.bit_length():
+            return self.local_step_clipper
+        return min(self.local_step_clipper, 1 << doublings)
+
+    def synchronises(self, step: int) -> bool:
+        """Whether ``step`` ends with a 1-bit synchronisation (``T_u``)."""
+        return (step + self.offset) % self.interval(step) == 0
+
+
+class _Stages:
+    """The wire of each step, from the schedule and the steps taken (``done``)."""
+
+    wires = (REFRESH, COMPRESSED_GRADIENT, COMPRESSED_FORMED, LOCAL)
+
+    def __init__(self, schedule: ZeroOneSchedule) -> None:
+        self.schedule = schedule
+        self.done = 0
+
+    @property
+    def frozen_at(self) -> int | None:
+        return self.schedule.var_freeze_step if self.done >= self.schedule.var_freeze_step else None
+
+    @property
+    def wire(self) -> Wire:
+        step = self.done + 1
+        if step <= self.schedule.var_freeze_step:
+            return REFRESH if self.schedule.refreshes(step) else COMPRESSED_GRADIENT
+        return COMPRESSED_FORMED if self.schedule.synchronises(step) else LOCAL
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.done = int(state["step"])
+
+
+def refresh_variance(
+    params: Sequence[Tensor],
+    offsets: Sequence[tuple[int, int]],
+    *,
+    grads: Sequence[Tensor],
+    active: Sequence[bool],
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    lrs: Sequence[float],
+    betas: Sequence[tuple[float, float]],
+    weight_decays: Sequence[float],
+    eps: float,
+    bias_correction1: Sequence[float],
+    bias_correction2: Sequence[float],
+) -> None:
+    """A step of ``T_v`` on the averaged gradients ``grads`` (contiguous fp32 views, used as
+    scratch): both moments take them and ``x <- x (1 - lr wd) - (lr / bc1) m / d``."""
+    for i, (p, (lo, hi)) in enumerate(zip(params, offsets)):
+        if not active[i]:
+            continue
+        beta1, beta2 = betas[i]
+        g = grads[i]
+        exp_avg[lo:hi].view(p.shape).lerp_(g, 1.0 - beta1)
+        exp_avg_sq[lo:hi].view(p.shape).mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+        denom = adam_denominator(exp_avg_sq[lo:hi], eps=eps, bias_correction2=bias_correction2[i], out=g.view(-1))
+        apply_update_(p, exp_avg[lo:hi], denom, lr=lrs[i], weight_decay=weight_decays[i],
+                      step_size=lrs[i] / bias_correction1[i])
+
+
+def local_step(
+    params: Sequence[Tensor],
+    offsets: Sequence[tuple[int, int]],
+    *,
+    active: Sequence[bool],
+    exp_avg: Tensor,
+    accum: Tensor,
+    anchor: Tensor,
+    denom: Tensor,
+    weights: Sequence[float],
+    lr_sums: Sequence[float],
+    weight_decays: Sequence[float],
+) -> None:
+    """A step outside ``T_u``, ``exp_avg`` holding this rank's momentum ``m`` of the step (from
+    its own gradient): ``u <- u + weight m`` (``weight = lr / bc1``), and ``x = x_anchor (1 -
+    lr_sum wd) - u / d`` with ``lr_sum`` the learning rates summed over the interval so far.
+    ``x`` is computed from the anchor, not stepped: the anchor stays exact and the same on every
+    rank, and a checkpoint restores ``x`` from it."""
+    for i, (p, (lo, hi)) in enumerate(zip(params, offsets)):
+        if not active[i]:
+            continue
+        accum[lo:hi].add_(exp_avg[lo:hi], alpha=weights[i])
+        _from_anchor(p, anchor[lo:hi], accum[lo:hi], denom[lo:hi], lr=lr_sums[i], weight_decay=weight_decays[i],
+                     step_size=1.0)
+
+
+def synchronise(
+    params: Sequence[Tensor],
+    offsets: Sequence[tuple[int, int]],
+    *,
+    moving: Sequence[bool],
+    exp_avg: Tensor,
+    anchor: Tensor | None,
+    denom: Tensor,
+    weight_sums: Sequence[float],
+    lr_sums: Sequence[float],
+    weight_decays: Sequence[float],
+) -> None:
+    """A step of ``T_u``: ``m`` (``exp_avg``) holds the average, ``x = x_anchor (1 - lr_sum wd) -
+    weight_sum m / d`` for the parameters ``moving`` (with no anchor, ``x`` is its own: an
+    interval of one step), and the anchor moves to ``x``."""
+    for i, (p, (lo, hi)) in enumerate(zip(params, offsets)):
+        if not moving[i]:
+            continue
+        if anchor is None:
+            apply_update_(p, exp_avg[lo:hi], denom[lo:hi], lr=lr_sums[i], weight_decay=weight_decays[i],
+                          step_size=weight_sums[i])
+            continue
+        _from_anchor(p, anchor[lo:hi], exp_avg[lo:hi], denom[lo:hi], lr=lr_sums[i], weight_decay=weight_decays[i],
+                     step_size=weight_sums[i])
+        anchor[lo:hi].copy_(p.detach().reshape(-1))
+
+
+def _from_anchor(p: Tensor, anchor: Tensor, numer: Tensor, denom: Tensor, *, lr: float, weight_decay: float,
+                 step_size: float) -> None:
+    """``p = anchor (1 - lr wd) - step_size numer / denom``, computed in fp32 from the anchor."""
+    with torch.no_grad():
+        p.copy_(anchor.view(p.shape))
+        apply_update_(p, numer, denom, lr=lr, weight_decay=weight_decay, step_size=step_size)
+
+
+class ZeroOneAdam(OnebitOptimizer):
+    """0/1 Adam (Algorithm 1 of Lu et al., ICLR 2023): the variance refreshed on a thinning
+    schedule, then frozen; 1-bit synchronisation, with local steps between synchronisations.
+
+    * **Variance refreshes** (``T_v``, steps ``<= var_freeze_step``): every step at first, then
+      ever more rarely -- the interval doubles after every ``var_update_scaler`` refreshes. A
+      refresh step all-reduces the gradients in fp32 and takes an exact Adam step with them
+      (:func:`refresh_variance`). After ``var_freeze_step`` the variance is frozen.
+    * **1-bit synchronisation** (``T_u``): every other step exchanges through the
+      error-compensated 1-bit all-reduce (:class:`onebit.comm.CompressedAllReduce`) -- up to
+      ``var_freeze_step`` the gradients, whose average enters ``m`` (as DeepSpeed, the
+      authors' implementation, does; the docs compare the two); after it the momentum, whose average replaces ``m`` (the errors restart at the freeze).
+    * **Local steps** (after ``var_freeze_step``): the synchronisation interval ``H`` starts at 1
+      and doubles every ``local_step_scaler`` steps, up to ``local_step_clipper``. Between
+      synchronisations each rank steps on its own gradients and sends nothing
+      (:func:`local_step`); the synchronisation then exchanges the interval's step-weighted
+      average momentum and moves every rank to the same parameters (:func:`synchronise`).
+
+    Replicas are bit-identical after every refresh and synchronisation; between them, during
+    an interval of local steps, each rank's parameters differ **by design**. The optimizer
+    keeps the parameters of the last synchronisation (the *anchor*): :meth:`check_replicas`
+    (and ``check_replicas_every``) compares the anchors during an interval, and a
+    :meth:`state_dict` saved there holds this rank's anchor and accumulated momentum, from
+    which :meth:`load_state_dict` restores this rank's own parameters exactly (load it after
+    the model's weights; save one per rank, as for every onebit optimizer).
+
+    Differences from DeepSpeed 0.19.6's ``ZeroOneAdam`` (see the comparison in the docs): bias
+    correction is applied (``bias_correction=False`` is DeepSpeed's update); weight decay is
+    decoupled and stays out of the momentum; the whole model is one fused 1-bit exchange;
+    parameters that never had a gradient at a refresh keep a zero momentum, and each value's
+    step is clipped to ``clip_update`` times Adam's largest (as :class:`OnebitAdam`); replicas
+    are bit-identical after every synchronisation.
+
+    State: ``m``, ``v`` (the preconditioner ``sqrt(v / (1 - beta2^k)) + eps`` once frozen,
+    ``state[p]["frozen_denom"]``), the collective's worker and server errors and, up to the
+    freeze, the gradients' average: 4 + 1/w model sizes, then 3 + 1/w;
+    once intervals of local steps begin, the anchor and the accumulated momentum: 5 + 1/w.
+
+    Args:
+        params: parameters or param groups (options ``lr``, ``betas``, ``weight_decay``).
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (``lr`` is read every step).
+        bias_correction: divide ``m`` by ``1 - beta1^t`` and ``v`` by ``1 - beta2^k``, ``k`` the
+            refreshes so far (``False``: DeepSpeed's update).
+        group: process group (``None``: default), an :class:`onebit.comm.MPIGroup`, or a
+            backend name (``"mpi"``).
+        var_freeze_step: the last step that may refresh the variance (DeepSpeed's default
+            100000: on shorter runs the variance is never frozen and no local steps happen).
+        var_update_scaler: refreshes per interval before the interval doubles (kappa).
+        local_step_scaler: steps after the freeze before the local-step interval doubles.
+        local_step_clipper: the largest local-step interval (H).
+        compressor: compressor of the synchronisation (``"sign"``; ``"identity"`` isolates the
+            cost of the bits).
+        clip_update: clip each value's synchronised step to this many times Adam's largest
+            step (:func:`onebit.optim.clip_to_adam_step_`; ``None``: no clip).
+        hierarchical, ranks_per_node: Birder's Hierarchical-1-bit-All-Reduce for the
+            synchronisation (:func:`onebit.comm.compressed_allreduce`).
+        overlap: start each bucket's exchange during backward (refreshes and synchronisations;
+            local steps send nothing); ``bucket_cap_mb``: its bucket size.
+        **options: :class:`onebit.optim.CommonOptions`.
+
+    ``stats["stage"]`` is ``"variance"`` (a refresh: fp32), ``"compressed"`` (a 1-bit
+    synchronisation) or ``"local"`` (nothing sent but the step's agreement, a few bytes).
+
+    Example::
+
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = onebit.ZeroOneAdam(model.parameters(), lr=1e-3, var_freeze_step=100)
+        >>> model(torch.randn(8, 4)).square().mean().backward()
+        >>> opt.step()
+        >>> opt.stats["stage"]
+        'variance'
+    """
+
+    _flat_names = ("exp_avg", "exp_avg_sq")
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        bias_correction: bool = True,
+        group: comm.Group = None,
+        *,
+        var_freeze_step: int = 100_000,
+        var_update_scaler: int = 16,
+        local_step_scaler: int = 32678,
+        local_step_clipper: int = 16,
+        compressor: str = "sign",
+        clip_update: float | None = 10.0,
+        hierarchical: bool | str = False,
+        ranks_per_node: int | None = None,
+        overlap: bool = False,
+        bucket_cap_mb: float = 25.0,
+        **options: Unpack[CommonOptions],
+    ) -> None:
+        self.clip_update = check_optional_positive("clip_update", clip_update)
+        self.bias_correction = check_bool("bias_correction", bias_correction)
+        check_bool("overlap", overlap)
+        check_adam_args(lr, betas, eps, weight_decay)
+        self.eps = float(eps)
+        self._stages = _Stages(ZeroOneSchedule(var_freeze_step, var_update_scaler, local_step_scaler,
+                                               local_step_clipper))
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay}, group=group,
+                         **options)
+        n = len(self.flat.params)
+        # The interval of local steps so far, per parameter: sum(lr), sum(lr / bc1), any step taken.
+        self._lr_sums, self._weight_sums, self._touched = [0.0] * n, [0.0] * n, [False] * n
+        self._grad: Tensor | None = self.flat.zeros()  # the gradients' average, up to the freeze
+        self._has_unused = False
+        self._drive(allreduce_factory(self, compressor, hierarchical=hierarchical, ranks_per_node=ranks_per_node,
+                                      overlap=overlap), overlap=overlap, bucket_cap_mb=bucket_cap_mb)
+
+    @property
+    def schedule(self) -> ZeroOneSchedule:
+        """The refresh and synchronisation steps (:class:`ZeroOneSchedule`)."""
+        return self._stages.schedule
+
+    # ------------------------------------------------------------------ the contract
+    def _form(self, i: int, lo: int, hi: int, grad: Tensor | None, live: bool, group: dict[str, Any], step: int,
+              scratch: Tensor, out: Tensor, agreed: bool) -> None:
+        """The interval's weighted average momentum ``(u + w m') / (S + w)``, ``m' = beta1 m +
+        (1 - beta1) g`` and ``w = lr / bc1`` this step (``m'`` alone for an interval of one
+        step or with ``S + w = 0``); a parameter without a gradient adds no ``w m'``."""
+        m = self.flat.buffers["exp_avg"][lo:hi]
+        weight = self._weight(group, step) if live else 0.0
+        total = self._weight_sums[i] + weight
+        accum = self.flat.buffers.get("accum")
+        if accum is None or total == 0.0 or not self._touched[i]:
+            if live:
+                ema_(m, grad, group["betas"][0], out=out)
+            else:
+                out.copy_(m)
+            return
+        if live:
+            ema_(m, grad, group["betas"][0], out=out)
+            out.mul_(weight).add_(accum[lo:hi]).div_(total)
+        else:
+            torch.div(accum[lo:hi], total, out=out)
+
+    def _landing(self, wire: Wire) -> Tensor:
+        # the gradients' average (exact, or 1-bit before the freeze); the momentum's replaces m
+        return self.flat.buffers["exp_avg"] if wire.formed else self._grad
+
+    def _apply(self, wire: Wire, average: Tensor | None) -> None:
+        step = self._step_count
+        if wire is REFRESH:
+            self._refresh(average)
+        elif wire is LOCAL:
+            self._local()
+        else:
+            self._synchronise(None if wire.formed else average)
+        self._stages.done = step
+        if step == self.schedule.var_freeze_step:
+            self._freeze()
+        if self.schedule.interval(step + 1) > 1 and "anchor" not in self.flat.buffers:
+            self._start_local_steps()
+
+    def _weight(self, group: dict[str, Any], step: int) -> float:
+        """``lr / bc1`` of ``step``: what the step moves ``x`` by per unit of ``m / d``."""
+        return group["lr"] / (1.0 - group["betas"][0] ** step if self.bias_correction else 1.0)
+
+    def _corrections(self, step: int) -> tuple[list[float], list[float]]:
+        """Per parameter: ``1 - beta1^step`` and ``1 - beta2^k`` (k refreshes so far), or ones."""
+        betas = self._hyper("betas")
+        if not self.bias_correction:
+            return [1.0] * len(betas), [1.0] * len(betas)
+        k = self.schedule.refreshes_through(step)
+        return [1.0 - b1**step for b1, _ in betas], [1.0 - b2**k if k else 1.0 for _, b2 in betas]
+
+    def _refresh(self, average: Tensor) -> None:
+        bc1, bc2 = self._corrections(self._step_count)
+        b = self.flat.buffers
+        refresh_variance(self.flat.params, self.flat.offsets, grads=self.flat.split(average), active=self._active,
+                         exp_avg=b["exp_avg"], exp_avg_sq=b["exp_avg_sq"], lrs=self._hyper("lr"),
+                         betas=self._hyper("betas"), weight_decays=self._hyper("weight_decay"), eps=self.eps,
+                         bias_correction1=bc1, bias_correction2=bc2)
+
+    def _denominator(self) -> Tensor:
+        """``d``: the frozen preconditioner, or (before the freeze) formed from ``v`` in the
+        gradients' average buffer, once the average has been used."""
+        b = self.flat.buffers
+        if "frozen_denom" in b:
+            return b["frozen_denom"]
+        _, bc2 = self._corrections(self._step_count)
+        v = b["exp_avg_sq"]
+        for (lo, hi), c in zip(self.flat.offsets, bc2):
+            adam_denominator(v[lo:hi], eps=self.eps, bias_correction2=c, out=self._grad[lo:hi])
+        return self._grad
+
+    def _local(self) -> None:
+        step, b = self._step_count, self.flat.buffers
+        weights = [self._weight(g, step) for g in self.param_groups for _ in g["params"]]
+        lrs = self._hyper("lr")
+        for i, active in enumerate(self._active):
+            if active:
+                self._lr_sums[i] += lrs[i]
+                self._weight_sums[i] += weights[i]
+                self._touched[i] = True
+        m, denom = b["exp_avg"], b["frozen_denom"]
+        for (lo, hi), g, (beta1, _), active in zip(self.flat.offsets, self._local_grads(), self._hyper("betas"),
+                                                   self._active):
+            if active:
+                ema_(m[lo:hi], g, beta1)
+        self._protect(m, denom, self._active, step)
+        local_step(self.flat.params, self.flat.offsets, active=self._active, exp_avg=m, accum=b["accum"],
+                   anchor=b["anchor"], denom=denom, weights=weights, lr_sums=self._lr_sums,
+                   weight_decays=self._hyper("weight_decay"))
+
+    def _synchronise(self, gradient: Tensor | None) -> None:
+        """A synchronisation: ``m`` holds the momentum's 1-bit average, or (``gradient``, before
+        the freeze) takes the gradient's, ``m <- beta1 m + (1 - beta1) g``; then the step."""
+        step, b = self._step_count, self.flat.buffers
+        lrs, betas = self._hyper("lr"), self._hyper("betas")
+        if gradient is not None:
+            for (lo, hi), (beta1, _), active in zip(self.flat.offsets, betas, self._active):
+                if active:
+                    ema_(b["exp_avg"][lo:hi], gradient[lo:hi], beta1)
+        moving = [a or t for a, t in zip(self._active, self._touched)]
+        lr_sums = [s + (lr if a else 0.0) for s, lr, a in zip(self._lr_sums, lrs, self._active)]
+        weights = [s + (self._weight(g, step) if a else 0.0)
+                   for s, g, a in zip(self._weight_sums, (g for g in self.param_groups for _ in g["params"]),
+                                      self._active)]
+        m, denom = b["exp_avg"], self._denominator()
+        self._protect(m, denom, moving, step)
+        synchronise(self.flat.params, self.flat.offsets, moving=moving, exp_avg=m, anchor=b.get("anchor"),
+                    denom=denom, weight_sums=weights, lr_sums=lr_sums, weight_decays=self._hyper("weight_decay"))
+        n = len(moving)
+        self._lr_sums, self._weight_sums, self._touched = [0.0] * n, [0.0] * n, [False] * n
+        if "accum" in b:
+            b["accum"].zero_()
+
+    def _protect(self, m: Tensor, denom: Tensor, moving: Sequence[bool], step: int) -> None:
+        """Before ``m`` moves the parameters: zero it where no refresh has seen a gradient (the
+        1-bit average, or a local gradient, would otherwise be divided by ``eps``), and clip each
+        value's step to ``clip_update`` times Adam's largest."""
+        b = self.flat.buffers
+        if "exp_avg_sq" in b:
+            zero_where_equal_(m, b["exp_avg_sq"], 0.0)
+        elif self._has_unused:
+            mask_unused_(m, denom, self.eps)
+        if self.clip_update is None:
+            return
+        k = self.schedule.refreshes_through(step)
+        bc1, _ = self._corrections(step)
+        for i, ((lo, hi), (beta1, beta2)) in enumerate(zip(self.flat.offsets, self._hyper("betas"))):
+            if moving[i]:
+                bc2 = 1.0 if self.bias_correction else 1.0 - beta2**k
+                clip_to_adam_step_(m[lo:hi], denom[lo:hi], beta1, beta2, bc1[i], bc2, self.clip_update)
+
+    def _freeze(self) -> None:
+        """The variance becomes, in place, the preconditioner ``d`` (``frozen_denom``); the
+        gradients' average buffer goes; the errors of the 1-bit exchange restart at zero, as
+        what it sends changes from gradients to momentum (DeepSpeed's ``reinitial_error_buffer``)."""
+        for c in self._driver.collectives:
+            if c is not None:
+                c.reset()
+        _, bc2 = self._corrections(self._step_count)
+        v = self.flat.buffers["exp_avg_sq"]
+        for (lo, hi), c in zip(self.flat.offsets, bc2):
+            adam_denominator(v[lo:hi], eps=self.eps, bias_correction2=c, out=v[lo:hi])
+        self.flat.rename("exp_avg_sq", "frozen_denom")
+        self._link_state()
+        self._grad = None
+        self._has_unused = count_unused(type(self).__name__, self.flat.buffers["frozen_denom"], self.eps)
+
+    def _start_local_steps(self) -> None:
+        """The first interval of local steps begins: the anchor (the parameters of this, the last
+        synchronised, step) and the accumulated momentum."""
+        anchor = self.flat.new("anchor")
+        for p, (lo, hi) in zip(self.flat.params, self.flat.offsets):
+            anchor[lo:hi].copy_(p.detach().reshape(-1))
+        self.flat.new("accum")
+        self._link_state()
+
+    # ------------------------------------------------------------------ replicas and checkpoints
+    @torch.no_grad()
+    def check_replicas(self) -> None:
+        """As :meth:`OnebitOptimizer.check_replicas`; during an interval of local steps the
+        ranks' parameters differ by design, and the anchors (the parameters of the last
+        synchronisation) are compared instead."""
+        inside = any(self._touched)
+        tensors = self.flat.views("anchor") if inside else None
+        message = check_replicas(self, tensors)
+        if message:
+            raise ReplicaDivergence(message + (" (the anchors of the interval of local steps)" if inside else ""))
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {"interval": {"lr_sums": list(self._lr_sums), "weight_sums": list(self._weight_sums),
+                             "touched": list(self._touched)}}
+
+    def _layout_for(self, state: Mapping[str, Any]) -> None:
+        saved = set(state.get("flat", {}))
+        b = self.flat.buffers
+        if "frozen_denom" in saved and "exp_avg_sq" in b:
+            self.flat.rename("exp_avg_sq", "frozen_denom")
+        elif "exp_avg_sq" in saved and "frozen_denom" in b:
+            self.flat.rename("frozen_denom", "exp_avg_sq")
+        for name in ("anchor", "accum"):
+            if name in saved and name not in b:
+                self.flat.new(name)
+            elif name not in saved and name in b:
+                del b[name]
+
+    def _load_extra_state(self, state: Mapping[str, Any], own_state: bool) -> None:
+        b = self.flat.buffers
+        frozen = "frozen_denom" in b
+        self._grad = None if frozen else (self._grad if self._grad is not None else self.flat.zeros())
+        self._has_unused = frozen and count_unused(type(self).__name__, b["frozen_denom"], self.eps)
+        interval = state["interval"]
+        self._lr_sums = [float(x) for x in interval["lr_sums"]]
+        self._weight_sums = [float(x) for x in interval["weight_sums"]]
+        self._touched = [bool(x) for x in interval["touched"]]
+        if not any(self._touched):
+            return
+        if not own_state:  # another rank's interval: restart it from the anchor
+            n = len(self._touched)
+            self._lr_sums, self._weight_sums, self._touched = [0.0] * n, [0.0] * n, [False] * n
+            b["accum"].zero_()
+        # This rank's parameters inside the interval, from its anchor and accumulated momentum
+        # (whichever rank's weights the model was loaded with).
+        for p, (lo, hi), lr_sum, wd in zip(self.flat.params, self.flat.offsets, self._lr_sums,
+                                           self._hyper("weight_decay")):
+            _from_anchor(p, b["anchor"][lo:hi], b["accum"][lo:hi], b["frozen_denom"][lo:hi], lr=lr_sum,
+                         weight_decay=wd, step_size=1.0)
