@@ -13,7 +13,9 @@ warm-up, onebit's optimizer does both itself. Run each side with its own environ
 DeepSpeed's first ``step()`` only initialises its buffers, so its runs make one update fewer;
 ``--skip-first-step`` makes onebit's run do the same, for a step-by-step comparison (0/1 Adam's
 schedule then counts the skipped step too, as DeepSpeed's counter does: ``offset=1``).
-One JSON object per run is printed and appended to ``--out``.
+One JSON object per run is printed and appended to ``--out``; ``--report FILE`` prints, per
+config, task and set of overrides, onebit's held-out loss against DeepSpeed's on the same seeds:
+the mean paired gap with its 95% interval.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from pathlib import Path
 import torch
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--side", choices=("deepspeed", "onebit"), required=True)
-parser.add_argument("--config", required=True,
+parser.add_argument("--report", metavar="FILE", help="print the paired comparison of FILE's runs and exit")
+parser.add_argument("--side", choices=("deepspeed", "onebit"))
+parser.add_argument("--config",
                     help="a DeepSpeed JSON config with a OneBitAdam/OneBitLamb/ZeroOneAdam block")
 parser.add_argument("--task", default="byte_mlp")
 parser.add_argument("--steps", type=int, default=300)
@@ -38,9 +41,37 @@ parser.add_argument("--override", action="append", default=[], metavar="NAME=JSO
                     help="onebit side: a constructor override, e.g. clip_update=null (repeatable)")
 parser.add_argument("--skip-first-step", action="store_true",
                     help="onebit side: no update at step 1, as DeepSpeed's first step() (which only allocates)")
-parser.add_argument("--out", required=True)
+parser.add_argument("--out")
 parser.add_argument("--local_rank", type=int, default=-1)
 args = parser.parse_args()
+
+
+def report(rows: list[dict]) -> str:
+    from onebit.bench._analysis import mean_interval
+
+    theirs = {(r["config"], r["task"], r["seed"]): r for r in rows if r["side"] == "deepspeed"}
+    lines = ["| config | task | onebit overrides | seeds | DeepSpeed held-out | onebit held-out "
+             "| paired gap, mean ± 95% | per seed |", "|---|---|---|---|---|---|---|---|"]
+    groups = dict.fromkeys((r["config"], r["task"], json.dumps(r["overrides"])) for r in rows if r["side"] == "onebit")
+    for config, task, overrides in groups:
+        mine = [r for r in rows if r["side"] == "onebit" and (r["config"], r["task"], json.dumps(r["overrides"]))
+                == (config, task, overrides) and (config, task, r.get("seed", 0)) in theirs]
+        if not mine:
+            continue
+        pairs = [(theirs[(config, task, r.get("seed", 0))]["heldout_loss"], r["heldout_loss"]) for r in mine]
+        gaps = [100 * (b / a - 1) for a, b in pairs]
+        mean, half = mean_interval(gaps)
+        lines.append(f"| {config} | `{task}` | {overrides if overrides != '{}' else '—'} | {len(pairs)} "
+                     f"| {sum(a for a, _ in pairs) / len(pairs):.4f} | {sum(b for _, b in pairs) / len(pairs):.4f} "
+                     f"| {mean:+.1f}% ± {half:.1f} | {', '.join(f'{g:+.1f}' for g in gaps)} |")
+    return "\n".join(lines)
+
+
+if args.report:
+    print(report([json.loads(line) for line in Path(args.report).read_text().splitlines() if line.strip()]))
+    sys.exit(0)
+if args.side is None or args.config is None or args.out is None:
+    parser.error("--side, --config and --out are required (or --report)")
 config = json.loads(Path(args.config).read_text())
 if args.freeze_step is not None:
     config["optimizer"]["params"]["freeze_step"] = args.freeze_step

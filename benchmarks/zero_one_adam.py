@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from onebit.bench._analysis import mean_interval
 from onebit.bench._convergence import ConvergenceTask, measure_training
 from onebit.launch import spawn
 from onebit.optim import REGISTRY, make_optimizer
@@ -79,15 +79,6 @@ def _cell(rank: int, world: int, task_name: str, cell: str, seed: int, steps: in
             "losses": run["losses"]}
 
 
-def _interval(values: list[float]) -> tuple[float, float]:
-    """Mean and the half-width of its 95% t-interval."""
-    t95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
-    mean = statistics.fmean(values)
-    if len(values) < 2:
-        return mean, math.inf
-    return mean, t95.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values))
-
-
 def report(rows: list[dict[str, Any]]) -> str:
     """Per task and cell: held-out loss (mean), paired gap to AdamW (mean +- 95%), bytes, rounds."""
     def key(r: dict[str, Any]) -> tuple[str, int, bool]:
@@ -103,7 +94,7 @@ def report(rows: list[dict[str, Any]]) -> str:
             if not mine:
                 continue
             gaps = [100 * (r["heldout_loss"] / base[(*run, r["seed"])]["heldout_loss"] - 1) for r in mine]
-            mean, half = _interval(gaps)
+            mean, half = mean_interval(gaps)
             gap = "—" if cell == "adamw" else f"{mean:+.1f}% ± {half:.1f}"
             lines.append(f"| `{task}` | {steps}{', cosine' if cosine else ''} | {cell} | {len(mine)} "
                          f"| {statistics.fmean(r['heldout_loss'] for r in mine):.4f} "

@@ -177,9 +177,10 @@ def test_bench_convergence_small_matrix_with_deepspeed_cells(tmp_path, capsys):
             "--batch-size", "4", "--world-size", "2", "--out", str(out), "--quiet"]
     assert main(argv) == 0
     cells = json.loads((out / "summary.json").read_text())["cells"]
-    one_lr = ["adamw"] + [f"{name}@{f}%" for name in ("onebit_adam", "onebit_adam_overlap") for f in (10, 20, 40)]
+    one_lr = ["adamw"] + [f"{name}@{f}%" for name in ("onebit_adam", "onebit_adam_overlap", "zero_one_adam")
+                          for f in (10, 20, 40)]
     assert [c["label"] for c in cells] == one_lr * 2
-    assert [c["freeze_step"] for c in cells[:7]] == [None, 1, 1, 2, 1, 1, 2]
+    assert [c["freeze_step"] for c in cells[:10]] == [None, 1, 1, 2, 1, 1, 2, 1, 1, 2]
     assert all(c["replicas"] == "identical" and c["first_nonfinite_step"] is None for c in cells)
     assert cells[0]["gap_pct"] == 0.0 and len(cells[1]["losses"]) == 5
     # DeepSpeed's cells, written next to the summary by benchmarks/deepspeed_convergence.py

@@ -128,30 +128,37 @@ def test_bad_arguments():
 
 
 def _optimizers_worker(rank, world, per_node):
-    import onebit
     from _problem import run_problem
 
+    from onebit.optim import REGISTRY, make_optimizer
+
     out = {}
-    for name in ("OnebitAdam", "OnebitLamb"):
+    for name in _WARMED_UP:
         for mode in (True, False):
-            cls = getattr(onebit, name)
-            res = run_problem(
-                lambda p: cls(p, lr=0.01, freeze_step=3, hierarchical=mode, ranks_per_node=per_node), rank, 8
-            )
+            kw = dict(REGISTRY[name].test_kwargs, hierarchical=mode, ranks_per_node=per_node)
+            res = run_problem(lambda p: make_optimizer(name, p, **kw), rank, 8)
             out[name, mode] = (res["digests"], [s["stage"] for s in res["stats"]])
     return out
 
 
-def test_onebit_adam_and_lamb_accept_the_hierarchical_exchange():
+# The registry's optimizers with an exact warm-up (or 0/1 Adam's refreshes) that take hierarchical=
+_WARMED_UP = ("onebit_adam", "onebit_lamb", "zero_one_adam")
+
+
+def test_optimizers_with_a_warm_up_accept_the_hierarchical_exchange():
+    from onebit.optim import REGISTRY
+
+    assert set(_WARMED_UP) == {n for n, s in REGISTRY.items() if s.hierarchical and s.freeze is not None}
     res = run_ranks(_optimizers_worker, 4, 2)
     for key in res[0]:
         assert len({tuple(r[key][0]) for r in res}) == 1, f"replicas differ for {key}"
         assert res[0][key][1][-1] == "compressed"
-    # Same warm-up, different compressed exchange.
-    assert res[0]["OnebitAdam", True][0][:3] == res[0]["OnebitAdam", False][0][:3]
-    assert res[0]["OnebitAdam", True][0][-1] != res[0]["OnebitAdam", False][0][-1]
+    # Same exact steps, different compressed exchange.
+    for name, exact in (("onebit_adam", 2), ("zero_one_adam", 2)):
+        assert res[0][name, True][0][:exact] == res[0][name, False][0][:exact]
+        assert res[0][name, True][0][-1] != res[0][name, False][0][-1]
     # One rank per node: exactly the flat exchange.
     flat = run_ranks(_optimizers_worker, 2, 1)
     for r in flat:
-        assert r["OnebitAdam", True] == r["OnebitAdam", False]
-        assert r["OnebitLamb", True] == r["OnebitLamb", False]
+        for name in _WARMED_UP:
+            assert r[name, True] == r[name, False]

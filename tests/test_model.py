@@ -1,5 +1,7 @@
 """The alpha-beta cost model against hand-computed volumes and the 1-bit Adam paper's volume formula."""
 
+import statistics
+
 import pytest
 
 from onebit.bench._model import ModelInput, collective_cost, predict, rank_bytes
@@ -72,3 +74,15 @@ def test_bad_input():
         ModelInput(params=1, world_size=4, nodes=4, bandwidth=1e9, value_bytes=8)
     with pytest.raises(ValueError, match="unknown collective 'ring'"):
         collective_cost("ring", ModelInput(params=1, world_size=4, nodes=4, bandwidth=1e9))
+
+
+def test_mean_interval_is_the_t_interval():
+    from onebit.bench._analysis import mean_interval
+
+    mean, half = mean_interval([1.0, 2.0, 3.0])  # sd 1, t(2) = 4.303
+    assert mean == 2.0 and half == pytest.approx(4.303 / 3**0.5)
+    assert mean_interval([5.0, 5.0, 5.0, 5.0]) == (5.0, 0.0)
+    assert mean_interval([1.0])[1] == float("inf")
+    # 12 degrees of freedom are not in the table: the smaller df's t (10: 2.228 > t(12) = 2.179), wider
+    values = [float(i % 3) for i in range(13)]
+    assert mean_interval(values)[1] == pytest.approx(2.228 * statistics.stdev(values) / 13**0.5)

@@ -113,7 +113,7 @@ def _zero_one_adam(world, steps, lr, b1, b2, eps, wd, schedule, bias_correction,
 
 
 # ---------------------------------------------------------------- tests
-@pytest.mark.parametrize("world,defaults", [(2, False), (3, False), (2, True), (3, True)])
+@pytest.mark.parametrize("world,defaults", [(2, False), (3, True)])
 def test_matches_algorithm_1_with_local_steps(world, defaults):
     kw = dict(lr=0.02, betas=(0.9, 0.99), eps=1e-8)
     # onebit's form (bias correction, weight decay, a clip tight enough to bind), or DeepSpeed's
@@ -218,9 +218,8 @@ def _missing(rank, world):
     return out, all(torch.equal(a, b) for a, b in zip(before, (frozen, unused)))
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_missing_and_partial_gradients_through_local_steps(world):
-    res = run_ranks(_missing, world)
+def test_missing_and_partial_gradients_through_local_steps():
+    res = run_ranks(_missing, 3)
     assert all(untouched for _, untouched in res)
     for t, (stage, d) in enumerate(res[0][0]):
         if stage != "local":

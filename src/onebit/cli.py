@@ -147,6 +147,9 @@ def _training_flags(p: argparse.ArgumentParser, steps: int, out: str, bandwidth:
                    help="last warm-up step of 1-bit Adam/LAMB: an int or 'auto' (default: 20%% of --steps)")
     p.add_argument("--topk-ratio", type=_positive_float, default=0.01, help="Comp-AMS top-k fraction")
     p.add_argument("--qadam-bits", type=_positive_int, default=1, help="QAdam's bits per value")
+    p.add_argument("--local-step-scaler", type=_positive_int, default=None,
+                   help="0/1 Adam: steps per doubling of the local-step interval (default: a quarter of "
+                        "--freeze-step; larger than --steps: no local steps)")
     p.add_argument("--powersgd-rank", type=_positive_int, default=1, help="ddp_powersgd's matrix rank")
     p.add_argument("--hierarchical", action="store_true",
                    help="1-bit exchanges use the Hierarchical-1-bit-All-Reduce (ranks per node from --nodes)")
@@ -175,7 +178,8 @@ def _config(args: argparse.Namespace, optimizer: str):
         batch_size=args.batch_size, lr=args.lr, schedule=args.schedule, warmup_steps=args.warmup_steps,
         freeze_step=args.freeze_step if args.freeze_step is not None else max(1, args.steps // 5),
         seed=args.seed, topk_ratio=min(args.topk_ratio, 1.0), qadam_bits=args.qadam_bits,
-        powersgd_rank=args.powersgd_rank, hierarchical=args.hierarchical, context=args.context,
+        local_step_scaler=args.local_step_scaler, powersgd_rank=args.powersgd_rank, hierarchical=args.hierarchical,
+        context=args.context,
         hidden=args.hidden, d_model=args.d_model, layers=args.layers, heads=args.heads,
         checkpoint_every=args.checkpoint_every, resume=args.resume, backend=getattr(args, "backend", "torch"),
     )

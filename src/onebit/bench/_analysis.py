@@ -3,13 +3,20 @@ comparison table, the demo's verdict, time to a target loss. ``cli.py`` parses a
 
 from __future__ import annotations
 
+import math
+import statistics
 from dataclasses import replace
 from typing import Any
 
 from ._model import ModelInput, predict
 from ._runs import NO_COMMUNICATION
 
-__all__ = ["compare_rows", "demo_verdict", "fmt", "ms", "time_to_loss"]
+__all__ = ["compare_rows", "demo_verdict", "fmt", "mean_interval", "ms", "time_to_loss"]
+
+# Student's t at 97.5% by degrees of freedom (two-sided 95% intervals); between entries the
+# smaller df's, a slightly wider interval.
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+         15: 2.131, 20: 2.086, 30: 2.042}
 
 
 def fmt(value: float | None, spec: str) -> str:
@@ -18,6 +25,17 @@ def fmt(value: float | None, spec: str) -> str:
 
 def ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1e3:.1f}"
+
+
+def mean_interval(values: list[float]) -> tuple[float, float]:
+    """The mean of ``values`` (paired differences, say) and the half-width of its 95% t-interval
+    (``inf`` for a single value)."""
+    mean = statistics.fmean(values)
+    n = len(values)
+    if n < 2:
+        return mean, math.inf
+    t = _T975[max(k for k in _T975 if k <= n - 1)]
+    return mean, t * statistics.stdev(values) / math.sqrt(n)
 
 
 def demo_verdict(summaries: dict[str, dict], *, nodes: int | None, world_size: int, steps: int) -> list[str]:
@@ -75,7 +93,17 @@ def compare_rows(summaries: dict[str, dict], runs: dict[str, list[dict[str, Any]
     compute = max(0.0, base_step - base_comm)
     note = (f"{baseline}: {base_step * 1e3:.1f} ms/step, of which {base_comm * 1e3:.1f} ms "
             f"({100 * base_comm / base_step:.0f}%) in its collectives")
-    predictions = {} if model is None else {p.optimizer: p for p in predict(replace(model, compute=compute))}
+
+    def prediction(name: str) -> Any:
+        """The cost model's row for ``name``, with 0/1 Adam's refresh and local-step shares as run."""
+        if model is None:
+            return None
+        stages = [r["stage"] for r in runs[name]] or [""]
+        shares = {k: sum(s == stage for s in stages) / len(stages) for k, stage in
+                  (("refresh_fraction", "variance"), ("local_fraction", "local"))}
+        key = "birder_hierarchical" if name == "birder" and hierarchical else name
+        return next((p for p in predict(replace(model, compute=compute, **shares)) if p.optimizer == key), None)
+
     # What users run (DDP's overlapped fp32 all-reduce) and the compute floor (no communication),
     # when they ran in the same comparison: each optimizer's last stage against them.
     def step_of(name: str) -> float | None:
@@ -91,8 +119,7 @@ def compare_rows(summaries: dict[str, dict], runs: dict[str, list[dict[str, Any]
         reach = time_to_loss(runs[name], target)
         steps = s["step_time_s"]
         stage_time = steps.get("compressed") or steps.get("warmup")
-        key = "birder_hierarchical" if name == "birder" and hierarchical else name
-        pred = predictions.get(key)
+        pred = prediction(name)
         sent = s["bytes_sent_per_rank"]
         overlap = s.get("overlap", {})
         rows.append([

@@ -176,9 +176,10 @@ def _registry_optimizer(name: str, params, cfg, exchange: dict[str, Any]) -> tor
         kw.update(spec.freeze(cfg.freeze_step))
     if spec.seeded:
         kw["seed"] = cfg.seed
-    # what some constructors take: Adam's bias correction, Top-k's ratio, QAdam's bits
+    # what some constructors take: Adam's bias correction, Top-k's ratio, QAdam's bits, 0/1 Adam's local steps
     takes = inspect.signature(spec.cls).parameters
-    options = {"bias_correction": cfg.bias_correction, "ratio": cfg.topk_ratio, "bits": cfg.qadam_bits}
+    options = {"bias_correction": cfg.bias_correction, "ratio": cfg.topk_ratio, "bits": cfg.qadam_bits,
+               **({"local_step_scaler": cfg.local_step_scaler} if cfg.local_step_scaler is not None else {})}
     kw.update({k: v for k, v in options.items() if k in takes})
     return make_optimizer(name.removesuffix("_overlap"), params, **kw)
 

@@ -86,14 +86,15 @@ class OnebitOptimizer(Optimizer):
     ``max_grad_norm`` (gradient clipping, DeepSpeed's ``gradient_clipping``): where the
     optimizer forms the averaged gradient -- the warm-up of 1-bit Adam and 1-bit LAMB,
     SoftSignSGD, Comp-AMS's average of compressed gradients, OnebitAdamNaive's compressed
-    average -- that gradient is scaled by ``min(1, max_grad_norm / (norm + 1e-6))`` over all
-    parameters, exactly what ``torch.nn.utils.clip_grad_norm_`` does on one process. Where
-    it never exists -- the compression stage of 1-bit Adam and 1-bit LAMB, Birder, QAdam,
-    which exchange momentum or updates -- each rank clips its own local gradient the same
-    way, in place in ``p.grad`` as ``clip_grad_norm_`` would, before it enters its moments
-    (what DeepSpeed's engine did in that stage). Calling ``clip_grad_norm_`` yourself before
-    ``step()`` clips the *local* gradient of each rank (never the average, which does not
-    exist yet), at every stage.
+    average, 0/1 Adam's steps up to ``var_freeze_step`` -- that gradient is scaled by
+    ``min(1, max_grad_norm / (norm + 1e-6))`` over all parameters, exactly what
+    ``torch.nn.utils.clip_grad_norm_`` does on one process. Where it never exists -- the
+    compression stage of 1-bit Adam and 1-bit LAMB, 0/1 Adam's after ``var_freeze_step``,
+    Birder, QAdam, which exchange momentum or updates or take local steps -- each rank clips
+    its own local gradient the same way, in place in ``p.grad`` as ``clip_grad_norm_`` would,
+    before it enters its moments (what DeepSpeed's engine did in that stage). Calling
+    ``clip_grad_norm_`` yourself before ``step()`` clips the *local* gradient of each rank
+    (never the average, which does not exist yet), at every stage.
 
     Missing gradients, one rule for every optimizer: a parameter whose ``.grad`` is ``None``
     on every rank (frozen, or unused this step) is not updated -- no step, no weight decay,
@@ -184,8 +185,15 @@ class OnebitOptimizer(Optimizer):
         super().add_param_group(param_group)
 
     @property
+    def synchronised(self) -> bool:
+        """Whether the replicas are meant to be bit-identical now (False only inside an interval
+        of 0/1 Adam's local steps)."""
+        return True
+
+    @property
     def freeze(self) -> Any:
-        """The :class:`onebit.optim.FreezeSchedule` that ends the warm-up (None without one)."""
+        """What ends the warm-up: a :class:`onebit.optim.FreezeSchedule`, 0/1 Adam's
+        :class:`onebit.optim.ZeroOneSchedule`, or None without one."""
         return self._stages.schedule
 
     # ------------------------------------------------------------------ the contract

@@ -6,10 +6,10 @@ says whether it has a gradient on some rank):
 
 * :func:`refresh_variance` -- a step of ``T_v``: the gradients' exact average ``g`` updates
   both moments, ``m <- beta1 m + (1 - beta1) g``, ``v <- beta2 v + (1 - beta2) g^2``, and
-  Adam steps (Algorithm 1's variance update, eq. (3) of the paper's section 4).
-* :func:`local_step` -- a step outside ``T_u``: ``m <- beta1 m + (1 - beta1) g_local``, the
-  step-size-weighted sum ``u <- u + (lr / bc1) m`` grows, and the parameters move to
-  ``x = x_anchor (1 - sum(lr) wd) - u / d`` (Algorithm 1's ``x_{t+1/2}`` and ``u_{t+1/2}``).
+  Adam steps (Algorithm 1's variance update).
+* :func:`local_step` -- a step outside ``T_u``, ``m <- beta1 m + (1 - beta1) g_local`` formed
+  by the class: the step-size-weighted sum ``u <- u + (lr / bc1) m`` grows, and the parameters
+  move to ``x = x_anchor (1 - sum(lr) wd) - u / d`` (Algorithm 1's ``x_{t+1/2}``, ``u_{t+1/2}``).
 * :func:`synchronise` -- a step of ``T_u``: before ``var_freeze_step``, the gradients' 1-bit
   average ``g`` enters ``m <- beta1 m + (1 - beta1) g``; after it, the interval's weighted
   average momentum ``u / S`` (``S = sum(lr / bc1)``) went through the 1-bit all-reduce and
@@ -23,7 +23,6 @@ bias correction).
 from __future__ import annotations
 
 import bisect
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -253,7 +252,8 @@ class ZeroOneAdam(OnebitOptimizer):
     * **1-bit synchronisation** (``T_u``): every other step exchanges through the
       error-compensated 1-bit all-reduce (:class:`onebit.comm.CompressedAllReduce`) -- up to
       ``var_freeze_step`` the gradients, whose average enters ``m`` (as DeepSpeed, the
-      authors' implementation, does; the docs compare the two); after it the momentum, whose average replaces ``m`` (the errors restart at the freeze).
+      authors' implementation, does; the docs compare the two); after it the momentum, whose
+      average replaces ``m`` (the errors restart at the freeze).
     * **Local steps** (after ``var_freeze_step``): the synchronisation interval ``H`` starts at 1
       and doubles every ``local_step_scaler`` steps, up to ``local_step_clipper``. Between
       synchronisations each rank steps on its own gradients and sends nothing
@@ -519,12 +519,17 @@ class ZeroOneAdam(OnebitOptimizer):
         self._link_state()
 
     # ------------------------------------------------------------------ replicas and checkpoints
+    @property
+    def synchronised(self) -> bool:
+        """False inside an interval of local steps, where the ranks' parameters differ by design."""
+        return not any(self._touched)
+
     @torch.no_grad()
     def check_replicas(self) -> None:
         """As :meth:`OnebitOptimizer.check_replicas`; during an interval of local steps the
         ranks' parameters differ by design, and the anchors (the parameters of the last
         synchronisation) are compared instead."""
-        inside = any(self._touched)
+        inside = not self.synchronised
         tensors = self.flat.views("anchor") if inside else None
         message = check_replicas(self, tensors)
         if message:
