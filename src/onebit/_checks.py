@@ -20,6 +20,7 @@ __all__ = [
     "check_nonneg",
     "check_optional_positive",
     "check_positive",
+    "check_positive_int",
     "check_seed",
 ]
 
@@ -55,6 +56,14 @@ def check_positive(name: str, value: object, *, allow_zero: bool = False) -> flo
     if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
         raise ValueError(f"Invalid {name} value: {value}")
     return float(value)
+
+
+def check_positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"Invalid {name} value: {value!r} (expected an int >= 1)")
+    if value < 1:
+        raise ValueError(f"Invalid {name} value: {value} (expected an int >= 1)")
+    return value
 
 
 def check_nonneg(name: str, value: object) -> float:

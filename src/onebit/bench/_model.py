@@ -190,7 +190,7 @@ def predict(m: ModelInput) -> list[Prediction]:
         step = m.compute + seconds + kernel
         s = base_step / step if step > 0 else 1.0
         mean_step = warm * base_step + local * m.compute + (1.0 - warm - local) * step
-        end_to_end = base_step / mean_step if mean_step > 0 else 1.0 / (warm + (1.0 - warm - local) / s)
+        end_to_end = base_step / mean_step if mean_step > 0 else 1.0
         sent = warm + (1.0 - warm - local) * rank_bytes(kind, m) / base_volume if base_volume else 0.0
         volume = 1.0 / sent if sent > 0 else 1.0
         out.append(Prediction(name, collective, egress, seconds, step, s, warm, end_to_end, volume))

@@ -33,6 +33,8 @@ _ZERO_ONE = ("lr", "betas", "eps", "weight_decay", "var_freeze_step", "var_updat
 _HANDLED = ("bias_correction", "eps_inside_sqrt", "max_grad_norm", "amsgrad", "cuda_aware", "comm_backend_name")
 _TYPES = {"onebitadam": (OnebitAdam, _COMMON), "onebitlamb": (OnebitLamb, _COMMON + _LAMB),
           "zerooneadam": (ZeroOneAdam, _ZERO_ONE)}
+# Whose update never applied bias correction in DeepSpeed, whatever the config said.
+_UNCORRECTED = (OnebitAdam, ZeroOneAdam)
 _FREEZE_DEFAULT = 100_000  # DeepSpeed's default freeze_step of 1-bit Adam and LAMB
 
 
@@ -110,7 +112,7 @@ def from_deepspeed_config(
         kwargs.setdefault("freeze_step", _FREEZE_DEFAULT)
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
-    if cls is not OnebitLamb:
+    if cls in _UNCORRECTED:
         kwargs["bias_correction"] = False
     kwargs["group"] = "mpi" if backend == "mpi" else None
     clipping = cfg.get("gradient_clipping", 0.0)

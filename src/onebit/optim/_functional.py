@@ -12,7 +12,8 @@ from torch import Tensor
 
 from ..ops import clamp_scaled_
 
-__all__ = ["UpdateByChunks", "adam_denominator", "adam_step_bound", "apply_update_", "clip_to_adam_step_", "ema_"]
+__all__ = ["UpdateByChunks", "adam_denominator", "adam_denominators", "adam_step_bound", "apply_update_",
+           "clip_to_adam_step_", "ema_"]
 
 _BLOCK = 1 << 20  # values per block where a step needs scratch: its size is bounded, not the model's
 
@@ -21,6 +22,15 @@ def adam_denominator(exp_avg_sq: Tensor, *, eps: float, bias_correction2: float,
     """``sqrt(v / bias_correction2) + eps`` -- the preconditioner of eq. (1)."""
     out = torch.sqrt(exp_avg_sq, out=out)
     return out.div_(math.sqrt(bias_correction2)).add_(eps)
+
+
+def adam_denominators(exp_avg_sq: Tensor, offsets: Sequence[tuple[int, int]], *, eps: float,
+                      bias_corrections2: Sequence[float], out: Tensor) -> Tensor:
+    """:func:`adam_denominator` of each parameter's slice ``[lo, hi)`` of the flat ``exp_avg_sq``,
+    with its own ``bias_correction2``, into the flat ``out`` (which may be ``exp_avg_sq`` itself)."""
+    for (lo, hi), bc2 in zip(offsets, bias_corrections2):
+        adam_denominator(exp_avg_sq[lo:hi], eps=eps, bias_correction2=bc2, out=out[lo:hi])
+    return out
 
 
 def adam_step_bound(beta1: float, beta2: float) -> float:

@@ -20,7 +20,7 @@ from .._checks import check_adam_args, check_bool, check_optional_positive
 from ._base import OneStage, OnebitOptimizer
 from ._driver import COMPRESSED_FORMED, COMPRESSED_GRADIENT, EXACT_GRADIENT, Wire, allreduce_factory
 from ._freeze import TwoStages, count_unused, freeze_schedule, mask_unused_, warn_early_freeze
-from ._functional import adam_denominator, apply_update_, clip_to_adam_step_, ema_
+from ._functional import adam_denominator, adam_denominators, apply_update_, clip_to_adam_step_, ema_
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -269,9 +269,8 @@ class OnebitAdam(_AdamFamily):
         takes ``v``'s buffer rather than a second model-sized one, and costs nothing per step."""
         frozen_at = self._stages.frozen_at
         v = self.flat.buffers["exp_avg_sq"]
-        for (lo, hi), (_, beta2) in zip(self.flat.offsets, self._hyper("betas")):
-            bc2 = 1.0 - beta2**frozen_at if self.bias_correction else 1.0
-            adam_denominator(v[lo:hi], eps=self.eps, bias_correction2=bc2, out=v[lo:hi])
+        bc2 = [1.0 - beta2**frozen_at if self.bias_correction else 1.0 for _, beta2 in self._hyper("betas")]
+        adam_denominators(v, self.flat.offsets, eps=self.eps, bias_corrections2=bc2, out=v)
         self._use_frozen_layout(True)
         self._note_unused()
         if not self.bias_correction:

@@ -30,13 +30,13 @@ import torch
 from torch import Tensor
 
 from .. import comm
-from .._checks import check_adam_args, check_bool, check_optional_positive
+from .._checks import check_adam_args, check_bool, check_optional_positive, check_positive_int
 from ..ops import zero_where_equal_
 from ._agreement import check_replicas
 from ._base import OnebitOptimizer, ReplicaDivergence
 from ._driver import COMPRESSED_FORMED, COMPRESSED_GRADIENT, LOCAL, Wire, allreduce_factory
 from ._freeze import count_unused, mask_unused_
-from ._functional import adam_denominator, apply_update_, clip_to_adam_step_, ema_
+from ._functional import adam_denominator, adam_denominators, apply_update_, clip_to_adam_step_, ema_
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -47,14 +47,6 @@ __all__ = ["ZeroOneAdam", "ZeroOneSchedule", "local_step", "refresh_variance", "
 
 # A refresh step: the gradients' exact fp32 average (the variance needs it; so does nothing else).
 REFRESH = Wire("variance", formed=False, exact=True)
-
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"Invalid {name} value: {value!r} (expected an int >= 1)")
-    if value < 1:
-        raise ValueError(f"Invalid {name} value: {value} (expected an int >= 1)")
-    return value
 
 
 class ZeroOneSchedule:
@@ -83,10 +75,10 @@ class ZeroOneSchedule:
 
     def __init__(self, var_freeze_step: int, var_update_scaler: int, local_step_scaler: int,
                  local_step_clipper: int, *, offset: int = 0) -> None:
-        self.var_freeze_step = _positive_int("var_freeze_step", var_freeze_step)
-        self.var_update_scaler = _positive_int("var_update_scaler", var_update_scaler)
-        self.local_step_scaler = _positive_int("local_step_scaler", local_step_scaler)
-        self.local_step_clipper = _positive_int("local_step_clipper", local_step_clipper)
+        self.var_freeze_step = check_positive_int("var_freeze_step", var_freeze_step)
+        self.var_update_scaler = check_positive_int("var_update_scaler", var_update_scaler)
+        self.local_step_scaler = check_positive_int("local_step_scaler", local_step_scaler)
+        self.local_step_clipper = check_positive_int("local_step_clipper", local_step_clipper)
         self.offset = offset
         # The refresh steps, one block of var_update_scaler per interval (a few hundred at most).
         self._refresh_steps: list[int] = []
@@ -405,6 +397,10 @@ class ZeroOneAdam(OnebitOptimizer):
         """``lr / bc1`` of ``step``: what the step moves ``x`` by per unit of ``m / d``."""
         return group["lr"] / (1.0 - group["betas"][0] ** step if self.bias_correction else 1.0)
 
+    def _weights(self, step: int) -> list[float]:
+        """:meth:`_weight` of every parameter (read afresh: LR schedulers change ``lr``)."""
+        return [self._weight(g, step) for g in self.param_groups for _ in g["params"]]
+
     def _corrections(self, step: int) -> tuple[list[float], list[float]]:
         """Per parameter: ``1 - beta1^step`` and ``1 - beta2^k`` (k refreshes so far), or ones."""
         betas = self._hyper("betas")
@@ -428,15 +424,12 @@ class ZeroOneAdam(OnebitOptimizer):
         if "frozen_denom" in b:
             return b["frozen_denom"]
         _, bc2 = self._corrections(self._step_count)
-        v = b["exp_avg_sq"]
-        for (lo, hi), c in zip(self.flat.offsets, bc2):
-            adam_denominator(v[lo:hi], eps=self.eps, bias_correction2=c, out=self._grad[lo:hi])
-        return self._grad
+        return adam_denominators(b["exp_avg_sq"], self.flat.offsets, eps=self.eps, bias_corrections2=bc2,
+                                 out=self._grad)
 
     def _local(self) -> None:
         step, b = self._step_count, self.flat.buffers
-        weights = [self._weight(g, step) for g in self.param_groups for _ in g["params"]]
-        lrs = self._hyper("lr")
+        weights, lrs = self._weights(step), self._hyper("lr")
         for i, active in enumerate(self._active):
             if active:
                 self._lr_sums[i] += lrs[i]
@@ -463,9 +456,7 @@ class ZeroOneAdam(OnebitOptimizer):
                     ema_(b["exp_avg"][lo:hi], gradient[lo:hi], beta1)
         moving = [a or t for a, t in zip(self._active, self._touched)]
         lr_sums = [s + (lr if a else 0.0) for s, lr, a in zip(self._lr_sums, lrs, self._active)]
-        weights = [s + (self._weight(g, step) if a else 0.0)
-                   for s, g, a in zip(self._weight_sums, (g for g in self.param_groups for _ in g["params"]),
-                                      self._active)]
+        weights = [s + (w if a else 0.0) for s, w, a in zip(self._weight_sums, self._weights(step), self._active)]
         m, denom = b["exp_avg"], self._denominator()
         self._protect(m, denom, moving, step)
         synchronise(self.flat.params, self.flat.offsets, moving=moving, exp_avg=m, anchor=b.get("anchor"),
@@ -502,8 +493,7 @@ class ZeroOneAdam(OnebitOptimizer):
                 c.reset()
         _, bc2 = self._corrections(self._step_count)
         v = self.flat.buffers["exp_avg_sq"]
-        for (lo, hi), c in zip(self.flat.offsets, bc2):
-            adam_denominator(v[lo:hi], eps=self.eps, bias_correction2=c, out=v[lo:hi])
+        adam_denominators(v, self.flat.offsets, eps=self.eps, bias_corrections2=bc2, out=v)
         self.flat.rename("exp_avg_sq", "frozen_denom")
         self._link_state()
         self._grad = None
