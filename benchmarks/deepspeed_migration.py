@@ -49,7 +49,7 @@ args = parser.parse_args()
 def report(rows: list[dict]) -> str:
     from onebit.bench._analysis import mean_interval
 
-    theirs = {(r["config"], r["task"], r["seed"]): r for r in rows if r["side"] == "deepspeed"}
+    theirs = {(r["config"], r["task"], r.get("seed", 0)): r for r in rows if r["side"] == "deepspeed"}
     lines = ["| config | task | onebit overrides | seeds | DeepSpeed held-out | onebit held-out "
              "| paired gap, mean ± 95% | per seed |", "|---|---|---|---|---|---|---|---|"]
     groups = dict.fromkeys((r["config"], r["task"], json.dumps(r["overrides"])) for r in rows if r["side"] == "onebit")

@@ -171,30 +171,34 @@ def test_truncated_checkpoint_gives_a_clear_error(tmp_path):
         main(["train", "--steps", "4", "--resume", *common])
 
 
-def test_bench_convergence_small_matrix_with_deepspeed_cells(tmp_path, capsys):
+def test_bench_convergence_pairs_seeds_and_reports_intervals(tmp_path, capsys):
     out = tmp_path / "conv"
-    argv = ["bench", "convergence", "--tasks", "byte_mlp", "--families", "adamw", "--steps", "5",
-            "--batch-size", "4", "--world-size", "2", "--out", str(out), "--quiet"]
+    argv = ["bench", "convergence", "--tasks", "digits", "--families", "adamw", "--steps", "5", "--seeds", "2",
+            "--freeze", "0.2,0.4", "--batch-size", "4", "--world-size", "2", "--out", str(out), "--quiet"]
     assert main(argv) == 0
-    cells = json.loads((out / "summary.json").read_text())["cells"]
-    one_lr = ["adamw"] + [f"{name}@{f}%" for name in ("onebit_adam", "onebit_adam_overlap", "zero_one_adam")
-                          for f in (10, 20, 40)]
-    assert [c["label"] for c in cells] == one_lr * 2
-    assert [c["freeze_step"] for c in cells[:10]] == [None, 1, 1, 2, 1, 1, 2, 1, 1, 2]
-    assert all(c["replicas"] == "identical" and c["first_nonfinite_step"] is None for c in cells)
-    assert cells[0]["gap_pct"] == 0.0 and len(cells[1]["losses"]) == 5
-    # DeepSpeed's cells, written next to the summary by benchmarks/deepspeed_convergence.py
-    base = cells[0]["heldout_loss"]
-    (out / "deepspeed.jsonl").write_text(json.dumps({"task": "byte_mlp", "optimizer": "deepspeed_OneBitAdam",
-                                                     "lr": 1e-3, "heldout_loss": base * 1.1,
-                                                     "first_nonfinite_step": None}) + "\n")
+    summary = json.loads((out / "summary.json").read_text())
+    runs = summary["runs"]
+    labels = ["adamw"] + [f"{name}@{f}%" for name in ("onebit_adam_identity", "onebit_adam", "zero_one_adam")
+                          for f in (20, 40)]
+    assert [r["label"] for r in runs] == labels * 2 and [r["seed"] for r in runs] == [0] * 7 + [1] * 7
+    assert [r["freeze_step"] for r in runs[:7]] == [None, 1, 2, 1, 2, 1, 2]
+    assert all(r["replicas"] == "identical" and r["first_nonfinite_step"] is None for r in runs)
+    # digits is scored by its error rate on the whole held-out set, a gap in points
+    row = next(a for a in summary["aggregate"] if a["label"] == "onebit_adam@20%")
+    base = {r["seed"]: r["heldout_error"] for r in runs if r["label"] == "adamw"}
+    mine = {r["seed"]: r["heldout_error"] for r in runs if r["label"] == "onebit_adam@20%"}
+    gaps = [mine[s] - base[s] for s in (0, 1)]
+    assert row["metric"] == "heldout_error" and row["gaps"] == pytest.approx(gaps)
+    assert row["gap_mean"] == pytest.approx(sum(gaps) / 2)
+    assert row["gap_half"] == pytest.approx(12.706 * abs(gaps[0] - gaps[1]) / 2)  # t(1) * s / sqrt(2)
+    assert row["target"] == 3.0 and row["verdict"] in ("met", "missed", "inconclusive")
+    control = next(a for a in summary["aggregate"] if a["label"] == "onebit_adam_identity@20%")
+    assert control["verdict"] == "control"
     assert main(["bench", "convergence", "--out", str(out), "--report-only"]) == 0
-    table = [line.split("|") for line in (out / "table.md").read_text().splitlines()]
-    column = [c.strip() for c in table[0]].index("deepspeed_OneBitAdam@20%")  # beside onebit_adam's cells
-    assert table[0][column - 1].strip() == "onebit_adam@40%"
-    assert [c.strip() for c in table[2][1:4]] == ["byte_mlp", "low", f"{base:.3f}"]
-    assert table[2][column].strip() == "+10.0%"
-    assert table[3][column].strip() == ""  # no DeepSpeed cell at the high learning rate
+    table = (out / "table.md").read_text().splitlines()
+    assert table[0] == "**adamw, lr 0.003**" and table[2] == "| optimizer | digits |"
+    line = next(t for t in table if t.startswith("| onebit_adam@20% |"))
+    assert line.startswith(f"| onebit_adam@20% | {row['gap_mean']:+.1f} pt ± {row['gap_half']:.1f}")
 
 
 def test_bench_memory_writes_the_table_and_summary(tmp_path, capsys):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import sys
 import time
 from collections.abc import Iterator
@@ -42,6 +43,13 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = _positive_float(text)
+    if value >= 1:
+        raise argparse.ArgumentTypeError(f"must be a fraction in (0, 1), got {text}")
     return value
 
 
@@ -334,16 +342,21 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _convergence_rows(results: list[dict[str, Any]]) -> list[list[str]]:
-    rows = [["task", "lr", "optimizer", "final loss", "held-out", "gap", "non-finite at", "MB sent/rank", "freeze"]]
-    for r in results:
-        rows.append([
-            r["task"], f"{r['lr']:g}", r["label"], f"{r['final_loss']:.4f}", f"{r['heldout_loss']:.4f}",
-            "-" if r["gap_pct"] is None else f"{r['gap_pct']:+.1f}%",
-            str(r["first_nonfinite_step"] or "-"), f"{r['bytes_sent_per_rank'] / 1e6:.2f}",
-            str(r["freeze_step"] or "-"),
+def _convergence_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
+    out = [["task", "lr", "optimizer", "seeds", "score (mean)", "paired gap", "95% ±", "target", "verdict",
+            "steps to target"]]
+    for r in rows:
+        finite = [v for v in r["score"] if math.isfinite(v)]
+        reached = [f for f in r.get("steps_to_target", []) if f is not None]
+        out.append([
+            r["task"], f"{r['lr']:g}", r["label"], str(len(r["seeds"])),
+            f"{sum(finite) / len(finite):.4f}" if finite else "nan",
+            fmt(r.get("gap_mean"), "+.2f"), fmt(r.get("gap_half"), ".2f"), fmt(r.get("target"), "g"),
+            r.get("verdict", "counterpart"),
+            "" if "steps_to_target" not in r else
+            f"{sum(reached) / len(reached):.2f} ({len(reached)}/{len(r['seeds'])})" if reached else "never",
         ])
-    return rows
+    return out
 
 
 def _names(text: str, known: tuple[str, ...], flag: str) -> tuple[str, ...]:
@@ -355,26 +368,31 @@ def _names(text: str, known: tuple[str, ...], flag: str) -> tuple[str, ...]:
 
 
 def _bench_convergence(args: argparse.Namespace) -> int:
-    from .bench._convergence import CONVERGENCE_TASKS, FAMILIES, markdown_table, read_deepspeed, run_convergence
+    from .bench._convergence import (CONVERGENCE_TASKS, FAMILIES, LEVELS, aggregate, markdown_table,
+                                     run_convergence)
     from .bench._plot import plot_convergence
 
     out = Path(args.out or "runs/convergence")
     if args.report_only:
-        results = json.loads((out / "summary.json").read_text())["cells"]
+        runs = json.loads((out / "summary.json").read_text())["runs"]
     else:
         tasks = _names(args.tasks, CONVERGENCE_TASKS, "--tasks")
         families = _names(args.families, tuple(FAMILIES), "--families")
-        print(f"onebit bench convergence: {len(tasks)} tasks x {len(families)} optimizer families, "
-              f"{args.world_size} gloo ranks, {args.steps} steps, batch {args.batch_size}/rank")
-        results = run_convergence(out, tasks, families, steps=args.steps, batch=args.batch_size,
-                                  world=args.world_size, progress=not args.quiet, max_grad_norm=args.max_grad_norm)
-    text = _table(_convergence_rows(results))
+        levels = LEVELS if args.lr == "both" else (args.lr,)
+        seeds = tuple(range(args.seeds))
+        print(f"onebit bench convergence: {len(tasks)} tasks x {len(families)} optimizer families x {len(seeds)} "
+              f"seeds, {args.world_size} gloo ranks, {args.steps} steps, batch {args.batch_size}/rank")
+        runs = run_convergence(out, tasks, families, steps=args.steps, batch=args.batch_size, world=args.world_size,
+                               seeds=seeds, levels=levels, freeze_fractions=tuple(args.freeze),
+                               extended=args.extended, schedule=args.schedule, iid=args.iid,
+                               progress=not args.quiet, max_grad_norm=args.max_grad_norm)
+    rows = aggregate(runs)
+    text = _table(_convergence_rows(rows))
     print(text)
     (out / "table.txt").write_text(text + "\n")
-    # DeepSpeed's cells, from benchmarks/deepspeed_convergence.py run into the same directory
-    (out / "table.md").write_text(markdown_table(results, read_deepspeed(out / "deepspeed.jsonl")) + "\n")
+    (out / "table.md").write_text(markdown_table(rows) + "\n")
     try:
-        print(f"loss plot: {plot_convergence(results, out / 'loss.png')}")
+        print(f"loss plot: {plot_convergence(runs, out / 'loss.png')}")
     except ImportError as exc:
         print(f"no loss plot: {exc}")
     print(f"summary: {out}/summary.json, tables: {out}/table.txt, {out}/table.md")
@@ -496,10 +514,23 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--backend", choices=("torch", "mpi"), default="torch",
                        help="'comm' over spawned gloo ranks (default) or, under mpirun, over MPI")
     conv = bench.add_argument_group("convergence (every optimizer vs its uncompressed counterpart)")
-    conv.add_argument("--tasks", default="byte_mlp,gpt,bert,digits,sparse_embed,frozen_unused",
-                      help="comma-separated tasks (default: all six)")
+    conv.add_argument("--tasks", default="gpt,digits,sparse_embed,frozen_unused",
+                      help="comma-separated tasks (default: gpt,digits,sparse_embed,frozen_unused; "
+                           "also byte_mlp, bert)")
     conv.add_argument("--families", default="adamw,lamb,amsgrad,softsign_sgd",
                       help="comma-separated counterparts, each with its compressed optimizers (default: all)")
+    conv.add_argument("--seeds", type=_positive_int, default=4, help="paired seeds 0..N-1 per cell (default 4)")
+    conv.add_argument("--lr", choices=("low", "high", "both"), default="high",
+                      help="each family's low or high learning rate, or both (default high)")
+    conv.add_argument("--freeze", type=lambda t: [_fraction(x) for x in t.split(",")], default=[0.2],
+                      help="comma-separated freeze points of the two-stage optimizers, as fractions of the "
+                           "steps (default 0.2)")
+    conv.add_argument("--extended", action="store_true",
+                      help="add the overlapped exchanges, no-error-feedback runs and per-layer Block-Sign")
+    conv.add_argument("--schedule", choices=("constant", "cosine"), default="constant",
+                      help="learning rate: constant, or a cosine decay to zero (default constant)")
+    conv.add_argument("--iid", action="store_true",
+                      help="shard the byte tasks' text by random 4 KB blocks instead of contiguous slices")
     conv.add_argument("--steps", type=_positive_int, default=None,
                       help="steps per run (default 300; 'memory': 4, the freeze after step 2)")
     conv.add_argument("--batch-size", type=_positive_int, default=32, help="samples per rank per step (default 32)")

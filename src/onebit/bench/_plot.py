@@ -31,8 +31,9 @@ def _pyplot():
 
 def plot_convergence(results: list[dict[str, Any]], path: Path) -> Path:
     """One panel per task and counterpart (at its first learning rate): every run's training
-    loss, smoothed, over its faint raw curve; freeze steps marked."""
+    loss (the first seed's), smoothed, over its faint raw curve; freeze steps marked."""
     plt = _pyplot()
+    results = [r for r in results if r.get("seed", 0) == results[0].get("seed", 0)]
     tasks = list(dict.fromkeys(r["task"] for r in results))
     families = list(dict.fromkeys(r["family"] for r in results))
     fig, axes = plt.subplots(len(tasks), len(families), figsize=(4.2 * len(families), 3.0 * len(tasks)),

@@ -15,10 +15,11 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-__all__ = ["TASKS", "ByteCorpus", "ByteMLP", "ByteTransformer", "DigitsCNN", "Task", "TaskSpec", "digits_split"]
+__all__ = ["BLOCK", "TASKS", "ByteCorpus", "ByteMLP", "ByteTransformer", "DigitsCNN", "Task", "TaskSpec", "digits_split"]
 
 TASKS = ("mlp", "gpt", "bert", "digits")
 MASK = 256  # the masked-LM's [MASK] token, after the 256 byte values
+BLOCK = 4096  # bytes per block of ByteCorpus's block split and iid shards
 
 
 def _english_bytes() -> bytes:
@@ -51,20 +52,41 @@ class ByteCorpus:
     """Real text present on every machine, split train/held-out: the standard library's
     ``.py`` files (``"python"``, sorted, capped) or its English documentation (``"english"``,
     the ``help()`` topics, about 0.7 MB, with the UTF-8 multi-byte characters that make some
-    byte values rare)."""
+    byte values rare).
 
-    def __init__(self, max_bytes: int = 4_000_000, holdout: float = 0.1, text: str = "python") -> None:
+    ``split="tail"`` holds out the last ``holdout`` of the bytes (for the sorted sources: other
+    modules than those trained on); ``"blocks"`` every ``1/holdout``-th block of
+    :data:`BLOCK` bytes, so that the held-out text comes from the training distribution.
+    """
+
+    def __init__(self, max_bytes: int = 4_000_000, holdout: float = 0.1, text: str = "python",
+                 split: str = "tail") -> None:
         if text not in ("python", "english"):
             raise ValueError(f"text must be 'python' or 'english', got {text!r}")
+        if split not in ("tail", "blocks"):
+            raise ValueError(f"split must be 'tail' or 'blocks', got {split!r}")
         raw = _english_bytes() if text == "english" else _python_bytes(max_bytes)
         data = torch.frombuffer(bytearray(raw[:max_bytes]), dtype=torch.uint8).long()
-        split = int(len(data) * (1 - holdout))
-        self.train, self.heldout = data[:split], data[split:]
+        if split == "tail":
+            cut = int(len(data) * (1 - holdout))
+            self.train, self.heldout = data[:cut], data[cut:]
+            return
+        blocks = data[: len(data) // BLOCK * BLOCK].view(-1, BLOCK)
+        held = torch.arange(len(blocks)) % round(1 / holdout) == round(1 / holdout) - 1
+        self.train, self.heldout = blocks[~held].reshape(-1), blocks[held].reshape(-1)
 
-    def shard(self, rank: int, world: int) -> None:
-        """Keep only this rank's contiguous 1/world of the training bytes (non-identical data per rank)."""
-        size = len(self.train) // world
-        self.train = self.train[rank * size : (rank + 1) * size]
+    def shard(self, rank: int, world: int, iid: bool = False) -> None:
+        """Keep only this rank's 1/world of the training bytes: a contiguous slice (the sorted
+        sources: each rank its own modules, strongly non-identical data), or with ``iid`` every
+        ``world``-th of the :data:`BLOCK`-byte blocks in a fixed random order (each rank a
+        sample of the whole text)."""
+        if not iid:
+            size = len(self.train) // world
+            self.train = self.train[rank * size : (rank + 1) * size]
+            return
+        blocks = self.train[: len(self.train) // BLOCK * BLOCK].view(-1, BLOCK)
+        order = torch.randperm(len(blocks), generator=torch.Generator().manual_seed(0))
+        self.train = blocks[order[rank::world]].reshape(-1)
 
     def windows(self, length: int, size: int, generator: torch.Generator, heldout: bool = False) -> Tensor:
         """``size`` random windows of ``length`` consecutive bytes, as int64."""
