@@ -58,59 +58,59 @@ def _batch(gen, rank, size):
     return torch.randn(size, 16, generator=gen) + shift
 
 
-class _PlainLamb:
+class _Plain:
+    """A per-tensor optimizer written from its paper: ``_update(p, g, lr, *state)`` moves one
+    parameter with its gradient (zero where missing) and its state tensors, ``len(STATE)`` of them."""
+
+    STATE = ()
+
+    def __init__(self, params, lr):
+        self.params, self.param_groups = list(params), [{"lr": lr}]
+        self.state = [[torch.zeros_like(p) for _ in self.STATE] for p in self.params]
+
+    def step(self):
+        for p, state in zip(self.params, self.state):
+            g = torch.zeros_like(p) if p.grad is None else p.grad
+            self._update(p.data, g, self.param_groups[0]["lr"], *state)
+
+
+class _PlainLamb(_Plain):
     """LAMB, eq. (1) of the 1-bit LAMB paper: Adam moments without bias correction, per tensor
     ``x <- x - lr clip(||x|| / ||u||, 0.01, 10) u`` with ``u = m / (sqrt(v) + eps)``."""
 
-    def __init__(self, params, lr):
-        self.params, self.param_groups = list(params), [{"lr": lr}]
-        self.m = [torch.zeros_like(p) for p in self.params]
-        self.v = [torch.zeros_like(p) for p in self.params]
+    STATE = ("m", "v")
 
-    def step(self):
-        for p, m, v in zip(self.params, self.m, self.v):
-            g = torch.zeros_like(p) if p.grad is None else p.grad
-            m.mul_(0.9).add_(g, alpha=0.1)
-            v.mul_(0.999).addcmul_(g, g, value=0.001)
-            u = m / (v.sqrt() + 1e-8)
-            x_norm, u_norm = p.detach().norm(), u.norm()
-            c = (x_norm / u_norm).clamp(0.01, 10.0) if x_norm > 0 and u_norm > 0 else 1.0
-            p.data.add_(u, alpha=-self.param_groups[0]["lr"] * float(c))
+    def _update(self, x, g, lr, m, v):
+        m.mul_(0.9).add_(g, alpha=0.1)
+        v.mul_(0.999).addcmul_(g, g, value=0.001)
+        u = m / (v.sqrt() + 1e-8)
+        x_norm, u_norm = x.norm(), u.norm()
+        c = (x_norm / u_norm).clamp(0.01, 10.0) if x_norm > 0 and u_norm > 0 else 1.0
+        x.add_(u, alpha=-lr * float(c))
 
 
-class _PlainAMSGrad:
+class _PlainAMSGrad(_Plain):
     """AMSGrad as Comp-AMS runs it (Algorithm 4 without compression): no bias correction,
     ``x <- x - lr m / (sqrt(max_t v_t) + eps)``."""
 
-    def __init__(self, params, lr):
-        self.params, self.param_groups = list(params), [{"lr": lr}]
-        self.m = [torch.zeros_like(p) for p in self.params]
-        self.v = [torch.zeros_like(p) for p in self.params]
-        self.v_max = [torch.zeros_like(p) for p in self.params]
+    STATE = ("m", "v", "v_max")
 
-    def step(self):
-        for p, m, v, v_max in zip(self.params, self.m, self.v, self.v_max):
-            g = torch.zeros_like(p) if p.grad is None else p.grad
-            m.mul_(0.9).add_(g, alpha=0.1)
-            v.mul_(0.999).addcmul_(g, g, value=0.001)
-            torch.maximum(v_max, v, out=v_max)
-            p.data.add_(m / (v_max.sqrt() + 1e-8), alpha=-self.param_groups[0]["lr"])
+    def _update(self, x, g, lr, m, v, v_max):
+        m.mul_(0.9).add_(g, alpha=0.1)
+        v.mul_(0.999).addcmul_(g, g, value=0.001)
+        torch.maximum(v_max, v, out=v_max)
+        x.add_(m / (v_max.sqrt() + 1e-8), alpha=-lr)
 
 
-class _PlainSoftSign:
+class _PlainSoftSign(_Plain):
     """SoftSignSGD (Birder, appendix B): ``m``, ``b`` EMAs of ``g`` and ``|g|``, ``x <- x - lr m / (b + eps)``."""
 
-    def __init__(self, params, lr):
-        self.params, self.param_groups = list(params), [{"lr": lr}]
-        self.m = [torch.zeros_like(p) for p in self.params]
-        self.b = [torch.zeros_like(p) for p in self.params]
+    STATE = ("m", "b")
 
-    def step(self):
-        for p, m, b in zip(self.params, self.m, self.b):
-            g = torch.zeros_like(p) if p.grad is None else p.grad
-            m.mul_(0.95).add_(g, alpha=0.05)
-            b.mul_(0.95).add_(g.abs(), alpha=0.05)
-            p.data.add_(m / (b + 1e-8), alpha=-self.param_groups[0]["lr"])
+    def _update(self, x, g, lr, m, b):
+        m.mul_(0.95).add_(g, alpha=0.05)
+        b.mul_(0.95).add_(g.abs(), alpha=0.05)
+        x.add_(m / (b + 1e-8), alpha=-lr)
 
 
 def _counterpart(family, params):

@@ -237,6 +237,11 @@ class ConvergenceTask:
             return nn.functional.cross_entropy(model(x, branch), y)
         return nn.functional.cross_entropy(model(x), y)
 
+    @property
+    def scores(self) -> tuple[str, ...]:
+        """The names :meth:`evaluate` returns."""
+        return ("heldout_loss", "heldout_error") if self.name == "digits" else ("heldout_loss",)
+
     @torch.no_grad()
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         """``heldout_loss``: the mean of 8 held-out batches of 256 (the same for every run);
@@ -289,7 +294,7 @@ def measure_training(task: ConvergenceTask, model: nn.Module, update: Callable[[
         if not math.isfinite(losses[-1]):
             nonfinite = step
             break
-    scores = task.evaluate(model) if nonfinite is None else dict.fromkeys(task.evaluate(model), float("nan"))
+    scores = task.evaluate(model) if nonfinite is None else dict.fromkeys(task.scores, float("nan"))
     tail = losses[-max(1, steps // 10):]
     return {"losses": losses, "first_nonfinite_step": nonfinite, **scores,
             "final_loss": sum(tail) / len(tail) if nonfinite is None else float("nan")}
