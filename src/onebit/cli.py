@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import sys
 import time
 from collections.abc import Iterator
@@ -346,11 +345,10 @@ def _convergence_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
     out = [["task", "lr", "optimizer", "seeds", "score (mean)", "paired gap", "95% ±", "target", "verdict",
             "steps to target"]]
     for r in rows:
-        finite = [v for v in r["score"] if math.isfinite(v)]
         reached = [f for f in r.get("steps_to_target", []) if f is not None]
         out.append([
             r["task"], f"{r['lr']:g}", r["label"], str(len(r["seeds"])),
-            f"{sum(finite) / len(finite):.4f}" if finite else "nan",
+            f"{r['score_mean']:.4f}",
             fmt(r.get("gap_mean"), "+.2f"), fmt(r.get("gap_half"), ".2f"), fmt(r.get("target"), "g"),
             r.get("verdict", "counterpart"),
             "" if "steps_to_target" not in r else

@@ -420,7 +420,7 @@ def _steps_to(losses: list[float], target: float) -> float | None:
 def aggregate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per cell (task, optimizer, learning rate, freeze) over its seeds: the paired
     gaps to the counterpart, their mean and 95% half-width, the C1 verdict, non-finite runs,
-    the steps to the counterpart's final loss, and the counterpart's own score."""
+    the steps to the counterpart's final loss, and each run's score with their finite mean."""
     key = ("task", "family", "lr")
     base = {(*(r[k] for k in key), r["seed"]): r for r in results if r["optimizer"] == r["family"]}
     cells: dict[tuple, list[dict[str, Any]]] = {}
@@ -435,6 +435,7 @@ def aggregate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                                "freeze_fraction": freeze, "label": runs[0]["label"], "metric": metric,
                                "seeds": [r["seed"] for r in runs],
                                "score": [_score(r)[1] for r in runs],
+                               "score_mean": _finite_mean([_score(r)[1] for r in runs]),
                                "nonfinite": sum(r["first_nonfinite_step"] is not None for r in runs)}
         if name != family:
             gaps = [_gap(r, b) for r, b in pairs]
@@ -453,6 +454,11 @@ def aggregate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def _finite_mean(values: list[float]) -> float:
+    finite = [v for v in values if math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else float("nan")
+
+
 def _verdict(mean: float | None, half: float | None, target: float | None, nonfinite: int) -> str:
     if nonfinite:
         return "non-finite"
@@ -465,8 +471,7 @@ def _verdict(mean: float | None, half: float | None, target: float | None, nonfi
 
 def _cell_text(row: dict[str, Any]) -> str:
     if row["optimizer"] == row["family"]:
-        finite = [v for v in row["score"] if math.isfinite(v)]
-        mean = sum(finite) / len(finite) if finite else float("nan")
+        mean = row["score_mean"]
         return f"{mean:.2f}%" if row["metric"] == "heldout_error" else f"{mean:.3f}"
     if row["gap_mean"] is None:
         return f"non-finite ({row['nonfinite']}/{len(row['seeds'])})"
