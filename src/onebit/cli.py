@@ -524,7 +524,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="comma-separated freeze points of the two-stage optimizers, as fractions of the "
                            "steps (default 0.2)")
     conv.add_argument("--extended", action="store_true",
-                      help="add the overlapped exchanges, no-error-feedback runs and per-layer Block-Sign")
+                      help="add the overlapped exchanges, no-error-feedback runs, Top-k keeping 5%% and 25%% and "
+                           "per-layer Block-Sign")
     conv.add_argument("--schedule", choices=("constant", "cosine"), default="constant",
                       help="learning rate: constant, or a cosine decay to zero (default constant)")
     conv.add_argument("--iid", action="store_true",

@@ -70,12 +70,13 @@ FAMILIES: dict[str, tuple[tuple[float, float], tuple[str, ...]]] = {
     "softsign_sgd": ((1e-3, 3e-3), ("birder_identity", "birder")),
 }
 # with extended=True: the overlapped exchanges (the same algorithm chunked per bucket), the
-# runs without error feedback and Block-Sign with the paper's one block per layer
+# runs without error feedback, Top-k keeping 5% and 25% (Theorem 1's q^2 = 1 - k/d) and
+# Block-Sign with the paper's one block per layer
 EXTENDED: dict[str, tuple[str, ...]] = {
     "adamw": ("onebit_adam_overlap",),
     "lamb": ("onebit_lamb_overlap",),
-    "amsgrad": ("comp_ams_topk_no_ef", "comp_ams_block_sign_no_ef", "comp_ams_block_sign_layers",
-                "comp_ams_block_sign_overlap"),
+    "amsgrad": ("comp_ams_topk_no_ef", "comp_ams_topk_5pct", "comp_ams_topk_25pct", "comp_ams_block_sign_no_ef",
+                "comp_ams_block_sign_layers", "comp_ams_block_sign_overlap"),
     "softsign_sgd": ("birder_overlap",),
 }
 # DESIGN.md's C1: the largest mean paired gap (% of held-out loss; points of digits' error rate)
@@ -100,6 +101,8 @@ _VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "amsgrad": ("comp_ams", {"compressor": "none"}),
     "comp_ams_topk": ("comp_ams", {}),
     "comp_ams_topk_no_ef": ("comp_ams", {"error_feedback": False}),
+    "comp_ams_topk_5pct": ("comp_ams", {"ratio": 0.05}),
+    "comp_ams_topk_25pct": ("comp_ams", {"ratio": 0.25}),
     "comp_ams_block_sign": ("comp_ams_block_sign", {}),
     "comp_ams_block_sign_overlap": ("comp_ams_block_sign", _OVERLAP),
     "comp_ams_block_sign_no_ef": ("comp_ams_block_sign", {"error_feedback": False}),

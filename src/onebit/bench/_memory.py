@@ -51,7 +51,9 @@ def held_bytes(optimizer: object, modules: tuple[str, ...] = _MODULES) -> int:
     error buffers), not into process groups, loggers or modules.
     """
     params = [p for g in getattr(optimizer, "param_groups", []) for p in g["params"]]
-    skip = {t.untyped_storage().data_ptr() for p in params for t in (p, p.grad) if t is not None}
+    # FSDP2's DTensor parameters: their local shards are the storage (what the optimizer updates)
+    local = [t.to_local() if hasattr(t, "to_local") else t for p in params for t in (p, p.grad) if t is not None]
+    skip = {t.untyped_storage().data_ptr() for t in local}
     storages: dict[int, int] = {}
     seen: set[int] = set()
     todo: list[Any] = [optimizer]
@@ -61,7 +63,7 @@ def held_bytes(optimizer: object, modules: tuple[str, ...] = _MODULES) -> int:
             continue
         seen.add(id(obj))
         if isinstance(obj, Tensor):
-            storage = obj.untyped_storage()
+            storage = (obj.to_local() if hasattr(obj, "to_local") else obj).untyped_storage()
             if storage.data_ptr() not in skip:
                 storages[storage.data_ptr()] = storage.nbytes()
         elif isinstance(obj, dict):

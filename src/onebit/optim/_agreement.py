@@ -44,8 +44,8 @@ def agree_nonfinite(opt: OnebitOptimizer) -> tuple[bool, list[bool]]:
     found_inf = getattr(opt, "found_inf", None)
     if found_inf is not None:
         flag[0] = torch.maximum(flag[0], found_inf.reshape(()).to(flag))
-    if opt.world_size > 1:
-        comm.all_reduce_max(flag, opt.process_group, opt.timeout)
+    # Over the whole job where the parameters are FSDP2 shards: every shard takes the same steps.
+    comm.all_reduce_max(flag, opt._shards.agreement_group, opt.timeout)
     values = flag.tolist()
     active = [v > 0 for v in values[1:]]
     if not values[0]:

@@ -40,6 +40,7 @@ from ._agreement import agree_nonfinite, check_replicas
 from ._ddp import attach_ddp, check_ddp
 from ._driver import Driver, Wire
 from ._flat import FlatState
+from ._shards import Shards
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -96,6 +97,21 @@ class OnebitOptimizer(Optimizer):
     ``clip_grad_norm_`` yourself before ``step()`` clips the *local* gradient of each rank
     (never the average, which does not exist yet), at every stage.
 
+    FSDP2 parameters (HSDP: shard inside each node, replicate across nodes): shard with
+    ``fully_shard(module, mesh=mesh["shard"])`` and pass ``group=mesh["replicate"].get_group()``
+    of the 2-D mesh. FSDP's reduce-scatter inside the node stays exact; the optimizer runs on
+    each rank's local shards (its state is the shard's) and exchanges them with the ranks
+    holding the same shard on the other nodes; every rank of the job agrees on skipping a
+    step. Element-wise optimizers only (1-bit LAMB's layer-wise norms need whole parameters),
+    without ``overlap`` and ``max_grad_norm`` (call ``torch.nn.utils.clip_grad_norm_`` on the
+    model, which spans the shards, before ``step()``)::
+
+        mesh = init_device_mesh("cuda", (nodes, gpus_per_node), mesh_dim_names=("replicate", "shard"))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh["shard"])
+        fully_shard(model, mesh=mesh["shard"])
+        opt = onebit.OnebitAdam(model.parameters(), group=mesh["replicate"].get_group())
+
     Missing gradients, one rule for every optimizer: a parameter whose ``.grad`` is ``None``
     on every rank (frozen, or unused this step) is not updated -- no step, no weight decay,
     its moments untouched -- as in ``torch.optim``. A parameter with a gradient on some ranks
@@ -106,6 +122,9 @@ class OnebitOptimizer(Optimizer):
 
     _flat_names: tuple[str, ...] = ()
     _stages: Any  # OneStage or TwoStages, set by the subclass before this constructor runs
+    # Each value's update reads only its own state and gradient: the algorithm runs unchanged on
+    # FSDP2's shards (False: it needs whole parameters, e.g. layer-wise norms)
+    _elementwise = True
 
     def __init__(
         self,
@@ -133,7 +152,12 @@ class OnebitOptimizer(Optimizer):
         self.timeout = comm.to_timedelta(options["timeout"])
         self.world_size = comm.get_world_size(self.process_group)
         self.rank = comm.get_rank(self.process_group)
-        params = [p for g in self.param_groups for p in g["params"]]
+        self._shards = Shards([p for g in self.param_groups for p in g["params"]], self.process_group,
+                              type(self).__name__)
+        if self._shards.sharded:
+            self._check_shardable()
+        # The flat state holds what is updated: the parameters, or their FSDP2 shards
+        params = self._shards.tensors
         _check_params(params)
         self._check_same_parameters_everywhere(params)
         if options["broadcast_parameters"]:
@@ -159,6 +183,18 @@ class OnebitOptimizer(Optimizer):
         self._link_state()
         check_ddp(self, construction=True)
 
+    def _check_shardable(self) -> None:
+        """Refuse, on FSDP2-sharded parameters, what needs whole parameters or their hooks."""
+        name = type(self).__name__
+        if not self._elementwise:
+            raise ValueError(f"{name} does not support FSDP2-sharded (DTensor) parameters: its layer-wise norms "
+                             "need whole parameters; use OnebitAdam or ZeroOneAdam with FSDP2, or "
+                             "DistributedDataParallel")
+        if self.max_grad_norm is not None:
+            raise ValueError(f"Invalid max_grad_norm value with FSDP2-sharded parameters: {self.max_grad_norm!r} "
+                             "(the norm spans every shard); call torch.nn.utils.clip_grad_norm_(model.parameters(), "
+                             "max_norm) before step() instead")
+
     def _drive(self, collective: Callable[[int, int], Any] | None, *, overlap: bool = False,
                bucket_cap_mb: float = 25.0, alignment: int = 1, key: str = "allreduce") -> None:
         """Start the exchange driver (the end of a subclass's constructor): ``collective(start,
@@ -166,6 +202,10 @@ class OnebitOptimizer(Optimizer):
         (:class:`~onebit.optim._driver.Driver`). With ``overlap``, ``max_grad_norm`` is refused
         where a stage forms what it sends: the local clip needs every gradient before the first
         bucket leaves."""
+        if overlap and self._shards.sharded:
+            raise ValueError("Invalid overlap value with FSDP2-sharded parameters: True (FSDP overlaps its "
+                             "reduce-scatter with backward itself; the exchange between replicas runs in step()); "
+                             "use overlap=False")
         if overlap and self.max_grad_norm is not None and any(w.formed for w in self._stages.wires):
             raise ValueError(f"Invalid max_grad_norm value with overlap=True: {self.max_grad_norm!r} (the "
                              f"{type(self).__name__} step clips each rank's gradient over all parameters, which the "
@@ -264,7 +304,7 @@ class OnebitOptimizer(Optimizer):
     def _link_state(self) -> None:
         """Point ``self.state[p][name]`` at the flat buffers' views (for inspection)."""
         views = {name: self.flat.views(name) for name in self.flat.buffers}
-        for i, p in enumerate(self.flat.params):
+        for i, p in enumerate(self._shards.params):
             self.state[p] = {name: v[i] for name, v in views.items()}
 
     def _hyper(self, key: str) -> list[Any]:
@@ -335,18 +375,22 @@ class OnebitOptimizer(Optimizer):
         if not self._ddp_checked:  # the model may have been wrapped after the optimizer was built
             check_ddp(self, construction=False)
             self._ddp_checked = True
-        with comm.measure() as meter:
-            self._driver.flush()
-            nonfinite, self._active = agree_nonfinite(self)
-            if nonfinite:
-                self._skipped += 1
-                self._driver.abandon()
-            else:
-                self._step_count += 1
-                self._last_stage = self._stages.wire.stage
-                self._driver.run(self._step_count)
-                if self.check_replicas_every and self._step_count % self.check_replicas_every == 0:
-                    self.check_replicas()
+        self._shards.bind_grads()
+        try:
+            with comm.measure() as meter:
+                self._driver.flush()
+                nonfinite, self._active = agree_nonfinite(self)
+                if nonfinite:
+                    self._skipped += 1
+                    self._driver.abandon()
+                else:
+                    self._step_count += 1
+                    self._last_stage = self._stages.wire.stage
+                    self._driver.run(self._step_count)
+                    if self.check_replicas_every and self._step_count % self.check_replicas_every == 0:
+                        self.check_replicas()
+        finally:
+            self._shards.release_grads()
         sent = meter.bytes_sent + self._driver.done()
         self._bytes_last = sent
         self._bytes_total += sent

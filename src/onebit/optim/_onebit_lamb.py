@@ -190,6 +190,7 @@ class OnebitLamb(OnebitOptimizer):
     """
 
     _flat_names = ("exp_avg", "exp_avg_sq", "frozen_exp_avg_sq", "last_exp_avg")
+    _elementwise = False  # trust ratios and scaling ratios are norms over whole parameters
 
     def __init__(
         self,
