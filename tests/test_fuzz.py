@@ -96,7 +96,8 @@ def _fuzz(rank, world, examples):
     return checked
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+# world size 4 (every rank on 2 cores twice over) runs with -m slow; test_hsdp covers 4 ranks by default
+@pytest.mark.parametrize("world", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_invariants_hold_for_random_problems_and_faults(world):
     results = run_ranks(_fuzz, world, 6, timeout=600)
     assert results[0] == results[-1] and len(results[0]) == 6 * len(OPTIMIZERS)

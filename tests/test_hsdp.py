@@ -172,6 +172,8 @@ def _refusals(rank, world):
     attempt("lamb", lambda: onebit.OnebitLamb(_sharded(mesh["shard"]).parameters(), group=group))
     attempt("clip", lambda: onebit.OnebitAdam(_sharded(mesh["shard"]).parameters(), group=group, max_grad_norm=1.0))
     attempt("overlap", lambda: onebit.OnebitAdam(_sharded(mesh["shard"]).parameters(), group=group, overlap=True))
+    attempt("fsdp1", lambda: onebit.OnebitAdam(
+        fsdp.FullyShardedDataParallel(nn.Linear(8, 8), device_id=torch.device("cpu")).parameters()))
     mixed = _Net()
     fsdp.fully_shard(mixed.lin1, mesh=mesh["shard"])
     attempt("mixed", lambda: onebit.OnebitAdam(mixed.parameters(), group=group))
@@ -187,3 +189,4 @@ def test_what_hsdp_does_not_support_is_refused_with_what_to_use():
         assert "clip_grad_norm_" in errors["clip"]
         assert "overlap=False" in errors["overlap"]
         assert "shard every parameter or none" in errors["mixed"]
+        assert "(FSDP1) flat parameter" in errors["fsdp1"] and "fully_shard" in errors["fsdp1"]
