@@ -13,14 +13,10 @@ optimizer is appended to ``--out``; ``--report FILE`` prints the table::
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import sys
-import time
-from pathlib import Path
 
 import torch
+from _records import append_row, provenance, read_rows
 
 RUNS = (("amsgrad", "comp_ams", {"compressor": "none"}), ("block_sign", "comp_ams_block_sign", {}),
         ("block_sign_no_ef", "comp_ams_block_sign", {"error_feedback": False}), ("topk", "comp_ams", {}),
@@ -34,7 +30,7 @@ parser.add_argument("--out")
 args = parser.parse_args()
 
 if args.report:
-    rows = [json.loads(line) for line in Path(args.report).read_text().splitlines() if line.strip()]
+    rows = read_rows(args.report)
     print("| run | held-out loss | median sqrt(v_hat) | median step abs(m)/sqrt(v_hat) | mean step |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['name']} | {r['heldout_loss']:.4f} | {r['median_sqrt_vhat']:.3g} | {r['median_step']:.3g} "
@@ -68,8 +64,5 @@ for name, entry, kw in RUNS:
     if rank == 0 and args.out:
         row = {"name": name, "heldout_loss": run["heldout_loss"], "median_sqrt_vhat": root.median().item(),
                "median_step": step.median().item(), "mean_step": step.mean().item(), "steps": args.steps,
-               "seed": args.seed, "command": "torchrun --nproc_per_node 3 " + " ".join(sys.argv),
-               "machine": f"{platform.node()} ({os.cpu_count()} cores)", "date": time.strftime("%Y-%m-%d")}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "a") as f:
-            f.write(json.dumps(row) + "\n")
+               "seed": args.seed, **provenance("torchrun --nproc_per_node 3")}
+        append_row(args.out, row)

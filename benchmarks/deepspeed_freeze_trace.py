@@ -17,16 +17,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
-import time
 from pathlib import Path
 
 import torch
+from _deepspeed_sides import SIDES, build, start
+from _records import append_row, provenance, read_rows
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--report", metavar="FILE", help="print the table of FILE's runs and exit")
-parser.add_argument("--side", choices=("deepspeed", "onebit"))
+parser.add_argument("--side", choices=SIDES)
 parser.add_argument("--config", default=os.path.join(os.path.dirname(__file__), "deepspeed_configs", "onebit_adam.json"))
 parser.add_argument("--task", default="digits")
 parser.add_argument("--seed", type=int, default=0)
@@ -51,7 +51,7 @@ def report(rows: list[dict]) -> str:
 
 
 if args.report:
-    print(report([json.loads(line) for line in Path(args.report).read_text().splitlines() if line.strip()]))
+    print(report(read_rows(args.report)))
     sys.exit(0)
 if args.side is None or args.out is None:
     parser.error("--side and --out are required (or --report)")
@@ -59,21 +59,7 @@ config = json.loads(Path(args.config).read_text())
 freeze = config["optimizer"]["params"]["freeze_step"]
 clip = None if args.clip_update.lower() == "none" else float(args.clip_update)
 
-if args.side == "deepspeed":
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "shared", "reference", "deepspeed-cpu"))
-    import deepspeed
-    import deepspeed.comm as dist
-    from ds_cpu import apply_cpu_patches
-
-    apply_cpu_patches()
-    deepspeed.init_distributed(dist_backend="gloo")
-else:
-    import torch.distributed as dist
-
-    import onebit
-
-    dist.init_process_group("gloo")
-torch.set_num_threads(1)
+dist = start(args.side)
 
 from onebit.bench._convergence import ConvergenceTask  # noqa: E402
 
@@ -82,25 +68,14 @@ task = ConvergenceTask(args.task, rank, world)
 torch.manual_seed(args.seed)
 model = task.model()
 params = list(model.parameters())
-if args.side == "deepspeed":
-    engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
-    forward = engine
-else:
-    opt = onebit.from_deepspeed_config(config, params, clip_update=clip)
-    forward = model
+opt, forward, update = build(args.side, config, model, **({} if args.side == "deepspeed" else {"clip_update": clip}))
 
 gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
 steps, losses, zero_variance, tiny_variance = [], [], None, None
 for step in range(1, args.steps + 1):
     before = [p.detach().clone() for p in params]
     loss = task.loss(forward, 32, gen)
-    if args.side == "deepspeed":
-        engine.backward(loss)
-        engine.step()
-    else:
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+    update(loss)
     steps.append(max((p.detach() - b).abs().max().item() for p, b in zip(params, before)))
     losses.append(loss.item())
     if step == freeze:  # DeepSpeed keeps exp_avg_sq; onebit holds sqrt(v) + eps as frozen_denom
@@ -114,7 +89,5 @@ if rank == 0:
            "tiny_variance": tiny_variance,
            "warmup_step_max": max(steps[freeze - 20 : freeze]), "compressed_step_max": max(steps[freeze : freeze + 10]),
            "loss_max_after": max(losses[freeze:]), "steps": steps, "losses": losses,
-           "machine": f"{platform.node()} ({os.cpu_count()} cores)", "date": time.strftime("%Y-%m-%d")}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "a") as f:
-        f.write(json.dumps(row) + "\n")
+           **provenance("torchrun --nproc_per_node 3")}
+    append_row(args.out, row)

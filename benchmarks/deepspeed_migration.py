@@ -22,15 +22,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 import torch
+from _deepspeed_sides import SIDES, build, start
+from _records import append_row, read_rows
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--report", metavar="FILE", help="print the paired comparison of FILE's runs and exit")
-parser.add_argument("--side", choices=("deepspeed", "onebit"))
+parser.add_argument("--side", choices=SIDES)
 parser.add_argument("--config",
                     help="a DeepSpeed JSON config with a OneBitAdam/OneBitLamb/ZeroOneAdam block")
 parser.add_argument("--task", default="byte_mlp")
@@ -68,7 +69,7 @@ def report(rows: list[dict]) -> str:
 
 
 if args.report:
-    print(report([json.loads(line) for line in Path(args.report).read_text().splitlines() if line.strip()]))
+    print(report(read_rows(args.report)))
     sys.exit(0)
 if args.side is None or args.config is None or args.out is None:
     parser.error("--side, --config and --out are required (or --report)")
@@ -78,48 +79,24 @@ if args.freeze_step is not None:
 overrides = {k: json.loads(v) for k, v in (o.split("=", 1) for o in args.override)}
 batch = config["train_micro_batch_size_per_gpu"]
 
-if args.side == "deepspeed":
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "shared", "reference", "deepspeed-cpu"))
-    import deepspeed
-    import deepspeed.comm as dist
-    from ds_cpu import apply_cpu_patches
+dist = start(args.side)
 
-    apply_cpu_patches()
-    deepspeed.init_distributed(dist_backend="gloo")
-else:
-    import torch.distributed as dist
-
-    import onebit
-
-    dist.init_process_group("gloo")
-torch.set_num_threads(1)
-
+import onebit  # noqa: E402  (both sides: the task comes from onebit's benchmark)
 from onebit.bench._convergence import ConvergenceTask, measure_training  # noqa: E402
 
 rank, world = dist.get_rank(), dist.get_world_size()
 task = ConvergenceTask(args.task, rank, world)
 torch.manual_seed(args.seed)
 model = task.model()
-if args.side == "deepspeed":
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    forward = engine
+opt, forward, backward_and_step = build(args.side, config, model, **overrides)
+if args.skip_first_step and isinstance(opt, onebit.ZeroOneAdam):
+    s = opt.schedule  # DeepSpeed's refresh and synchronisation steps, counted from its no-op step
+    opt._stages.schedule = onebit.optim.ZeroOneSchedule(s.var_freeze_step, s.var_update_scaler,
+                                                        s.local_step_scaler, s.local_step_clipper, offset=1)
 
-    def update(loss: torch.Tensor, step: int) -> None:
-        engine.backward(loss)
-        engine.step()
-else:
-    opt = onebit.from_deepspeed_config(config, model.parameters(), **overrides)
-    forward = model
-    if args.skip_first_step and isinstance(opt, onebit.ZeroOneAdam):
-        s = opt.schedule  # DeepSpeed's refresh and synchronisation steps, counted from its no-op step
-        opt._stages.schedule = onebit.optim.ZeroOneSchedule(s.var_freeze_step, s.var_update_scaler,
-                                                            s.local_step_scaler, s.local_step_clipper, offset=1)
 
-    def update(loss: torch.Tensor, step: int) -> None:
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if not (step == 1 and args.skip_first_step):
-            opt.step()
+def update(loss: torch.Tensor, step: int) -> None:
+    backward_and_step(loss, take_step=not (step == 1 and args.skip_first_step))
 
 
 run = measure_training(task, model, update, steps=args.steps, batch=batch, seed=args.seed, rank=rank,
@@ -132,6 +109,4 @@ if rank == 0:
            "seed": args.seed, "skip_first_step": args.skip_first_step, "overrides": overrides,
            **run}
     print(json.dumps(row), flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "a") as f:
-        f.write(json.dumps(row) + "\n")
+    append_row(args.out, row)

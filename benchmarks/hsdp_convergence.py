@@ -21,13 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import sys
-import time
-from pathlib import Path
 
 import torch
+from _records import append_row, provenance, read_rows
 
 
 def _rank(rank: int, world: int, task_name: str, optimizer: str, layout: str, seed: int, steps: int,
@@ -89,7 +85,7 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
     if args.report:
-        print(report([json.loads(line) for line in Path(args.report).read_text().splitlines() if line.strip()]))
+        print(report(read_rows(args.report)))
         return
     if not args.out:
         parser.error("--out is required (or --report)")
@@ -100,13 +96,10 @@ def main() -> None:
             for layout in ("unsharded", "hsdp"):
                 res = spawn(_rank, 4, task, args.optimizer, layout, seed, args.steps, args.lr, timeout=1200)[0]
                 row = {"optimizer": args.optimizer, "task": task, "layout": layout, "seed": seed, "steps": args.steps,
-                       "lr": args.lr, **res, "command": "python " + " ".join(sys.argv),
-                       "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.node()} ({os.cpu_count()} cores)"}
+                       "lr": args.lr, **res, **provenance()}
                 print(json.dumps({k: row[k] for k in ("task", "layout", "seed", "heldout_loss", "skipped_steps")}),
                       flush=True)
-                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-                with open(args.out, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+                append_row(args.out, row)
 
 
 if __name__ == "__main__":

@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
+from _records import append_row, provenance, read_rows
 from torch import nn
 
 VARIANTS = ("floor", "fsdp2_hsdp", "onebit_adam")
@@ -128,7 +126,7 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
     if args.report:
-        print(report([json.loads(line) for line in Path(args.report).read_text().splitlines() if line.strip()]))
+        print(report(read_rows(args.report)))
         return
     if not args.out:
         parser.error("--out is required (or --report)")
@@ -141,14 +139,10 @@ def main() -> None:
                 res = spawn(_rank, 4, variant, args.size, args.layers, args.steps, 3, placement=cluster.placement(4),
                             timeout=600)
                 row = {"bandwidth": bw, "variant": variant, "size": args.size, "layers": args.layers,
-                       "steps": args.steps, **res[0], "step_s": max(r["step_s"] for r in res),
-                       "command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
-                       "machine": f"{platform.node()} ({os.cpu_count()} cores)"}
+                       "steps": args.steps, **res[0], "step_s": max(r["step_s"] for r in res), **provenance()}
                 print(json.dumps({k: row[k] for k in ("bandwidth", "variant", "step_s", "node_tx_bytes_per_step",
                                                       "skipped_steps")}), flush=True)
-                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-                with open(args.out, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+                append_row(args.out, row)
 
 
 if __name__ == "__main__":

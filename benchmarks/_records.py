@@ -1,0 +1,30 @@
+"""The benchmark scripts' results files: one JSON object per run, appended, read back by ``--report``,
+each carrying the command, machine and date it came from."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def provenance(launcher: str = "python") -> dict[str, str]:
+    """``command`` (``launcher`` and this script's arguments), ``machine`` and ``date`` of this run."""
+    return {"command": f"{launcher} {' '.join(sys.argv)}", "machine": f"{platform.node()} ({os.cpu_count()} cores)",
+            "date": time.strftime("%Y-%m-%d")}
+
+
+def append_row(path: str | Path, row: dict[str, Any]) -> None:
+    """Append ``row`` to the JSON-lines file ``path`` (its folder created if missing)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    """Every row of the JSON-lines file ``path``."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
