@@ -42,6 +42,11 @@ WIRE_ALLOWANCE = 0.1
 _MODULES = ("onebit.", "torch.optim")
 
 
+def _storage(tensor: Tensor) -> Any:
+    """The storage holding ``tensor``'s values: a DTensor's (FSDP2's) is its local shard's."""
+    return (tensor.to_local() if hasattr(tensor, "to_local") else tensor).untyped_storage()
+
+
 def held_bytes(optimizer: object, modules: tuple[str, ...] = _MODULES) -> int:
     """Bytes of the tensor storages reachable from ``optimizer``'s attributes, each storage
     once, leaving out its parameters' and their gradients' storages.
@@ -51,9 +56,7 @@ def held_bytes(optimizer: object, modules: tuple[str, ...] = _MODULES) -> int:
     error buffers), not into process groups, loggers or modules.
     """
     params = [p for g in getattr(optimizer, "param_groups", []) for p in g["params"]]
-    # FSDP2's DTensor parameters: their local shards are the storage (what the optimizer updates)
-    local = [t.to_local() if hasattr(t, "to_local") else t for p in params for t in (p, p.grad) if t is not None]
-    skip = {t.untyped_storage().data_ptr() for t in local}
+    skip = {_storage(t).data_ptr() for p in params for t in (p, p.grad) if t is not None}
     storages: dict[int, int] = {}
     seen: set[int] = set()
     todo: list[Any] = [optimizer]
@@ -63,7 +66,7 @@ def held_bytes(optimizer: object, modules: tuple[str, ...] = _MODULES) -> int:
             continue
         seen.add(id(obj))
         if isinstance(obj, Tensor):
-            storage = (obj.to_local() if hasattr(obj, "to_local") else obj).untyped_storage()
+            storage = _storage(obj)
             if storage.data_ptr() not in skip:
                 storages[storage.data_ptr()] = storage.nbytes()
         elif isinstance(obj, dict):
