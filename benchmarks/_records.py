@@ -4,18 +4,16 @@ each carrying the command, machine and date it came from."""
 from __future__ import annotations
 
 import json
-import os
-import platform
 import sys
-import time
 from pathlib import Path
 from typing import Any
+
+from onebit.bench._reports import provenance as _provenance
 
 
 def provenance(launcher: str = "python") -> dict[str, str]:
     """``command`` (``launcher`` and this script's arguments), ``machine`` and ``date`` of this run."""
-    return {"command": f"{launcher} {' '.join(sys.argv)}", "machine": f"{platform.node()} ({os.cpu_count()} cores)",
-            "date": time.strftime("%Y-%m-%d")}
+    return _provenance(f"{launcher} {' '.join(sys.argv)}")
 
 
 def append_row(path: str | Path, row: dict[str, Any]) -> None:

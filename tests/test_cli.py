@@ -43,6 +43,8 @@ def test_demo_end_to_end_tiny(where, tmp_path, capsys):
         (["demo", "--freeze-step", "soon"], "--freeze-step: must be 'auto' or an integer >= 0, got 'soon'"),
         (["train", "--optimizer", "sgd"], "invalid choice: 'sgd'"),
         (["bench", "disk"], "invalid choice: 'disk'"),
+        (["bench", "kernels", "--tasks", "gpt"], "unrecognized arguments: --tasks gpt"),
+        (["bench", "convergence", "--numel", "8"], "unrecognized arguments: --numel 8"),
     ],
 )
 def test_argument_errors(argv, msg, capsys):
@@ -50,6 +52,21 @@ def test_argument_errors(argv, msg, capsys):
         main(argv)
     assert exc.value.code == 2
     assert msg in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("what,own,foreign", [
+    ("kernels", ["--numel", "--threads", "--device"], ["--tasks", "--world-sizes", "--nodes"]),
+    ("comm", ["--sizes", "--backend", "--nodes"], ["--tasks", "--threads", "--world-sizes"]),
+    ("convergence", ["--tasks", "--families", "--seeds", "--report-only"], ["--numel", "--nodes", "--world-sizes"]),
+    ("memory", ["--world-sizes", "--optimizers", "--size"], ["--tasks", "--numel", "--nodes"]),
+    ("report", ["--results", "--check"], ["--tasks", "--numel", "--nodes"]),
+])
+def test_each_bench_shows_only_its_own_options(what, own, foreign, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", what, "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    assert all(f in text for f in own) and not any(f in text for f in foreign)
 
 
 def test_bench_kernels_prints_table(capsys):
@@ -177,6 +194,8 @@ def test_bench_convergence_pairs_seeds_and_reports_intervals(tmp_path, capsys):
             "--freeze", "0.2,0.4", "--batch-size", "4", "--world-size", "2", "--out", str(out), "--quiet"]
     assert main(argv) == 0
     summary = json.loads((out / "summary.json").read_text())
+    assert summary["provenance"]["command"] == "onebit " + " ".join(argv)
+    assert set(summary["provenance"]) == {"command", "machine", "date"}
     runs = summary["runs"]
     labels = ["adamw"] + [f"{name}@{f}%" for name in ("onebit_adam_identity", "onebit_adam", "zero_one_adam")
                           for f in (20, 40)]
@@ -194,8 +213,10 @@ def test_bench_convergence_pairs_seeds_and_reports_intervals(tmp_path, capsys):
     assert row["target"] == 3.0 and row["verdict"] in ("met", "missed", "inconclusive")
     control = next(a for a in summary["aggregate"] if a["label"] == "onebit_adam_identity@20%")
     assert control["verdict"] == "control"
+    (out / "table.md").unlink()
     assert main(["bench", "convergence", "--out", str(out), "--report-only"]) == 0
     table = (out / "table.md").read_text().splitlines()
+    assert table[-1] == f"`onebit {' '.join(argv)}`; {summary['provenance']['machine']}, {summary['provenance']['date']}."
     assert table[0] == "**adamw, lr 0.003**" and table[2] == "| optimizer | digits |"
     line = next(t for t in table if t.startswith("| onebit_adam@20% |"))
     assert line.startswith(f"| onebit_adam@20% | {row['gap_mean']:+.1f} pt ± {row['gap_half']:.1f}")

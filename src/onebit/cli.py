@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import shlex
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from .bench._analysis import compare_rows, demo_verdict, fmt, ms
+from .bench._analysis import compare_rows, demo_verdict, fmt, ms, text_table as _table
 
 __all__ = ["build_parser", "main"]
 
@@ -80,13 +80,6 @@ def _latency(text: str) -> float:
 
 
 # ---------------------------------------------------------------------- output
-def _table(rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
 def _report(summaries: dict[str, dict], baseline: str | None = "adam") -> str:
     base_bytes = summaries.get(baseline, {}).get("bytes_sent_per_rank") if baseline else None
     rows = [["optimizer", "final loss", "eval loss", "samples/s warmup", "samples/s compressed",
@@ -296,28 +289,24 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
+def _bench_kernels(args: argparse.Namespace) -> int:
     import torch
 
-    from .bench import bench_comm, bench_kernels
+    from .bench import bench_kernels
 
-    if args.world_size is None:
-        args.world_size = 3 if args.what == "convergence" else 2
-    if args.what == "convergence":
-        args.steps = args.steps or 300
-        return _bench_convergence(args)
-    if args.what == "memory":
-        return _bench_memory(args)
-    if args.what == "kernels":
-        torch.set_num_threads(args.threads)
-        results = bench_kernels(args.numel, args.repeat, args.device)
-        rows = [["kernel", "implementation", "ms", "GB/s (fp32 values)", "vs copy", "traffic GB/s",
-                 "of copy bandwidth"]]
-        rows += [[r.kernel, r.implementation, f"{r.seconds * 1e3:.2f}", f"{r.gbytes_per_s:.1f}", f"{r.vs_copy:.2f}x",
-                  f"{r.traffic_gbytes_per_s:.1f}", f"{r.bandwidth:.0%}"] for r in results]
-        print(f"onebit bench kernels: {args.numel} fp32 values on {args.device}, median of {args.repeat}")
-        print(_table(rows))
-        return 0
+    torch.set_num_threads(args.threads)
+    results = bench_kernels(args.numel, args.repeat, args.device)
+    rows = [["kernel", "implementation", "ms", "GB/s (fp32 values)", "vs copy", "traffic GB/s", "of copy bandwidth"]]
+    rows += [[r.kernel, r.implementation, f"{r.seconds * 1e3:.2f}", f"{r.gbytes_per_s:.1f}", f"{r.vs_copy:.2f}x",
+              f"{r.traffic_gbytes_per_s:.1f}", f"{r.bandwidth:.0%}"] for r in results]
+    print(f"onebit bench kernels: {args.numel} fp32 values on {args.device}, median of {args.repeat}")
+    print(_table(rows))
+    return 0
+
+
+def _bench_comm(args: argparse.Namespace) -> int:
+    from .bench import bench_comm
+
     with _cluster(args) as cluster:
         for numel in args.numel_list or [args.numel]:
             results = bench_comm(numel, args.world_size, args.repeat, cluster=cluster, backend=args.backend)
@@ -341,22 +330,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _convergence_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
-    out = [["task", "lr", "optimizer", "seeds", "score (mean)", "paired gap", "95% ±", "target", "verdict",
-            "steps to target"]]
-    for r in rows:
-        reached = [f for f in r.get("steps_to_target", []) if f is not None]
-        out.append([
-            r["task"], f"{r['lr']:g}", r["label"], str(len(r["seeds"])),
-            f"{r['score_mean']:.4f}",
-            fmt(r.get("gap_mean"), "+.2f"), fmt(r.get("gap_half"), ".2f"), fmt(r.get("target"), "g"),
-            r.get("verdict", "counterpart"),
-            "" if "steps_to_target" not in r else
-            f"{sum(reached) / len(reached):.2f} ({len(reached)}/{len(r['seeds'])})" if reached else "never",
-        ])
-    return out
-
-
 def _names(text: str, known: tuple[str, ...], flag: str) -> tuple[str, ...]:
     names = tuple(n.strip() for n in text.split(",") if n.strip())
     unknown = [n for n in names if n not in known]
@@ -366,13 +339,13 @@ def _names(text: str, known: tuple[str, ...], flag: str) -> tuple[str, ...]:
 
 
 def _bench_convergence(args: argparse.Namespace) -> int:
-    from .bench._convergence import (CONVERGENCE_TASKS, FAMILIES, LEVELS, aggregate, markdown_table,
-                                     run_convergence)
+    from .bench._convergence import CONVERGENCE_TASKS, FAMILIES, LEVELS, run_convergence
     from .bench._plot import plot_convergence
+    from .bench._reports import provenance, report_files
 
-    out = Path(args.out or "runs/convergence")
+    out = Path(args.out)
     if args.report_only:
-        runs = json.loads((out / "summary.json").read_text())["runs"]
+        summary = json.loads((out / "summary.json").read_text())
     else:
         tasks = _names(args.tasks, CONVERGENCE_TASKS, "--tasks")
         families = _names(args.families, tuple(FAMILIES), "--families")
@@ -380,17 +353,17 @@ def _bench_convergence(args: argparse.Namespace) -> int:
         seeds = tuple(range(args.seeds))
         print(f"onebit bench convergence: {len(tasks)} tasks x {len(families)} optimizer families x {len(seeds)} "
               f"seeds, {args.world_size} gloo ranks, {args.steps} steps, batch {args.batch_size}/rank")
-        runs = run_convergence(out, tasks, families, steps=args.steps, batch=args.batch_size, world=args.world_size,
-                               seeds=seeds, levels=levels, freeze_fractions=tuple(args.freeze),
-                               extended=args.extended, schedule=args.schedule, iid=args.iid,
-                               progress=not args.quiet, max_grad_norm=args.max_grad_norm)
-    rows = aggregate(runs)
-    text = _table(_convergence_rows(rows))
-    print(text)
-    (out / "table.txt").write_text(text + "\n")
-    (out / "table.md").write_text(markdown_table(rows) + "\n")
+        summary = run_convergence(out, tasks, families, steps=args.steps, batch=args.batch_size,
+                                  world=args.world_size, seeds=seeds, levels=levels,
+                                  freeze_fractions=tuple(args.freeze), extended=args.extended,
+                                  schedule=args.schedule, iid=args.iid, progress=not args.quiet,
+                                  max_grad_norm=args.max_grad_norm,
+                                  provenance=provenance(shlex.join(["onebit", *args.argv])))
+    for name, text in report_files(summary).items():
+        (out / name).write_text(text)
+    print((out / "table.txt").read_text(), end="")
     try:
-        print(f"loss plot: {plot_convergence(runs, out / 'loss.png')}")
+        print(f"loss plot: {plot_convergence(summary['runs'], out / 'loss.png')}")
     except ImportError as exc:
         print(f"no loss plot: {exc}")
     print(f"summary: {out}/summary.json, tables: {out}/table.txt, {out}/table.md")
@@ -401,31 +374,54 @@ def _bench_memory(args: argparse.Namespace) -> int:
     import torch
 
     from .bench._memory import FOOTPRINTS, WIRE_ALLOWANCE, bench_memory
+    from .bench._reports import provenance, report_files
 
     names = _names(args.optimizers or ",".join(FOOTPRINTS), tuple(FOOTPRINTS), "--optimizers")
     worlds = args.world_sizes
-    args.steps = args.steps or 4
-    out = Path(args.out or "runs/memory")
+    out = Path(args.out)
     print(f"onebit bench memory: nn.Linear({args.size}, {args.size}) on {args.device}, world sizes "
           f"{','.join(map(str, worlds))}, {args.steps} steps (1-bit Adam/LAMB freeze after step 2); "
           "figures in fp32 model sizes")
     results = bench_memory(names, worlds, size=args.size, steps=args.steps, device=args.device)
-    rows = [["optimizer", "world size", "stage", "held", "footprint", "held - footprint", "peak during steps",
-             "CUDA peak"]]
-    rows += [[r.optimizer, str(r.world_size), r.stage, f"{r.held:.3f}", f"{r.footprint:.3f}",
-              f"{r.held - r.footprint:+.3f}", fmt(r.peak, ".2f"), fmt(r.cuda_peak, ".2f")] for r in results]
-    text = _table(rows)
-    print(text)
+    meta = {"device": args.device, "size": args.size, "steps": args.steps, "torch": torch.__version__}
+    summary = {"meta": meta, "provenance": provenance(shlex.join(["onebit", *args.argv])),
+               "results": [asdict(r) for r in results]}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    for name, text in report_files(summary).items():
+        (out / name).write_text(text)
+    print((out / "table.txt").read_text(), end="")
     over = [r for r in results if r.held > r.footprint + WIRE_ALLOWANCE]
     print(f"held above footprint + {WIRE_ALLOWANCE} (packed wire buffers): "
           + (", ".join(f"{r.optimizer} w={r.world_size} {r.stage}" for r in over) or "none"))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "table.txt").write_text(text + "\n")
-    meta = {"device": args.device, "size": args.size, "steps": args.steps, "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d")}
-    (out / "summary.json").write_text(json.dumps({"meta": meta, "results": [asdict(r) for r in results]}, indent=1))
     print(f"summary: {out}/summary.json, table: {out}/table.txt")
     return 0 if not over else 1
+
+
+def _bench_report(args: argparse.Namespace) -> int:
+    from .bench._reports import expected_reports, plot_convergence_summaries, stale_reports
+
+    root = Path.cwd()
+    results = Path(args.results)
+    if not (root / results).is_dir():
+        raise ValueError(f"--results {args.results!r}: no such directory under {root} (run from the repository's root)")
+    expected = expected_reports(root, results, [Path(p) for p in args.docs])
+    stale = stale_reports(expected)
+    if args.check:
+        for path in stale:
+            print(f"stale: {path.relative_to(root)}")
+        print(f"{len(expected)} reports, {len(stale)} stale" + (": run `onebit bench report`" if stale else ""))
+        return 1 if stale else 0
+    for path in stale:
+        path.write_text(expected[path])
+        print(f"wrote {path.relative_to(root)}")
+    try:
+        plots = plot_convergence_summaries(root, results)
+        print(f"{len(plots)} loss plots redrawn")
+    except ImportError as exc:
+        print(f"no loss plots: {exc}")
+    print(f"{len(expected)} reports, {len(stale)} rewritten")
+    return 0
 
 
 def _cmd_cluster(args: argparse.Namespace) -> int:
@@ -499,25 +495,36 @@ def build_parser() -> argparse.ArgumentParser:
     _training_flags(compare, 300, "runs/compare")
     compare.set_defaults(func=_cmd_compare)
 
-    bench = sub.add_parser("bench", help="benchmarks: bit kernels, collectives, or the convergence matrix")
-    bench.add_argument("what", choices=("kernels", "comm", "convergence", "memory"))
-    bench.add_argument("--numel", type=_positive_int, default=10_500_000, help="fp32 values (default 10.5M)")
-    bench.add_argument("--sizes", dest="numel_list", type=lambda t: [_positive_int(x) for x in t.split(",")],
-                       default=None, help="comma-separated sizes for 'comm' (instead of --numel)")
-    bench.add_argument("--repeat", type=_positive_int, default=10)
-    bench.add_argument("--world-size", type=_positive_int, default=None,
-                       help="ranks (default: 2 for 'comm', 3 for 'convergence')")
-    bench.add_argument("--threads", type=_positive_int, default=1, help="torch threads for 'kernels' (default 1)")
-    bench.add_argument("--device", default="cpu", help="device for 'kernels' (default cpu)")
-    bench.add_argument("--backend", choices=("torch", "mpi"), default="torch",
-                       help="'comm' over spawned gloo ranks (default) or, under mpirun, over MPI")
-    conv = bench.add_argument_group("convergence (every optimizer vs its uncompressed counterpart)")
+    bench = sub.add_parser("bench", help="benchmarks: bit kernels, collectives, the convergence matrix, memory, "
+                                         "and the reports of committed results")
+    what = bench.add_subparsers(dest="what", required=True, metavar="{kernels,comm,convergence,memory,report}")
+
+    kernels = what.add_parser("kernels", help="the bit kernels' throughput against a plain copy")
+    kernels.add_argument("--numel", type=_positive_int, default=10_500_000, help="fp32 values (default 10.5M)")
+    kernels.add_argument("--repeat", type=_positive_int, default=10, help="timed calls; the median is shown")
+    kernels.add_argument("--threads", type=_positive_int, default=1, help="torch threads (default 1)")
+    kernels.add_argument("--device", default="cpu", help="device (default cpu)")
+    kernels.set_defaults(func=_bench_kernels)
+
+    comms = what.add_parser("comm", help="the compressed collectives against the fp32 all-reduce")
+    comms.add_argument("--numel", type=_positive_int, default=10_500_000, help="fp32 values (default 10.5M)")
+    comms.add_argument("--sizes", dest="numel_list", type=lambda t: [_positive_int(x) for x in t.split(",")],
+                       default=None, help="comma-separated sizes (instead of --numel)")
+    comms.add_argument("--repeat", type=_positive_int, default=10, help="timed calls; the median is shown")
+    comms.add_argument("--world-size", type=_positive_int, default=2, help="ranks (default 2)")
+    comms.add_argument("--backend", choices=("torch", "mpi"), default="torch",
+                       help="over spawned gloo ranks (default) or, under mpirun, over MPI")
+    _cluster_flags(comms)
+    comms.set_defaults(func=_bench_comm)
+
+    conv = what.add_parser("convergence", help="every optimizer against its uncompressed counterpart, paired seeds")
     conv.add_argument("--tasks", default="gpt,digits,sparse_embed,frozen_unused",
                       help="comma-separated tasks (default: gpt,digits,sparse_embed,frozen_unused; "
                            "also byte_mlp, bert)")
     conv.add_argument("--families", default="adamw,lamb,amsgrad,softsign_sgd",
                       help="comma-separated counterparts, each with its compressed optimizers (default: all)")
     conv.add_argument("--seeds", type=_positive_int, default=4, help="paired seeds 0..N-1 per cell (default 4)")
+    conv.add_argument("--world-size", type=_positive_int, default=3, help="gloo ranks (default 3)")
     conv.add_argument("--lr", choices=("low", "high", "both"), default="high",
                       help="each family's low or high learning rate, or both (default high)")
     conv.add_argument("--freeze", type=lambda t: [_fraction(x) for x in t.split(",")], default=[0.2],
@@ -530,23 +537,35 @@ def build_parser() -> argparse.ArgumentParser:
                       help="learning rate: constant, or a cosine decay to zero (default constant)")
     conv.add_argument("--iid", action="store_true",
                       help="shard the byte tasks' text by random 4 KB blocks instead of contiguous slices")
-    conv.add_argument("--steps", type=_positive_int, default=None,
-                      help="steps per run (default 300; 'memory': 4, the freeze after step 2)")
+    conv.add_argument("--steps", type=_positive_int, default=300, help="steps per run (default 300)")
     conv.add_argument("--batch-size", type=_positive_int, default=32, help="samples per rank per step (default 32)")
     conv.add_argument("--max-grad-norm", type=_positive_float, default=None,
                       help="gradient clipping for every optimizer (default: none)")
-    conv.add_argument("--out", default=None,
-                      help="output directory of 'convergence' and 'memory' (default runs/convergence, runs/memory)")
+    conv.add_argument("--out", default="runs/convergence", help="output directory (default runs/convergence)")
     conv.add_argument("--quiet", action="store_true", help="no per-run progress lines")
     conv.add_argument("--report-only", action="store_true",
                       help="re-render the tables and plot from --out's summary.json without training")
-    mem = bench.add_argument_group("memory (what each optimizer holds, against its algorithm's footprint)")
+    conv.set_defaults(func=_bench_convergence)
+
+    mem = what.add_parser("memory", help="what each optimizer holds, against its algorithm's footprint")
     mem.add_argument("--world-sizes", type=lambda t: [_positive_int(x) for x in t.split(",")], default=[1, 2, 3, 4],
                      help="comma-separated world sizes of gloo ranks (default 1,2,3,4)")
     mem.add_argument("--optimizers", default=None, help="comma-separated names (default: all, with AdamW)")
     mem.add_argument("--size", type=_positive_int, default=2048, help="the model: nn.Linear(size, size)")
-    _cluster_flags(bench)
-    bench.set_defaults(func=_cmd_bench)
+    mem.add_argument("--steps", type=_positive_int, default=4, help="steps (default 4; the freeze after step 2)")
+    mem.add_argument("--device", default="cpu", help="device (default cpu)")
+    mem.add_argument("--out", default="runs/memory", help="output directory (default runs/memory)")
+    mem.set_defaults(func=_bench_memory)
+
+    report = what.add_parser("report", help="regenerate every benchmark report from the committed results")
+    report.add_argument("--results", default="benchmarks/results",
+                        help="the results directory (default benchmarks/results)")
+    report.add_argument("--docs", nargs="*", default=["docs", "benchmarks/README.md", "README.md"],
+                        help="Markdown files or directories whose generated blocks are reports too "
+                             "(default: docs benchmarks/README.md README.md)")
+    report.add_argument("--check", action="store_true",
+                        help="write nothing; exit 1 if a committed report differs from what the results give")
+    report.set_defaults(func=_bench_report)
 
     cluster = sub.add_parser("cluster", help="build an emulated cluster, check its links, remove it")
     cluster.add_argument("--ranks-per-node", type=_positive_int, default=1)
@@ -578,6 +597,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)  # the command a result records
     if args.command == "cluster" and not args.nodes:
         parser.error("onebit cluster: --nodes is required")
     try:

@@ -11,12 +11,20 @@ from typing import Any
 from ._model import ModelInput, predict
 from ._runs import NO_COMMUNICATION
 
-__all__ = ["compare_rows", "demo_verdict", "fmt", "mean_interval", "ms", "time_to_loss"]
+__all__ = ["compare_rows", "demo_verdict", "fmt", "mean_interval", "ms", "text_table", "time_to_loss"]
 
 # Student's t at 97.5% by degrees of freedom (two-sided 95% intervals); between entries the
 # smaller df's, a slightly wider interval.
 _T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
          15: 2.131, 20: 2.086, 30: 2.042}
+
+
+def text_table(rows: list[list[str]]) -> str:
+    """``rows`` (the first the header) as aligned plain-text columns under a rule."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
 
 
 def fmt(value: float | None, spec: str) -> str:

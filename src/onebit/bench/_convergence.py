@@ -367,10 +367,12 @@ def run_convergence(out: Path, tasks: tuple[str, ...] = DEFAULT_TASKS,
                     world: int = 3, seeds: tuple[int, ...] = (0, 1, 2, 3), levels: tuple[str, ...] = ("high",),
                     freeze_fractions: tuple[float, ...] = (0.2,), extended: bool = False,
                     schedule: str = "constant", iid: bool = False, progress: bool = True,
-                    max_grad_norm: float | None = None) -> list[dict[str, Any]]:
+                    max_grad_norm: float | None = None,
+                    provenance: dict[str, str] | None = None) -> dict[str, Any]:
     """Run the matrix (every optimizer with ``max_grad_norm`` when given; ``schedule``
-    ``"constant"`` or ``"cosine"`` to zero; ``iid`` shards); write ``summary.json`` (every run,
-    with its loss curve, and :func:`aggregate`'s rows) into ``out``."""
+    ``"constant"`` or ``"cosine"`` to zero; ``iid`` shards); write and return the summary
+    (the settings, ``provenance``: the command, machine and date, :func:`aggregate`'s rows,
+    and every run with its loss curve) as ``summary.json`` in ``out``."""
     if schedule not in ("constant", "cosine"):
         raise ValueError(f"schedule must be 'constant' or 'cosine', got {schedule!r}")
     out.mkdir(parents=True, exist_ok=True)
@@ -387,9 +389,9 @@ def run_convergence(out: Path, tasks: tuple[str, ...] = DEFAULT_TASKS,
                          schedule, iid, timeout=None)[0]
     summary = {"steps": steps, "batch_per_rank": batch, "world_size": world, "seeds": list(seeds),
                "schedule": schedule, "shards": "iid" if iid else "contiguous", "max_grad_norm": max_grad_norm,
-               "aggregate": aggregate(results), "runs": results}
+               "provenance": provenance, "aggregate": aggregate(results), "runs": results}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    return results
+    return summary
 
 
 # ------------------------------------------------------------------------------------ analysis

@@ -1,0 +1,182 @@
+"""``onebit bench report``: every benchmark report, regenerated from the results it reads.
+
+A report is never edited by hand. Three kinds exist, all found by walking the results
+directory and the documentation:
+
+* a convergence matrix's ``summary.json`` (``onebit bench convergence``) gives ``table.md``
+  and ``table.txt`` beside it (and ``loss.png`` when writing);
+* a memory benchmark's ``summary.json`` (``onebit bench memory``) gives ``table.txt``;
+* a generated block of a Markdown file: the lines between ``<!-- report: COMMAND -->`` and
+  ``<!-- /report -->`` are what ``COMMAND`` prints -- a benchmark script's ``--report`` over
+  its JSON-lines results, ``python benchmarks/SCRIPT.py --report FILE``, run from the
+  repository's root. Prose around the blocks is the author's; the figures are the data's.
+
+Each JSON result carries the command, machine and date it came from, and the reports print them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import platform
+import runpy
+import shlex
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from ._analysis import fmt, text_table
+
+__all__ = ["BLOCK_END", "BLOCK_START", "convergence_rows", "expected_reports", "memory_rows",
+           "plot_convergence_summaries", "provenance", "report_files", "stale_reports"]
+
+BLOCK_START = "<!-- report: "
+BLOCK_END = "<!-- /report -->"
+
+
+def provenance(command: str) -> dict[str, str]:
+    """``command``, ``machine`` (host name and cores) and ``date`` of a run made now."""
+    return {"command": command, "machine": f"{platform.node()} ({os.cpu_count()} cores)",
+            "date": time.strftime("%Y-%m-%d")}
+
+
+def convergence_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
+    """``table.txt``'s rows: every column of :func:`~onebit.bench._convergence.aggregate`'s cells."""
+    out = [["task", "lr", "optimizer", "seeds", "score (mean)", "paired gap", "95% ±", "target", "verdict",
+            "steps to target"]]
+    for r in rows:
+        reached = [f for f in r.get("steps_to_target", []) if f is not None]
+        out.append([
+            r["task"], f"{r['lr']:g}", r["label"], str(len(r["seeds"])),
+            f"{r['score_mean']:.4f}",
+            fmt(r.get("gap_mean"), "+.2f"), fmt(r.get("gap_half"), ".2f"), fmt(r.get("target"), "g"),
+            r.get("verdict", "counterpart"),
+            "" if "steps_to_target" not in r else
+            f"{sum(reached) / len(reached):.2f} ({len(reached)}/{len(r['seeds'])})" if reached else "never",
+        ])
+    return out
+
+
+def memory_rows(results: list[dict[str, Any]]) -> list[list[str]]:
+    """``onebit bench memory``'s table: held, footprint and peaks in fp32 model sizes."""
+    rows = [["optimizer", "world size", "stage", "held", "footprint", "held - footprint", "peak during steps",
+             "CUDA peak"]]
+    rows += [[r["optimizer"], str(r["world_size"]), r["stage"], f"{r['held']:.3f}", f"{r['footprint']:.3f}",
+              f"{r['held'] - r['footprint']:+.3f}", fmt(r["peak"], ".2f"), fmt(r["cuda_peak"], ".2f")]
+             for r in results]
+    return rows
+
+
+def _provenance(summary: dict[str, Any]) -> str:
+    p = summary.get("provenance")
+    if not p:
+        raise ValueError("summary.json has no 'provenance' (command, machine, date)")
+    return f"`{p['command']}`; {p['machine']}, {p['date']}."
+
+
+def report_files(summary: dict[str, Any]) -> dict[str, str]:
+    """The reports a benchmark's ``summary.json`` gives (file name: content); ``{}`` for one
+    run's summary (``onebit compare``, ``train``), whose table is what the run printed."""
+    if "runs" in summary and "aggregate" in summary:
+        return _convergence(summary)
+    if "meta" in summary and "results" in summary:
+        return _memory(summary)
+    return {}
+
+
+def _convergence(summary: dict[str, Any]) -> dict[str, str]:
+    from ._convergence import aggregate, markdown_table
+
+    rows = aggregate(summary["runs"])
+    note = _provenance(summary)
+    return {"table.md": markdown_table(rows) + "\n\n" + note + "\n",
+            "table.txt": text_table(convergence_rows(rows)) + "\n\n" + note + "\n"}
+
+
+def _memory(summary: dict[str, Any]) -> dict[str, str]:
+    return {"table.txt": text_table(memory_rows(summary["results"])) + "\n\n" + _provenance(summary) + "\n"}
+
+
+def _run(command: str, root: Path) -> str:
+    """What ``command`` (``python benchmarks/SCRIPT.py ...``) prints, run from ``root``: in this
+    process (the scripts' ``--report`` only reads JSON), as ``python`` would run it."""
+    argv = shlex.split(command)
+    if len(argv) < 2 or argv[0] != "python" or not argv[1].startswith("benchmarks/"):
+        raise ValueError(f"a report block runs a benchmark script (python benchmarks/...), got {command!r}")
+    script = root / argv[1]
+    saved = sys.argv, sys.path[:], Path.cwd()
+    out = io.StringIO()
+    try:
+        sys.argv, sys.path[:0] = argv[1:], [str(script.parent)]
+        os.chdir(root)
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as exc:
+        if exc.code:
+            raise RuntimeError(f"{command!r} exited with {exc.code}") from exc
+    finally:
+        sys.argv, sys.path[:] = saved[0], saved[1]
+        os.chdir(saved[2])
+    return out.getvalue().rstrip("\n")
+
+
+def _blocks(text: str, root: Path) -> str:
+    """``text`` with every generated block's lines replaced by what its command prints now."""
+    out: list[str] = []
+    lines = iter(text.split("\n"))
+    for line in lines:
+        out.append(line)
+        if not line.startswith(BLOCK_START):
+            continue
+        command = line[len(BLOCK_START):].removesuffix("-->").strip()
+        for rest in lines:
+            if rest == BLOCK_END:
+                break
+        else:
+            raise ValueError(f"report block {command!r} has no {BLOCK_END} line")
+        out += [_run(command, root), BLOCK_END]
+    return "\n".join(out)
+
+
+def _markdown(root: Path, results: Path, docs: list[Path]) -> Iterator[Path]:
+    for where in [results, *docs]:
+        where = root / where
+        if where.is_file():
+            yield where
+        elif where.is_dir():
+            yield from sorted(where.rglob("*.md"))
+
+
+def expected_reports(root: Path, results: Path, docs: list[Path]) -> dict[Path, str]:
+    """Every report under ``results`` and in the Markdown of ``docs`` (paths relative to the
+    repository's ``root``), with the content its results give."""
+    expected: dict[Path, str] = {}
+    for summary_path in sorted((root / results).rglob("summary.json")):
+        made = report_files(json.loads(summary_path.read_text()))
+        expected.update({summary_path.parent / name: text for name, text in made.items()})
+    for path in _markdown(root, results, docs):
+        text = path.read_text()
+        if BLOCK_START in text:
+            expected[path] = _blocks(text, root)
+    return expected
+
+
+def stale_reports(expected: dict[Path, str]) -> list[Path]:
+    """The reports whose file differs from what their results give."""
+    return [p for p, text in expected.items() if not p.exists() or p.read_text() != text]
+
+
+def plot_convergence_summaries(root: Path, results: Path) -> list[Path]:
+    """Redraw every convergence matrix's ``loss.png`` (needs matplotlib)."""
+    from ._plot import plot_convergence
+
+    drawn = []
+    for summary_path in sorted((root / results).rglob("summary.json")):
+        summary = json.loads(summary_path.read_text())
+        if "runs" in summary and "aggregate" in summary:
+            drawn.append(plot_convergence(summary["runs"], summary_path.parent / "loss.png"))
+    return drawn

@@ -1,0 +1,87 @@
+"""``onebit bench report``: the committed reports are what their results give, and the
+command finds and rewrites a stale one."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from onebit.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def in_root(monkeypatch):
+    monkeypatch.chdir(ROOT)
+
+
+def test_committed_reports_match_their_results(in_root, capsys):
+    assert main(["bench", "report", "--check"]) == 0, capsys.readouterr().out
+
+
+def _repo(tmp_path: Path, results: tuple[str, ...] = ("convergence-long", "hsdp")) -> Path:
+    """A copy of the repository's benchmark scripts and some of its results (by default a
+    convergence matrix and a script's reports)."""
+    shutil.copytree(ROOT / "benchmarks", tmp_path / "benchmarks",
+                    ignore=shutil.ignore_patterns("results", "__pycache__"))
+    (tmp_path / "benchmarks" / "results").mkdir()
+    for name in results:
+        shutil.copytree(ROOT / "benchmarks" / "results" / name, tmp_path / "benchmarks" / "results" / name)
+    return tmp_path
+
+
+def test_a_stale_report_is_found_and_rewritten(tmp_path, monkeypatch, capsys):
+    root = _repo(tmp_path)
+    monkeypatch.chdir(root)
+    results = root / "benchmarks" / "results"
+    table = results / "convergence-long" / "table.md"
+    report = results / "hsdp" / "REPORT.md"
+    good_table, good_report = table.read_text(), report.read_text()
+    table.write_text(good_table.replace("-1.7%", "-2.7%"))  # a figure edited by hand
+    lines = good_report.split("\n")
+    report.write_text("\n".join(lines[:3] + lines[4:]))  # a row lost
+    doc = root / "docs" / "page.md"
+    doc.parent.mkdir()
+    command = "python benchmarks/hsdp_convergence.py --report benchmarks/results/hsdp/convergence.jsonl"
+    doc.write_text(f"Prose stays.\n\n<!-- report: {command} -->\nold\n<!-- /report -->\n\nMore prose.\n")
+
+    assert main(["bench", "report", "--check", "--docs", "docs"]) == 1
+    out = capsys.readouterr().out
+    for path in ("convergence-long/table.md", "hsdp/REPORT.md", "docs/page.md"):
+        assert path in out
+    assert "-2.7%" in table.read_text()  # --check writes nothing
+
+    assert main(["bench", "report", "--docs", "docs"]) == 0
+    assert table.read_text() == good_table and report.read_text() == good_report
+    text = doc.read_text()
+    expected = (ROOT / "benchmarks" / "results" / "hsdp" / "CONVERGENCE.md").read_text()
+    assert text.startswith("Prose stays.\n\n") and text.endswith("\n\nMore prose.\n")
+    assert expected.strip() in text and "old" not in text
+    assert main(["bench", "report", "--check", "--docs", "docs"]) == 0
+
+
+def test_a_result_without_provenance_is_refused(tmp_path, monkeypatch, capsys):
+    root = _repo(tmp_path)
+    monkeypatch.chdir(root)
+    path = root / "benchmarks" / "results" / "convergence-long" / "summary.json"
+    summary = json.loads(path.read_text())
+    del summary["provenance"]
+    path.write_text(json.dumps(summary))
+    with pytest.raises(SystemExit):
+        main(["bench", "report", "--check", "--docs"])
+    assert "summary.json has no 'provenance' (command, machine, date)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("block,message", [
+    ("<!-- report: rm -rf benchmarks -->\n<!-- /report -->", "a report block runs a benchmark script"),
+    ("<!-- report: python benchmarks/hsdp_step.py --report x.jsonl -->\nrow", "has no <!-- /report --> line"),
+])
+def test_bad_blocks_are_refused(block, message, tmp_path, monkeypatch, capsys):
+    root = _repo(tmp_path, results=())
+    monkeypatch.chdir(root)
+    (root / "page.md").write_text(block + "\n")
+    with pytest.raises(SystemExit):
+        main(["bench", "report", "--check", "--docs", "page.md"])
+    assert message in capsys.readouterr().err
