@@ -16,6 +16,14 @@ def provenance(launcher: str = "python") -> dict[str, str]:
     return _provenance(f"{launcher} {' '.join(sys.argv)}")
 
 
+def provenance_note(rows: list[dict[str, Any]]) -> str:
+    """One line for a report's foot: how many runs, the first one's command, the machines and dates."""
+    machines = ", ".join(sorted({r["machine"] for r in rows}))
+    dates = sorted({r["date"] for r in rows})
+    when = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
+    return f"{len(rows)} runs, each with its command in the results file (the first: `{rows[0]['command']}`); {machines}, {when}."
+
+
 def append_row(path: str | Path, row: dict[str, Any]) -> None:
     """Append ``row`` to the JSON-lines file ``path`` (its folder created if missing)."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 from _deepspeed_sides import SIDES, build, start
-from _records import append_row, read_rows
+from _records import append_row, provenance, provenance_note, read_rows
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--report", metavar="FILE", help="print the paired comparison of FILE's runs and exit")
@@ -65,7 +65,7 @@ def report(rows: list[dict]) -> str:
         lines.append(f"| {config} | `{task}` | {overrides if overrides != '{}' else '—'} | {len(pairs)} "
                      f"| {sum(a for a, _ in pairs) / len(pairs):.4f} | {sum(b for _, b in pairs) / len(pairs):.4f} "
                      f"| {mean:+.1f}% ± {half:.1f} | {', '.join(f'{g:+.1f}' for g in gaps)} |")
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n\n" + provenance_note(rows)
 
 
 if args.report:
@@ -107,6 +107,6 @@ if rank == 0:
            "freeze_step": config["optimizer"]["params"].get("freeze_step",
                                                              config["optimizer"]["params"].get("var_freeze_step")),
            "seed": args.seed, "skip_first_step": args.skip_first_step, "overrides": overrides,
-           **run}
+           **run, **provenance(f"torchrun --standalone --nproc_per_node {world}")}
     print(json.dumps(row), flush=True)
     append_row(args.out, row)

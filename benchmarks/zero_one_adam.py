@@ -28,7 +28,6 @@ exchange rounds (steps that sent more than the step's agreement)::
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,8 @@ import torch
 from onebit.bench._analysis import mean_interval
 from onebit.bench._convergence import _VARIANTS, ConvergenceTask, measure_training
 from onebit.launch import spawn
+
+from _records import append_row, provenance, provenance_note, read_rows
 from onebit.optim import REGISTRY, make_optimizer
 
 # cell -> (registry name, arguments beyond its freeze): the convergence matrix's, and the two ablations
@@ -101,7 +102,7 @@ def report(rows: list[dict[str, Any]]) -> str:
                          f"| {statistics.fmean(r['heldout_loss'] for r in mine):.4f} "
                          f"| {gap} | {statistics.fmean(r['bytes_sent_per_rank'] for r in mine) / 1e6:.1f} "
                          f"| {statistics.fmean(r['exchange_rounds'] for r in mine):.0f} |")
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n\n" + provenance_note(rows)
 
 
 def main() -> None:
@@ -128,10 +129,8 @@ def main() -> None:
                                 args.freeze, args.cosine, timeout=None)[0]
                     print(f"{task} seed {seed} {cell}: held-out {row['heldout_loss']:.4f}, "
                           f"{row['bytes_sent_per_rank'] / 1e6:.1f} MB, {row['exchange_rounds']} rounds", flush=True)
-                    with open(out, "a") as f:
-                        f.write(json.dumps(row) + "\n")
-    rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
-    print(report(rows))
+                    append_row(out, {**row, **provenance("OMP_NUM_THREADS=1 python")})
+    print(report(read_rows(out)))
 
 
 if __name__ == "__main__":

@@ -75,7 +75,7 @@ def test_a_result_without_provenance_is_refused(tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("block,message", [
-    ("<!-- report: rm -rf benchmarks -->\n<!-- /report -->", "a report block runs a benchmark script"),
+    ("<!-- report: rm -rf benchmarks -->\n<!-- /report -->", "a report block runs a benchmark script's report"),
     ("<!-- report: python benchmarks/hsdp_step.py --report x.jsonl -->\nrow", "has no <!-- /report --> line"),
 ])
 def test_bad_blocks_are_refused(block, message, tmp_path, monkeypatch, capsys):

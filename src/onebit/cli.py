@@ -12,7 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from .bench._analysis import compare_rows, demo_verdict, fmt, ms, text_table as _table
+from .bench._analysis import compare_rows, demo_verdict, fmt, text_table as _table
 
 __all__ = ["build_parser", "main"]
 
@@ -289,6 +289,21 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _write_bench(args: argparse.Namespace, summary: dict[str, Any]) -> None:
+    """Print the benchmark's tables; with ``--out``, also write them and ``summary.json`` there."""
+    from .bench._reports import provenance, report_files
+
+    summary = {**summary, "provenance": provenance(shlex.join(["onebit", *args.argv]))}
+    text = report_files(summary)["table.txt"]
+    print(text, end="")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        (out / "table.txt").write_text(text)
+        print(f"summary: {out}/summary.json, table: {out}/table.txt")
+
+
 def _bench_kernels(args: argparse.Namespace) -> int:
     import torch
 
@@ -296,37 +311,27 @@ def _bench_kernels(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     results = bench_kernels(args.numel, args.repeat, args.device)
-    rows = [["kernel", "implementation", "ms", "GB/s (fp32 values)", "vs copy", "traffic GB/s", "of copy bandwidth"]]
-    rows += [[r.kernel, r.implementation, f"{r.seconds * 1e3:.2f}", f"{r.gbytes_per_s:.1f}", f"{r.vs_copy:.2f}x",
-              f"{r.traffic_gbytes_per_s:.1f}", f"{r.bandwidth:.0%}"] for r in results]
-    print(f"onebit bench kernels: {args.numel} fp32 values on {args.device}, median of {args.repeat}")
-    print(_table(rows))
+    _write_bench(args, {"benchmark": "kernels", "settings": {
+        "numel": args.numel, "repeat": args.repeat, "device": args.device, "threads": args.threads,
+        "torch": torch.__version__}, "results": [asdict(r) for r in results]})
     return 0
 
 
 def _bench_comm(args: argparse.Namespace) -> int:
+    import torch
+
     from .bench import bench_comm
 
+    results = []
     with _cluster(args) as cluster:
         for numel in args.numel_list or [args.numel]:
-            results = bench_comm(numel, args.world_size, args.repeat, cluster=cluster, backend=args.backend)
-            if results is None:  # an MPI rank other than 0: rank 0 reports
-                continue
-            world = results[0].world_size
-            rows = [["collective", "ms", "bytes sent/rank", "inter-node bytes/rank", "vs fp32 all_reduce",
-                     "wire-limited ideal ms", "vs ideal"]]
-            rows += [[r.collective, f"{r.seconds * 1e3:.1f}", str(r.bytes_sent), fmt(r.inter_node_bytes, "d"),
-                      f"{r.vs_fp32:.2f}x", ms(r.ideal_seconds),
-                      f"{r.seconds / r.ideal_seconds:.2f}x" if r.ideal_seconds else "-"] for r in results]
-            print(f"onebit bench comm: {numel} fp32 values, {world} ranks ({args.backend}), median of {args.repeat}")
-            print(_table(rows))
-            timed = [r for r in results if r.phases]
-            if timed:
-                names = list(timed[0].phases)
-                rows = [["collective (ms per phase, mean over calls and ranks)", *names, "sum"]]
-                rows += [[r.collective, *(f"{r.phases.get(k, 0.0) * 1e3:.1f}" for k in names),
-                          f"{sum(r.phases.values()) * 1e3:.1f}"] for r in timed]
-                print(_table(rows))
+            made = bench_comm(numel, args.world_size, args.repeat, cluster=cluster, backend=args.backend)
+            if made is None:  # an MPI rank other than 0: rank 0 reports
+                return 0
+            results += [asdict(r) for r in made]
+    _write_bench(args, {"benchmark": "comm", "settings": {
+        "world_size": args.world_size, "repeat": args.repeat, "backend": args.backend, "nodes": args.nodes,
+        "bandwidth": args.bandwidth if args.nodes else None, "torch": torch.__version__}, "results": results})
     return 0
 
 
@@ -504,6 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
     kernels.add_argument("--repeat", type=_positive_int, default=10, help="timed calls; the median is shown")
     kernels.add_argument("--threads", type=_positive_int, default=1, help="torch threads (default 1)")
     kernels.add_argument("--device", default="cpu", help="device (default cpu)")
+    kernels.add_argument("--out", default=None, help="also write summary.json and table.txt into this directory")
     kernels.set_defaults(func=_bench_kernels)
 
     comms = what.add_parser("comm", help="the compressed collectives against the fp32 all-reduce")
@@ -514,6 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
     comms.add_argument("--world-size", type=_positive_int, default=2, help="ranks (default 2)")
     comms.add_argument("--backend", choices=("torch", "mpi"), default="torch",
                        help="over spawned gloo ranks (default) or, under mpirun, over MPI")
+    comms.add_argument("--out", default=None, help="also write summary.json and table.txt into this directory")
     _cluster_flags(comms)
     comms.set_defaults(func=_bench_comm)
 

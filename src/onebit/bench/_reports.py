@@ -5,11 +5,13 @@ directory and the documentation:
 
 * a convergence matrix's ``summary.json`` (``onebit bench convergence``) gives ``table.md``
   and ``table.txt`` beside it (and ``loss.png`` when writing);
-* a memory benchmark's ``summary.json`` (``onebit bench memory``) gives ``table.txt``;
+* a memory, kernel or collective benchmark's ``summary.json`` (``onebit bench memory``,
+  ``kernels --out``, ``comm --out``) gives ``table.txt``;
 * a generated block of a Markdown file: the lines between ``<!-- report: COMMAND -->`` and
   ``<!-- /report -->`` are what ``COMMAND`` prints -- a benchmark script's ``--report`` over
-  its JSON-lines results, ``python benchmarks/SCRIPT.py --report FILE``, run from the
-  repository's root. Prose around the blocks is the author's; the figures are the data's.
+  its JSON-lines results, ``python benchmarks/SCRIPT.py --report FILE``, or the cost model,
+  ``onebit model ...`` -- run from the repository's root. Prose around the blocks is the
+  author's; the figures are the data's.
 
 Each JSON result carries the command, machine and date it came from, and the reports print them.
 """
@@ -32,7 +34,7 @@ from typing import Any
 from ._analysis import fmt, text_table
 
 __all__ = ["BLOCK_END", "BLOCK_START", "convergence_rows", "expected_reports", "memory_rows",
-           "plot_convergence_summaries", "provenance", "report_files", "stale_reports"]
+           "comm_tables", "kernel_rows", "plot_convergence_summaries", "provenance", "report_files", "stale_reports"]
 
 BLOCK_START = "<!-- report: "
 BLOCK_END = "<!-- /report -->"
@@ -71,6 +73,36 @@ def memory_rows(results: list[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
+def kernel_rows(results: list[dict[str, Any]]) -> list[list[str]]:
+    """``onebit bench kernels``' table: each kernel's time and its bandwidth against a copy's."""
+    rows = [["kernel", "implementation", "ms", "GB/s (fp32 values)", "vs copy", "traffic GB/s", "of copy bandwidth"]]
+    rows += [[r["kernel"], r["implementation"], f"{r['seconds'] * 1e3:.2f}", f"{r['gbytes_per_s']:.1f}",
+              f"{r['vs_copy']:.2f}x", f"{r['traffic_gbytes_per_s']:.1f}", f"{r['bandwidth']:.0%}"] for r in results]
+    return rows
+
+
+def comm_tables(results: list[dict[str, Any]], backend: str, repeat: int) -> str:
+    """``onebit bench comm``'s tables, one (and one of phases) per size."""
+    out = []
+    for numel in dict.fromkeys(r["numel"] for r in results):
+        mine = [r for r in results if r["numel"] == numel]
+        rows = [["collective", "ms", "bytes sent/rank", "inter-node bytes/rank", "vs fp32 all_reduce",
+                 "wire-limited ideal ms", "vs ideal"]]
+        rows += [[r["collective"], f"{r['seconds'] * 1e3:.1f}", str(r["bytes_sent"]), fmt(r["inter_node_bytes"], "d"),
+                  f"{r['vs_fp32']:.2f}x", fmt(None if r["ideal_seconds"] is None else r["ideal_seconds"] * 1e3, ".1f"),
+                  f"{r['seconds'] / r['ideal_seconds']:.2f}x" if r["ideal_seconds"] else "-"] for r in mine]
+        out.append(f"onebit bench comm: {numel} fp32 values, {mine[0]['world_size']} ranks ({backend}), "
+                   f"median of {repeat}\n" + text_table(rows))
+        timed = [r for r in mine if r["phases"]]
+        if timed:
+            names = list(timed[0]["phases"])
+            rows = [["collective (ms per phase, mean over calls and ranks)", *names, "sum"]]
+            rows += [[r["collective"], *(f"{r['phases'].get(k, 0.0) * 1e3:.1f}" for k in names),
+                      f"{sum(r['phases'].values()) * 1e3:.1f}"] for r in timed]
+            out.append(text_table(rows))
+    return "\n\n".join(out)
+
+
 def _provenance(summary: dict[str, Any]) -> str:
     p = summary.get("provenance")
     if not p:
@@ -85,6 +117,14 @@ def report_files(summary: dict[str, Any]) -> dict[str, str]:
         return _convergence(summary)
     if "meta" in summary and "results" in summary:
         return _memory(summary)
+    note = "\n\n" + _provenance(summary) + "\n" if "benchmark" in summary else ""
+    if summary.get("benchmark") == "kernels":
+        meta = summary["settings"]
+        head = f"onebit bench kernels: {meta['numel']} fp32 values on {meta['device']}, median of {meta['repeat']}\n"
+        return {"table.txt": head + text_table(kernel_rows(summary["results"])) + note}
+    if summary.get("benchmark") == "comm":
+        meta = summary["settings"]
+        return {"table.txt": comm_tables(summary["results"], meta["backend"], meta["repeat"]) + note}
     return {}
 
 
@@ -102,26 +142,36 @@ def _memory(summary: dict[str, Any]) -> dict[str, str]:
 
 
 def _run(command: str, root: Path) -> str:
-    """What ``command`` (``python benchmarks/SCRIPT.py ...``) prints, run from ``root``: in this
-    process (the scripts' ``--report`` only reads JSON), as ``python`` would run it."""
+    """What ``command`` prints, run from ``root`` in this process: a benchmark script's
+    ``--report`` (``python benchmarks/SCRIPT.py ...``, which only reads JSON) as it is, or an
+    ``onebit`` command that computes without running ranks (``onebit model ...``) as a code block."""
     argv = shlex.split(command)
-    if len(argv) < 2 or argv[0] != "python" or not argv[1].startswith("benchmarks/"):
-        raise ValueError(f"a report block runs a benchmark script (python benchmarks/...), got {command!r}")
-    script = root / argv[1]
+    script = root / argv[1] if len(argv) > 1 and argv[0] == "python" and argv[1].startswith("benchmarks/") else None
+    if script is None and argv[:2] != ["onebit", "model"]:
+        raise ValueError("a report block runs a benchmark script's report (python benchmarks/...) or "
+                         f"onebit model, got {command!r}")
     saved = sys.argv, sys.path[:], Path.cwd()
     out = io.StringIO()
     try:
-        sys.argv, sys.path[:0] = argv[1:], [str(script.parent)]
         os.chdir(root)
         with contextlib.redirect_stdout(out):
-            runpy.run_path(str(script), run_name="__main__")
+            if script is None:
+                from ..cli import main
+
+                code = main(argv[1:])
+            else:
+                sys.argv, sys.path[:0] = argv[1:], [str(script.parent)]
+                runpy.run_path(str(script), run_name="__main__")
+                code = 0
     except SystemExit as exc:
-        if exc.code:
-            raise RuntimeError(f"{command!r} exited with {exc.code}") from exc
+        code = exc.code
     finally:
         sys.argv, sys.path[:] = saved[0], saved[1]
         os.chdir(saved[2])
-    return out.getvalue().rstrip("\n")
+    if code:
+        raise RuntimeError(f"{command!r} exited with {code}")
+    text = out.getvalue().rstrip("\n")
+    return text if script is not None else f"```text\n{text}\n```"
 
 
 def _blocks(text: str, root: Path) -> str:

@@ -260,8 +260,9 @@ class ErrorFeedbackState(_HookState):
             one ``||x||_2 / sqrt(n)`` scale per chunk of each bucket; ``"identity"`` sends
             fp32 and equals plain DDP).
         start_iter: first compressed iteration (>= 2, see the class notes).
-        hierarchical, ranks_per_node: Birder's Hierarchical-1-bit-All-Reduce, as
-            :func:`onebit.comm.compressed_allreduce`.
+        hierarchical: Birder's Hierarchical-1-bit-All-Reduce, as
+            :func:`onebit.comm.compressed_allreduce` (``True``, ``False`` or ``"auto"``).
+        ranks_per_node: ranks on each node, for the hierarchical exchange (``None``: detected).
         timeout: per-collective timeout.
     """
 

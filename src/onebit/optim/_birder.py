@@ -148,15 +148,24 @@ class Birder(_SoftSign):
     the chunk it owns as server. The generator state is in :meth:`state_dict`.
 
     Args:
-        hierarchical: ``True`` uses :class:`onebit.comm.HierarchicalAllReduce` (section 4;
-            ``ranks_per_node`` or torchrun's ``LOCAL_WORLD_SIZE``), ``"auto"`` whenever the
-            group spans several nodes of several ranks.
+        params: parameters or param groups (options ``lr``, ``beta``, ``weight_decay``).
+        lr: learning rate (read every step, so LR schedulers work).
+        beta: the EMA rate of both ``m`` and ``b`` (the paper's 0.95).
+        eps: added to ``b`` in ``m / (b + eps)``.
+        weight_decay: decoupled weight decay.
+        seed: seed of the quantiser's random draws (rank ``r`` uses ``seed + r * 2**32``).
+        group: process group (``None``: default), an :class:`onebit.comm.MPIGroup`, or a
+            backend name (``"mpi"``).
+        hierarchical: ``True`` uses :class:`onebit.comm.HierarchicalAllReduce` (section 4),
+            ``"auto"`` whenever the group spans several nodes of several ranks.
+        ranks_per_node: ranks on each node, for the hierarchical exchange (``None``: torchrun's
+            ``LOCAL_WORLD_SIZE``).
         threshold_step: ``T_0`` of line 7: after it, ``b`` is the running maximum of the
             EMA (AMSGrad-style, the analysis' variant). ``None`` (default) never, as in the
             paper's experiments.
         compressor: the quantiser of the exchange; ``"identity"`` sends fp32 and gives the
             average of the workers' ``m / (b + eps)`` (SoftSignSGD at world size 1).
-        overlap, bucket_cap_mb: start each bucket's exchange during backward, as
+        overlap: start each bucket's exchange during backward, as
             :class:`onebit.OnebitAdam` does: a bucket's launch sends ``e + m' / (b' + eps)``
             with the moments ``m'``, ``b'`` formed in scratch; ``step()`` applies each
             bucket's ``u_bar`` as it arrives, then moves ``m`` and ``b`` (so a skipped step
@@ -164,13 +173,14 @@ class Birder(_SoftSign):
             quantised on its own, drawing from the same generator in bucket order. The
             requirements are :class:`onebit.OnebitAdam`'s (flat exchange, no
             ``max_grad_norm``, no GradScaler, :meth:`no_sync` for accumulation).
+        bucket_cap_mb: bucket size of the overlapped exchange, in MB of fp32 state (as DDP's).
         **options: :class:`onebit.optim.CommonOptions`.
 
     A ``+-1`` code cannot say "no update", so a parameter's code is exchanged every step;
     missing gradients follow :class:`onebit.optim.OnebitOptimizer`'s rule (a parameter
     without a gradient on any rank ignores its code: it is not updated).
 
-    Example::
+    Example:
 
         >>> model = torch.nn.Linear(4, 2)
         >>> opt = onebit.Birder(model.parameters(), lr=1e-3)
@@ -278,7 +288,7 @@ class SoftSignSGD(_SoftSign):
     ``x <- x (1 - lr * weight_decay) - lr * m / (b + eps)``. Its stats report stage
     ``"warmup"`` on every step: every exchange is uncompressed.
 
-    Example::
+    Example:
 
         >>> model = torch.nn.Linear(4, 2)
         >>> opt = onebit.SoftSignSGD(model.parameters(), lr=1e-3)

@@ -126,6 +126,11 @@ class CompAMS(_GradientExchange):
     all-reduce); world size 1 is Algorithm 3 (one machine, compressed gradients).
 
     Args:
+        params: parameters or param groups (options ``lr``, ``betas``, ``weight_decay``).
+        lr: learning rate (read every step, so LR schedulers work).
+        betas: ``(beta1, beta2)`` of AMSGrad's moments.
+        eps: added to ``sqrt(v^)`` in the denominator.
+        weight_decay: decoupled weight decay.
         compressor: ``"topk"`` (Definition 1, ``k = ceil(ratio * d)`` over the whole fused
             gradient), ``"block_sign"`` (Definition 2) or ``"none"``.
         ratio: Top-k's kept fraction, in ``(0, 1]``.
@@ -133,12 +138,16 @@ class CompAMS(_GradientExchange):
             fp32 scales, 21x less than fp32) or ``"tensor"``, one block per parameter tensor
             (the paper's "blocks are the network layers", 1 bit per value). Per-tensor blocks
             give every value of a layer the same magnitude, which erases Adam's per-value
-            scale: on the byte-LM task of ``onebit bench convergence`` they ended +38% above
-            AMSGrad where 64-value blocks ended +5% (README, "What the matrix found").
+            scale (the Comp-AMS page of the documentation has the measurements).
+        error_feedback: keep each rank's compression error and add it to its next gradient
+            (``False``: the paper's no-EF control).
+        group: process group (``None``: default), an :class:`onebit.comm.MPIGroup`, or a
+            backend name (``"mpi"``).
         bias_correction: divide ``m`` and ``v^`` by ``1 - beta^t`` (off in the paper).
         overlap: start each bucket's exchange during backward, as soon as its gradients are
             accumulated (see below); ``False``: one exchange of the whole model in ``step()``.
         bucket_cap_mb: bucket size of the overlapped exchange, in MB of fp32 gradients (as DDP's).
+        **options: :class:`onebit.optim.CommonOptions`.
 
     The all-gather volume grows with the world size: each rank receives ``w - 1``
     payloads. Missing gradients follow :class:`onebit.optim.OnebitOptimizer`'s rule.
@@ -158,6 +167,14 @@ class CompAMS(_GradientExchange):
     :meth:`no_sync` for all micro-batches but the last. A skipped step (non-finite gradient)
     restarts the error-feedback buffers at zero: they took the gradients in before the ranks
     could agree.
+
+    Example:
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = onebit.CompAMS(model.parameters(), lr=1e-3, compressor="block_sign")
+        >>> model(torch.randn(8, 4)).square().mean().backward()
+        >>> opt.step()
+        >>> opt.stats["stage"]
+        'compressed'
     """
 
     _flat_names = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
@@ -226,6 +243,26 @@ class QAdam(_GradientExchange):
     :class:`onebit.compress.UniformCompressor`; ``bits=1`` is the paper's 1-bit QAdam)
     with error feedback, and every rank steps ``x <- x - lr * mean(Q_b(a + e))``.
     The moments differ between ranks, so each rank checkpoints its own ``state_dict``.
+
+    Args:
+        params: parameters or param groups (options ``lr``, ``betas``, ``weight_decay``).
+        lr: learning rate (read every step).
+        betas: ``(beta1, beta2)`` of each rank's moments.
+        eps: added to ``v`` under the square root.
+        weight_decay: decoupled weight decay.
+        bits: bits per value of the uniform quantizer (1: 1-bit QAdam).
+        group: process group (``None``: default), an :class:`onebit.comm.MPIGroup`, or a
+            backend name (``"mpi"``).
+        error_feedback: keep each rank's quantization error for its next step.
+        **options: :class:`onebit.optim.CommonOptions`.
+
+    Example:
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = onebit.QAdam(model.parameters(), lr=1e-3, bits=2)
+        >>> model(torch.randn(8, 4)).square().mean().backward()
+        >>> opt.step()
+        >>> opt.stats["stage"]
+        'compressed'
     """
 
     _flat_names = ("exp_avg", "exp_avg_sq")

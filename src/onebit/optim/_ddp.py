@@ -115,11 +115,26 @@ def attach(optimizer: object, model: Optional[DistributedDataParallel] = None) -
     """Switch off DDP's gradient all-reduce for an onebit optimizer: call it after wrapping the
     model in DDP and before the first backward.
 
-    ``optimizer`` is an onebit optimizer or a trainer's wrapper around one (Accelerate's
-    ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``: their ``optimizer`` /
-    ``_optimizer`` is followed). ``model``: the DDP module; by default every live DDP module
-    holding the optimizer's parameters. An optimizer built on a model that is already wrapped
-    does this itself at construction. Returns the DDP modules now carrying the hook.
+    DDP would all-reduce the gradients in fp32 and the optimizer exchange them again, saving
+    nothing; the hook registered here leaves each rank its own gradient. An optimizer built on
+    a model that is already wrapped does this itself at construction.
+
+    Args:
+        optimizer: an onebit optimizer or a trainer's wrapper around one (Accelerate's
+            ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``: their ``optimizer`` /
+            ``_optimizer`` is followed).
+        model: the DDP module (``None``: every live DDP module holding the optimizer's
+            parameters).
+
+    Returns:
+        The DDP modules now carrying the hook.
+
+    Example:
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = onebit.OnebitAdam(model.parameters(), lr=1e-3)
+        >>> # torch.distributed.init_process_group(...); ddp = DistributedDataParallel(model)
+        >>> onebit.attach(opt)  # no DDP module holds these parameters: nothing to switch off
+        []
     """
     inner = optimizer
     while inner is not None and not hasattr(inner, "attach_ddp"):

@@ -75,9 +75,25 @@ def from_deepspeed_config(
       ``amsgrad=true`` (DeepSpeed refused it too) and ``eps_inside_sqrt=true`` (DeepSpeed
       ignored it: eps was added outside the square root).
 
-    ``overrides`` are passed to the constructor last (e.g. ``group=``, ``clip_update=``,
-    ``bias_correction=True``). DeepSpeed's optimizer state (checkpoints) does not carry over:
-    start the onebit optimizer from the model weights.
+    DeepSpeed's optimizer state (checkpoints) does not carry over: start the onebit optimizer
+    from the model weights.
+
+    Args:
+        config: a DeepSpeed config (a dict, or the path of its JSON file).
+        params: parameters or param groups, as for the optimizer's constructor.
+        **overrides: passed to the constructor last (e.g. ``group=``, ``clip_update=``,
+            ``bias_correction=True``).
+
+    Returns:
+        The optimizer, built.
+
+    Example:
+        >>> model = torch.nn.Linear(4, 2)
+        >>> config = {"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 400}},
+        ...           "gradient_clipping": 1.0}
+        >>> opt = onebit.from_deepspeed_config(config, model.parameters())
+        >>> type(opt).__name__, opt.max_grad_norm, opt.bias_correction
+        ('OnebitAdam', 1.0, False)
     """
     cfg = _load(config)
     block = cfg.get("optimizer")

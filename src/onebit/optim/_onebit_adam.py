@@ -147,15 +147,17 @@ class OnebitAdam(_AdamFamily):
 
     Args:
         params: parameters or param groups (options ``lr``, ``betas``, ``weight_decay``).
-        lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (``lr`` is read every step,
-            so LR schedulers work).
+        lr: learning rate, as ``torch.optim.AdamW``'s (read every step, so LR schedulers work).
+        betas: Adam's ``(beta1, beta2)``.
+        eps: added to ``sqrt(v)`` in the denominator.
+        weight_decay: decoupled weight decay (``x <- x - lr * wd * x``), as ``torch.optim.AdamW``'s.
         freeze_step: last warm-up step (an int), or ``"auto"`` for the paper's variance
             stability criterion (see :class:`onebit.optim.FreezeSchedule`).
         bias_correction: Adam's bias correction (see above).
         group: process group (``None``: default; no process group: world size 1), an
             :class:`onebit.comm.MPIGroup`, or a backend name (``"mpi"``: mpi4py's ``COMM_WORLD``).
-        freeze_threshold, freeze_window: the auto criterion's threshold (0.96) and window
-            ``D`` (``None``: ``round(1 / (1 - beta2))``).
+        freeze_threshold: the auto criterion's threshold on the variance's stability (0.96).
+        freeze_window: the auto criterion's window ``D`` (``None``: ``round(1 / (1 - beta2))``).
         min_freeze_step: "auto" never freezes before this step (set it to the LR warm-up).
         max_freeze_step: "auto" freezes at this step at the latest (``None``: no limit).
         compressor: compressor of the momentum exchange (``"sign"``; ``"identity"`` gives the
@@ -164,8 +166,9 @@ class OnebitAdam(_AdamFamily):
             step, ``lr (1 - beta1) / sqrt(1 - beta2)`` (:func:`onebit.optim.clip_to_adam_step_`;
             not in the paper; ``None``: no clip). Without it, values whose frozen variance is
             tiny take steps of ``lr * scale / sqrt(v)`` from the 1-bit exchange.
-        hierarchical, ranks_per_node: exchange with Birder's Hierarchical-1-bit-All-Reduce
+        hierarchical: exchange with Birder's Hierarchical-1-bit-All-Reduce
             (:func:`onebit.comm.compressed_allreduce`: ``True``, ``False`` or ``"auto"``).
+        ranks_per_node: ranks on each node, for the hierarchical exchange (``None``: detected).
         overlap: start each bucket's exchange during backward, as soon as its gradients are
             accumulated (see below); ``False``: one exchange of the whole model in ``step()``.
         bucket_cap_mb: bucket size of the overlapped exchange, in MB of fp32 state (as DDP's).
@@ -189,7 +192,7 @@ class OnebitAdam(_AdamFamily):
     updated before the ranks could agree), and a trainable parameter with no gradient on
     *any* rank still has its momentum decayed by ``beta1`` in the exchange.
 
-    Example::
+    Example:
 
         >>> model = torch.nn.Linear(4, 2)
         >>> opt = onebit.OnebitAdam(model.parameters(), lr=1e-3, freeze_step=100)
@@ -310,7 +313,7 @@ class OnebitAdamNaive(_AdamFamily):
     gradients leave during backward, and ``max_grad_norm`` (which clips the average) is
     allowed.
 
-    Example::
+    Example:
 
         >>> model = torch.nn.Linear(4, 2)
         >>> opt = onebit.OnebitAdamNaive(model.parameters(), lr=1e-3)

@@ -160,26 +160,51 @@ class OnebitLamb(OnebitOptimizer):
       each value's step is clipped to ``clip_update`` (default 10) times Adam's own largest
       step (:func:`onebit.optim.clip_to_adam_step_`, not in the paper; ``None``: no clip).
 
-    Where this differs from DeepSpeed 0.19.6's ``OnebitLamb`` (README, "1-bit LAMB: where it
-    differs from DeepSpeed"): the ratio is the paper's ``max(v_frozen / v)`` (DeepSpeed: of ``sqrt(v) + eps``), clipped to the previous
-    ratio's band and then to ``[r_min, r_max]`` as line 18-19 (DeepSpeed: the other order);
-    values without a fresh variance are left out of the max (DeepSpeed: ``eps`` makes them
-    ``r_max``); no weight-decay blend of the ratio (not in the paper). None of these
-    changed whether the run diverged; the zero-variance mask and the step clip did.
+    Where this differs from DeepSpeed 0.19.6's ``OnebitLamb`` (the documentation's "Coming from
+    DeepSpeed" compares the two): the ratio is the paper's ``max(v_frozen / v)`` (DeepSpeed: of
+    ``sqrt(v) + eps``), clipped to the previous ratio's band and then to ``[r_min, r_max]`` as
+    lines 18-19 (DeepSpeed: the other order); values without a fresh variance are left out of
+    the max (DeepSpeed: ``eps`` makes them ``r_max``); no weight-decay blend of the ratio (not in
+    the paper).
 
-    Names follow DeepSpeed's ``OnebitLamb``: ``max_coeff``/``min_coeff`` are ``c_max``/``c_min``,
-    ``coeff_beta`` is ``beta_3``, ``factor_max``/``factor_min``/``factor_threshold`` are
-    ``r_max``/``r_min``/``r_threshold``. ``freeze_step="auto"`` uses 1-bit Adam's variance
-    criterion (the paper shows LAMB's variance stabilising the same way, section 3); the
-    other options (``compressor``, ``hierarchical``, ``overlap``, ``bucket_cap_mb``, ...) are those of
-    :class:`onebit.OnebitAdam`. Weight decay enters the update inside the trust ratio, as in LAMB.
+    Args:
+        params: parameters or param groups (options ``lr``, ``betas``, ``weight_decay``).
+        lr: learning rate (read every step, so LR schedulers work).
+        betas: ``(beta1, beta2)`` of the moments.
+        eps: added to ``sqrt(v)`` in the denominator.
+        weight_decay: weight decay, added to the update inside the trust ratio (as LAMB).
+        freeze_step: last warm-up step (an int), or ``"auto"``: 1-bit Adam's variance
+            criterion (:class:`onebit.optim.FreezeSchedule`; the paper shows LAMB's variance
+            stabilising the same way, section 3).
+        max_coeff: ``c_max``, the upper clip of each tensor's trust ratio.
+        min_coeff: ``c_min``, its lower clip.
+        coeff_beta: ``beta_3``, the rate of the trust ratio's moving average ``c_avg``.
+        factor_max: ``r_max``, the upper clip of the scaling ratio.
+        factor_min: ``r_min``, its lower clip.
+        factor_threshold: ``r_threshold``: each step the ratio moves at most this fraction
+            from the previous one.
+        group: process group (``None``: default), an :class:`onebit.comm.MPIGroup`, or a
+            backend name (``"mpi"``).
+        freeze_threshold: as :class:`onebit.OnebitAdam`'s.
+        freeze_window: as :class:`onebit.OnebitAdam`'s.
+        min_freeze_step: as :class:`onebit.OnebitAdam`'s.
+        max_freeze_step: as :class:`onebit.OnebitAdam`'s.
+        compressor: compressor of the momentum exchange (``"sign"``; ``"identity"`` isolates
+            what the bits cost).
+        clip_update: clip each value's compressed step to this many times Adam's largest step
+            (``None``: no clip).
+        hierarchical: Birder's Hierarchical-1-bit-All-Reduce for the momentum exchange.
+        ranks_per_node: ranks on each node, for the hierarchical exchange (``None``: detected).
+        overlap: start each bucket's exchange during backward (see below).
+        bucket_cap_mb: bucket size of the overlapped exchange, in MB of fp32 state (as DDP's).
+        **options: :class:`onebit.optim.CommonOptions`.
 
     With ``overlap=True`` a bucket's launch sends ``e + s_l (beta1 m + (1 - beta1) g)`` (its
     scaled momentum) in the compression stage; ``step()`` keeps ``m_{t-1}``, takes the
     averages and goes on as above. The requirements and the two behaviours that differ are
     :class:`onebit.OnebitAdam`'s.
 
-    Example::
+    Example:
 
         >>> model = torch.nn.Linear(4, 2)
         >>> opt = onebit.OnebitLamb(model.parameters(), lr=1e-3, freeze_step=100)

@@ -63,7 +63,7 @@ class ZeroOneSchedule:
     ``offset`` is 1 in DeepSpeed, whose step counter includes its first ``step()``, which
     only allocates state; onebit counts from the first step that updates (``offset=0``).
 
-    Example::
+    Example:
 
         >>> s = ZeroOneSchedule(var_freeze_step=40, var_update_scaler=4, local_step_scaler=8,
         ...                     local_step_clipper=4)
@@ -274,7 +274,10 @@ class ZeroOneAdam(OnebitOptimizer):
 
     Args:
         params: parameters or param groups (options ``lr``, ``betas``, ``weight_decay``).
-        lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (``lr`` is read every step).
+        lr: learning rate, as ``torch.optim.AdamW``'s (read every step).
+        betas: Adam's ``(beta1, beta2)``.
+        eps: added to ``sqrt(v)`` in the denominator.
+        weight_decay: decoupled weight decay, as ``torch.optim.AdamW``'s.
         bias_correction: divide ``m`` by ``1 - beta1^t`` and ``v`` by ``1 - beta2^k``, ``k`` the
             refreshes so far (``False``: DeepSpeed's update).
         group: process group (``None``: default), an :class:`onebit.comm.MPIGroup`, or a
@@ -288,16 +291,18 @@ class ZeroOneAdam(OnebitOptimizer):
             cost of the bits).
         clip_update: clip each value's synchronised step to this many times Adam's largest
             step (:func:`onebit.optim.clip_to_adam_step_`; ``None``: no clip).
-        hierarchical, ranks_per_node: Birder's Hierarchical-1-bit-All-Reduce for the
-            synchronisation (:func:`onebit.comm.compressed_allreduce`).
+        hierarchical: Birder's Hierarchical-1-bit-All-Reduce for the synchronisation
+            (:func:`onebit.comm.compressed_allreduce`).
+        ranks_per_node: ranks on each node, for the hierarchical exchange (``None``: detected).
         overlap: start each bucket's exchange during backward (refreshes and synchronisations;
-            local steps send nothing); ``bucket_cap_mb``: its bucket size.
+            local steps send nothing).
+        bucket_cap_mb: bucket size of the overlapped exchange, in MB of fp32 state (as DDP's).
         **options: :class:`onebit.optim.CommonOptions`.
 
     ``stats["stage"]`` is ``"variance"`` (a refresh: fp32), ``"compressed"`` (a 1-bit
     synchronisation) or ``"local"`` (nothing sent but the step's agreement, a few bytes).
 
-    Example::
+    Example:
 
         >>> model = torch.nn.Linear(4, 2)
         >>> opt = onebit.ZeroOneAdam(model.parameters(), lr=1e-3, var_freeze_step=100)

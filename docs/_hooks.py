@@ -1,0 +1,37 @@
+"""MkDocs hook: the reference of the ``onebit`` command, generated from its argparse parser
+(``onebit.cli.build_parser``) where ``cli.md`` says ``<!-- onebit-cli-reference -->``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+MARKER = "<!-- onebit-cli-reference -->"
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:  # argparse keeps its subcommands only there
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def _sections(parser: argparse.ArgumentParser, level: int) -> list[str]:
+    out = [f"{'#' * level} `{parser.prog}`", "", "```text", parser.format_help().rstrip(), "```", ""]
+    for child in _subparsers(parser).values():
+        out += _sections(child, level + 1)
+    return out
+
+
+def on_page_markdown(markdown: str, page: Any, **kwargs: Any) -> str:
+    if MARKER not in markdown:
+        return markdown
+    from onebit.cli import build_parser
+
+    os.environ.setdefault("COLUMNS", "100")  # argparse wraps help to the terminal's width
+    parser = build_parser()
+    reference = []
+    for child in _subparsers(parser).values():
+        reference += _sections(child, 2)
+    return markdown.replace(MARKER, "\n".join(reference))
