@@ -1,11 +1,15 @@
-"""MkDocs hook: the reference of the ``onebit`` command, generated from its argparse parser
-(``onebit.cli.build_parser``) where ``cli.md`` says ``<!-- onebit-cli-reference -->``."""
+"""MkDocs hooks: the reference of the ``onebit`` command, generated from its argparse parser
+(``onebit.cli.build_parser``) where a page says ``<!-- onebit-cli-reference -->``; and the
+benchmarks' plots (``benchmarks/results/**/*.png``), served at their paths in the repository."""
 
 from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 from typing import Any
+
+from mkdocs.structure.files import File, Files
 
 MARKER = "<!-- onebit-cli-reference -->"
 
@@ -35,3 +39,10 @@ def on_page_markdown(markdown: str, page: Any, **kwargs: Any) -> str:
     for child in _subparsers(parser).values():
         reference += _sections(child, 2)
     return markdown.replace(MARKER, "\n".join(reference))
+
+
+def on_files(files: Files, config: Any) -> Files:
+    root = Path(config["config_file_path"]).parent
+    for png in sorted((root / "benchmarks" / "results").rglob("*.png")):
+        files.append(File(str(png.relative_to(root)), str(root), config["site_dir"], config["use_directory_urls"]))
+    return files

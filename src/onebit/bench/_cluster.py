@@ -1,4 +1,4 @@
-"""An emulated cluster on one Linux machine (DESIGN "The emulated cluster").
+"""An emulated cluster on one Linux machine (docs/design.md, "The emulated cluster").
 
 Each node is a network namespace with one veth into a bridge that lives in a separate
 "switch" namespace (the host's own namespace is never touched). Each node's egress is

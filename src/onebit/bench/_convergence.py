@@ -5,7 +5,7 @@ Each task runs in one spawned job of ``world`` gloo ranks that trains every cell
 matrix for every seed in turn. Within a seed every cell of a task starts from the same
 initial weights and sees the same batches per rank, so a compressed run and its counterpart
 are paired: the matrix reports, per cell, the mean over seeds of the paired gap and its 95%
-t-interval, and calls a target (DESIGN.md's C1, :data:`TARGETS`) met only when the interval's
+t-interval, and calls a target (C1 in docs/design.md, :data:`TARGETS`) met only when the interval's
 upper end is inside it ("missed" when its lower end is outside, "inconclusive" between).
 
 =============  ==============================================================================
@@ -79,7 +79,7 @@ EXTENDED: dict[str, tuple[str, ...]] = {
                 "comp_ams_block_sign_layers", "comp_ams_block_sign_overlap"),
     "softsign_sgd": ("birder_overlap",),
 }
-# DESIGN.md's C1: the largest mean paired gap (% of held-out loss; points of digits' error rate)
+# C1 (docs/design.md, "Targets"): the largest mean paired gap (% of held-out loss; points of digits' error rate)
 # each registry entry may show against its counterpart
 TARGETS = {"onebit_adam": 3.0, "onebit_lamb": 3.0, "zero_one_adam": 3.0, "comp_ams": 5.0,
            "comp_ams_block_sign": 5.0, "birder": 5.0}

@@ -180,8 +180,7 @@ class Birder(_SoftSign):
     missing gradients follow :class:`onebit.optim.OnebitOptimizer`'s rule (a parameter
     without a gradient on any rank ignores its code: it is not updated).
 
-    Example:
-
+    Examples:
         >>> model = torch.nn.Linear(4, 2)
         >>> opt = onebit.Birder(model.parameters(), lr=1e-3)
         >>> model(torch.randn(8, 4)).square().mean().backward()
@@ -288,8 +287,17 @@ class SoftSignSGD(_SoftSign):
     ``x <- x (1 - lr * weight_decay) - lr * m / (b + eps)``. Its stats report stage
     ``"warmup"`` on every step: every exchange is uncompressed.
 
-    Example:
+    Args:
+        params: parameters or param groups (options ``lr``, ``beta``, ``weight_decay``).
+        lr: learning rate (read every step).
+        beta: the EMA rate of both ``m`` and ``b``.
+        eps: added to ``b`` in ``m / (b + eps)``.
+        weight_decay: decoupled weight decay.
+        group: process group (``None``: default), an :class:`onebit.comm.MPIGroup`, or a
+            backend name (``"mpi"``).
+        **options: :class:`onebit.optim.CommonOptions`.
 
+    Examples:
         >>> model = torch.nn.Linear(4, 2)
         >>> opt = onebit.SoftSignSGD(model.parameters(), lr=1e-3)
         >>> model(torch.randn(8, 4)).square().mean().backward()

@@ -168,7 +168,7 @@ class CompAMS(_GradientExchange):
     restarts the error-feedback buffers at zero: they took the gradients in before the ranks
     could agree.
 
-    Example:
+    Examples:
         >>> model = torch.nn.Linear(4, 2)
         >>> opt = onebit.CompAMS(model.parameters(), lr=1e-3, compressor="block_sign")
         >>> model(torch.randn(8, 4)).square().mean().backward()
@@ -256,7 +256,7 @@ class QAdam(_GradientExchange):
         error_feedback: keep each rank's quantization error for its next step.
         **options: :class:`onebit.optim.CommonOptions`.
 
-    Example:
+    Examples:
         >>> model = torch.nn.Linear(4, 2)
         >>> opt = onebit.QAdam(model.parameters(), lr=1e-3, bits=2)
         >>> model(torch.randn(8, 4)).square().mean().backward()

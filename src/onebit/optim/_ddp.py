@@ -129,7 +129,7 @@ def attach(optimizer: object, model: Optional[DistributedDataParallel] = None) -
     Returns:
         The DDP modules now carrying the hook.
 
-    Example:
+    Examples:
         >>> model = torch.nn.Linear(4, 2)
         >>> opt = onebit.OnebitAdam(model.parameters(), lr=1e-3)
         >>> # torch.distributed.init_process_group(...); ddp = DistributedDataParallel(model)

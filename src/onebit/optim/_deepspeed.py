@@ -87,7 +87,7 @@ def from_deepspeed_config(
     Returns:
         The optimizer, built.
 
-    Example:
+    Examples:
         >>> model = torch.nn.Linear(4, 2)
         >>> config = {"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 400}},
         ...           "gradient_clipping": 1.0}

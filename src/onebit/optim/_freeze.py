@@ -1,4 +1,4 @@
-"""When to end the warm-up (1-bit Adam section 3.3 / 7.1, DESIGN "freeze_step='auto'").
+"""When to end the warm-up (1-bit Adam section 3.3 / 7.1, docs/design.md, "The automatic freeze").
 
 The criterion is the paper's (section 7.1): the variance is stable once
 ``||v_t||_1 / ||v_{t-D}||_1 >= threshold`` (default 0.96, ``D = 1 / (1 - beta2)``). The

@@ -192,8 +192,7 @@ class OnebitAdam(_AdamFamily):
     updated before the ranks could agree), and a trainable parameter with no gradient on
     *any* rank still has its momentum decayed by ``beta1`` in the exchange.
 
-    Example:
-
+    Examples:
         >>> model = torch.nn.Linear(4, 2)
         >>> opt = onebit.OnebitAdam(model.parameters(), lr=1e-3, freeze_step=100)
         >>> model(torch.randn(8, 4)).square().mean().backward()
@@ -308,13 +307,27 @@ class OnebitAdamNaive(_AdamFamily):
     compression error enters ``v`` and does not cancel (section 4.2).
 
     Every step exchanges the gradient with :class:`onebit.comm.CompressedAllReduce` (worker
-    and server error feedback) and runs Adam, eq. (1), on the result. Arguments as
-    :class:`OnebitAdam`, without the freeze options; with ``overlap=True`` each bucket's
-    gradients leave during backward, and ``max_grad_norm`` (which clips the average) is
-    allowed.
+    and server error feedback) and runs Adam, eq. (1), on the result. With ``overlap=True``
+    each bucket's gradients leave during backward, and ``max_grad_norm`` (which clips the
+    average) is allowed.
 
-    Example:
+    Args:
+        params: parameters or param groups (options ``lr``, ``betas``, ``weight_decay``).
+        lr: learning rate (read every step).
+        betas: Adam's ``(beta1, beta2)``.
+        eps: added to ``sqrt(v)`` in the denominator.
+        weight_decay: decoupled weight decay.
+        bias_correction: Adam's bias correction.
+        group: process group (``None``: default), an :class:`onebit.comm.MPIGroup`, or a
+            backend name (``"mpi"``).
+        compressor: compressor of the gradient exchange (``"sign"``).
+        hierarchical: Birder's Hierarchical-1-bit-All-Reduce (``True``, ``False`` or ``"auto"``).
+        ranks_per_node: ranks on each node, for the hierarchical exchange (``None``: detected).
+        overlap: start each bucket's exchange during backward.
+        bucket_cap_mb: bucket size of the overlapped exchange, in MB of fp32 state (as DDP's).
+        **options: :class:`onebit.optim.CommonOptions`.
 
+    Examples:
         >>> model = torch.nn.Linear(4, 2)
         >>> opt = onebit.OnebitAdamNaive(model.parameters(), lr=1e-3)
         >>> model(torch.randn(8, 4)).square().mean().backward()

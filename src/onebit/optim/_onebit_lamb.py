@@ -204,8 +204,7 @@ class OnebitLamb(OnebitOptimizer):
     averages and goes on as above. The requirements and the two behaviours that differ are
     :class:`onebit.OnebitAdam`'s.
 
-    Example:
-
+    Examples:
         >>> model = torch.nn.Linear(4, 2)
         >>> opt = onebit.OnebitLamb(model.parameters(), lr=1e-3, freeze_step=100)
         >>> model(torch.randn(8, 4)).square().mean().backward()

@@ -63,10 +63,9 @@ class ZeroOneSchedule:
     ``offset`` is 1 in DeepSpeed, whose step counter includes its first ``step()``, which
     only allocates state; onebit counts from the first step that updates (``offset=0``).
 
-    Example:
-
-        >>> s = ZeroOneSchedule(var_freeze_step=40, var_update_scaler=4, local_step_scaler=8,
-        ...                     local_step_clipper=4)
+    Examples:
+        >>> s = onebit.optim.ZeroOneSchedule(var_freeze_step=40, var_update_scaler=4, local_step_scaler=8,
+        ...                                  local_step_clipper=4)
         >>> [t for t in range(1, 41) if s.refreshes(t)]
         [1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 28, 32, 40]
         >>> [s.interval(t) for t in (40, 48, 49, 57, 90)]
@@ -302,8 +301,7 @@ class ZeroOneAdam(OnebitOptimizer):
     ``stats["stage"]`` is ``"variance"`` (a refresh: fp32), ``"compressed"`` (a 1-bit
     synchronisation) or ``"local"`` (nothing sent but the step's agreement, a few bytes).
 
-    Example:
-
+    Examples:
         >>> model = torch.nn.Linear(4, 2)
         >>> opt = onebit.ZeroOneAdam(model.parameters(), lr=1e-3, var_freeze_step=100)
         >>> model(torch.randn(8, 4)).square().mean().backward()
