@@ -233,3 +233,19 @@ def test_bench_memory_writes_the_table_and_summary(tmp_path, capsys):
     assert results[0]["held"] == pytest.approx(2.0, abs=0.01)  # AdamW's m and v (plus 4-byte step counters)
     assert results[2]["footprint"] == 3.5 and results[2]["held"] <= 3.6
     assert "held above footprint + 0.1 (packed wire buffers): none" in capsys.readouterr().out
+
+
+def test_bench_memory_of_hsdp_counts_shard_sizes(tmp_path, capsys):
+    """With the model sharded by FSDP2 over 2 ranks of each of 2 nodes, 1-bit Adam and 1-bit LAMB
+    hold their footprint at 2 replicas in *shard* sizes: half of the unsharded figures."""
+    out = tmp_path / "memory"
+    argv = ["bench", "memory", "--world-sizes", "4", "--shards", "2", "--optimizers", "onebit_adam,onebit_lamb",
+            "--size", "96", "--out", str(out)]
+    assert main(argv) == 0
+    results = json.loads((out / "summary.json").read_text())["results"]
+    compressed = {r["optimizer"]: r for r in results if r["stage"] == "compressed"}
+    assert compressed["onebit_adam"]["footprint"] == 3.5 and compressed["onebit_lamb"]["footprint"] == 5.5
+    for r in compressed.values():
+        assert r["shards"] == 2 and r["footprint"] - 0.01 <= r["held"] <= r["footprint"] + 0.1, r
+    text = capsys.readouterr().out
+    assert "sharded by FSDP2 over 2 ranks of each node" in text and "2 x 2" in text

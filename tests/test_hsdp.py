@@ -21,8 +21,7 @@ fsdp = pytest.importorskip("torch.distributed.fsdp")
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 _LR, _WD = 1e-2, 0.01
-# every registry entry whose update is element-wise (1-bit LAMB's is not: it is refused below)
-_ELEMENTWISE = tuple(name for name, spec in onebit.optim.REGISTRY.items() if spec.cls._elementwise)
+_ALL = tuple(onebit.optim.REGISTRY)
 
 
 class _Net(nn.Module):
@@ -99,6 +98,16 @@ def _against_references(rank, world):
     out["identity"] = max((a - b).abs().max().item() for a, b in zip(_full(plain), _full(model)))
     out["state_values"] = sum(b.numel() for b in opt.flat.buffers.values())
     out["unsharded_state_values"] = sum(b.numel() for b in ref.flat.buffers.values())
+    # 1-bit LAMB: its layer-wise norms and ratios over the shards are the whole parameters'
+    for stage, steps, freeze in (("lamb_warmup", 4, 100), ("lamb_identity", 6, 2)):
+        kw = {"lr": _LR, "weight_decay": _WD, "freeze_step": freeze, "compressor": "identity"}
+        model, opt = _hsdp("onebit_lamb", mesh, **kw)
+        _train(model, opt, rank, steps)
+        plain = _Net()
+        ref = onebit.OnebitLamb(plain.parameters(), **kw)
+        _train(plain, ref, rank, steps)
+        out[stage] = max((a - b).abs().max().item() for a, b in zip(_full(plain), _full(model)))
+        out[stage + "_coefficients"] = max(abs(a - b) for a, b in zip(opt.last_coefficients, ref.last_coefficients))
     return out
 
 
@@ -106,17 +115,20 @@ def test_warmup_equals_fsdp2_hsdp_adamw_and_exact_exchange_equals_unsharded():
     for res in run_ranks(_against_references, 4):
         assert res["warmup"] < 1e-6, res
         assert res["identity"] < 1e-6, res
+        # LAMB's norms are summed from the shards' squares: equal to rounding
+        for stage in ("lamb_warmup", "lamb_identity"):
+            assert res[stage] < 1e-5 and res[stage + "_coefficients"] < 1e-5, (stage, res)
         # the state is the shard's: half the trainable values, rounded up by the uneven rows
         assert res["state_values"] < 0.6 * res["unsharded_state_values"], res
 
 
 def _sign_exchange(rank, world):
-    """Each element-wise optimizer of the registry: replicas bit-identical after every step, a
+    """Each optimizer of the registry: replicas bit-identical after every step, a
     step skipped on every rank when one rank's gradient is NaN, frozen and unused parameters
     untouched, and a checkpoint taken midway resumes bit for bit."""
     mesh = _mesh()
     out = {}
-    for name in _ELEMENTWISE:
+    for name in _ALL:
         kw = {"check_replicas_every": 1}
         if onebit.optim.REGISTRY[name].freeze is not None:
             kw.update(onebit.optim.REGISTRY[name].freeze(2))
@@ -145,9 +157,9 @@ def _sign_exchange(rank, world):
     return out
 
 
-def test_elementwise_optimizers_on_hsdp_agree_skip_and_resume():
+def test_every_optimizer_on_hsdp_agrees_skips_and_resumes():
     results = run_ranks(_sign_exchange, 4)
-    for name in _ELEMENTWISE:
+    for name in _ALL:
         for res in results:
             r = res[name]
             assert r["skipped"] == 1, (name, r)
@@ -170,7 +182,6 @@ def _refusals(rank, world):
 
     attempt("native_hsdp", lambda: onebit.OnebitAdam(_sharded(mesh).parameters(), group=group))
     attempt("default_group", lambda: onebit.OnebitAdam(_sharded(mesh["shard"]).parameters()))
-    attempt("lamb", lambda: onebit.OnebitLamb(_sharded(mesh["shard"]).parameters(), group=group))
     attempt("clip", lambda: onebit.OnebitAdam(_sharded(mesh["shard"]).parameters(), group=group, max_grad_norm=1.0))
     attempt("overlap", lambda: onebit.OnebitAdam(_sharded(mesh["shard"]).parameters(), group=group, overlap=True))
     attempt("fsdp1", lambda: onebit.OnebitAdam(
@@ -186,7 +197,6 @@ def test_what_hsdp_does_not_support_is_refused_with_what_to_use():
     for errors in run_ranks(_refusals, 4):
         assert "mesh=mesh['shard']" in errors["native_hsdp"]
         assert "Invalid group" in errors["default_group"] and "mesh['replicate']" in errors["default_group"]
-        assert "OnebitAdam or ZeroOneAdam" in errors["lamb"]
         assert "clip_grad_norm_" in errors["clip"]
         assert "overlap=False" in errors["overlap"]
         assert "shard every parameter or none" in errors["mixed"]

@@ -386,9 +386,11 @@ def _bench_memory(args: argparse.Namespace) -> int:
     out = Path(args.out)
     print(f"onebit bench memory: nn.Linear({args.size}, {args.size}) on {args.device}, world sizes "
           f"{','.join(map(str, worlds))}, {args.steps} steps (1-bit Adam/LAMB freeze after step 2); "
-          "figures in fp32 model sizes")
-    results = bench_memory(names, worlds, size=args.size, steps=args.steps, device=args.device)
-    meta = {"device": args.device, "size": args.size, "steps": args.steps, "torch": torch.__version__}
+          + ("figures in fp32 model sizes" if args.shards == 1 else
+             f"sharded by FSDP2 over {args.shards} ranks of each node, figures in fp32 shard sizes"))
+    results = bench_memory(names, worlds, size=args.size, steps=args.steps, device=args.device, shards=args.shards)
+    meta = {"device": args.device, "size": args.size, "steps": args.steps, "shards": args.shards,
+            "torch": torch.__version__}
     summary = {"meta": meta, "provenance": provenance(shlex.join(["onebit", *args.argv])),
                "results": [asdict(r) for r in results]}
     out.mkdir(parents=True, exist_ok=True)
@@ -559,6 +561,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="comma-separated world sizes of gloo ranks (default 1,2,3,4)")
     mem.add_argument("--optimizers", default=None, help="comma-separated names (default: all, with AdamW)")
     mem.add_argument("--size", type=_positive_int, default=2048, help="the model: nn.Linear(size, size)")
+    mem.add_argument("--shards", type=_positive_int, default=1,
+                     help="shard the model with FSDP2 over this many ranks of each node (HSDP; figures in "
+                          "shard sizes; default 1: no sharding)")
     mem.add_argument("--steps", type=_positive_int, default=4, help="steps (default 4; the freeze after step 2)")
     mem.add_argument("--device", default="cpu", help="device (default cpu)")
     mem.add_argument("--out", default="runs/memory", help="output directory (default runs/memory)")

@@ -11,7 +11,10 @@ Three figures per optimizer, world size and stage, all measured while stepping a
 * on CUDA, ``torch.cuda.max_memory_allocated`` during the steps, above the same baseline.
 
 All three are multiples of the fp32 model size (4 bytes per parameter value), the unit of
-the algorithms' footprints in :data:`FOOTPRINTS`.
+the algorithms' footprints in :data:`FOOTPRINTS`. With ``shards`` > 1 the model is sharded by
+FSDP2 over that many ranks of each node (HSDP with the 1-bit exchange between the nodes,
+``w / shards`` replicas): the figures are then in fp32 *shard* sizes, against the footprint at
+the number of replicas.
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ def held_bytes(optimizer: object, modules: tuple[str, ...] = _MODULES) -> int:
 class MemoryResult:
     optimizer: str
     world_size: int
+    shards: int  # ranks of a node sharing the model (FSDP2); 1: the model is whole on every rank
     stage: str  # "warmup" or "compressed" (the steps after the freeze; every step for the others)
     held: float  # most held between steps, in fp32 model sizes
     footprint: float  # the algorithm's own (FOOTPRINTS)
@@ -92,11 +96,25 @@ class MemoryResult:
     cuda_peak: float | None  # torch.cuda.max_memory_allocated above the baseline, fp32 model sizes
 
 
-def _build(name: str, params: list[nn.Parameter], freeze: int) -> torch.optim.Optimizer:
+def _build(name: str, params: list[nn.Parameter], freeze: int, group: Any = None) -> torch.optim.Optimizer:
     if name == "adamw":
         return torch.optim.AdamW(params)
     spec = REGISTRY[name]
-    return make_optimizer(name, params, **(spec.freeze(freeze) if spec.freeze is not None else {}))
+    return make_optimizer(name, params, group=group, **(spec.freeze(freeze) if spec.freeze is not None else {}))
+
+
+def _model(size: int, dev: torch.device, world: int, shards: int) -> tuple[nn.Module, Any]:
+    """``nn.Linear(size, size)``, and the optimizer's group: with ``shards`` > 1 the model is
+    sharded by FSDP2 inside each node and the group is the replicas of this rank's shard."""
+    model = nn.Linear(size, size).to(dev)
+    if shards == 1:
+        return model, None
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(dev.type, (world // shards, shards), mesh_dim_names=("replicate", "shard"))
+    fully_shard(model, mesh=mesh["shard"])
+    return model, mesh["replicate"].get_group()
 
 
 def _resident() -> tuple[int, int]:
@@ -120,20 +138,21 @@ def _reset_peak() -> bool:
 
 
 def _train(name: str, size: int, steps: int, freeze: int, world: int, rank: int, dev: torch.device,
-           before_build: Callable[[], None] = lambda: None,
+           shards: int = 1, before_build: Callable[[], None] = lambda: None,
            after_step: Callable[[torch.optim.Optimizer], None] = lambda opt: None) -> None:
     """``steps`` steps of optimizer ``name`` on an ``nn.Linear(size, size)``; the first backward
     runs before the optimizer is built, as in training, so gradients are there already."""
-    model = nn.Linear(size, size).to(dev)
+    model, group = _model(size, dev, world, shards)
     x = torch.randn(8, size, generator=torch.Generator().manual_seed(rank)).to(dev)
     model(x).square().mean().backward()
     before_build()
-    opt = _build(name, list(model.parameters()), freeze)
+    opt = _build(name, list(model.parameters()), freeze, group)
     for _ in range(steps):
-        if name == "adamw" and world > 1:  # what DDP does for it: average the gradients
+        if name == "adamw" and world > shards:  # what DDP (or HSDP) does for it: average the gradients
             for p in model.parameters():
-                dist.all_reduce(p.grad)
-                p.grad.div_(world)
+                grad = p.grad.to_local() if shards > 1 else p.grad
+                dist.all_reduce(grad, group=group)
+                grad.div_(world // shards)
         opt.step()
         after_step(opt)
         model.zero_grad(set_to_none=False)
@@ -141,9 +160,9 @@ def _train(name: str, size: int, steps: int, freeze: int, world: int, rank: int,
 
 
 def _rank_memory(rank: int, world: int, name: str, size: int, steps: int, freeze: int,
-                 device: str) -> list[dict[str, Any]]:
+                 device: str, shards: int) -> list[dict[str, Any]]:
     dev = torch.device(device)
-    _train(name, 8, steps, freeze, world, rank, dev)  # load code and kernels before measuring
+    _train(name, 8, steps, freeze, world, rank, dev, shards)  # load code and kernels before measuring
     gc.collect()
     baseline: dict[str, Any] = {}
     held = {"warmup": 0, "compressed": 0}
@@ -160,30 +179,34 @@ def _rank_memory(rank: int, world: int, name: str, size: int, steps: int, freeze
         stage = "warmup" if getattr(opt, "stats", {}).get("stage") == "warmup" else "compressed"
         held[stage] = max(held[stage], held_bytes(opt))
 
-    _train(name, size, steps, freeze, world, rank, dev, before_build, after_step)
-    model_bytes = 4 * (size * size + size)
+    _train(name, size, steps, freeze, world, rank, dev, shards, before_build, after_step)
+    model_bytes = 4 * (size * size + size) / shards  # FSDP2's shards are even here: size % shards == 0
     peak = (_resident()[1] - baseline["rss"]) / model_bytes if baseline["peak_ok"] else None
     cuda_peak = None
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
         cuda_peak = (torch.cuda.max_memory_allocated(dev) - baseline["cuda"]) / model_bytes
-    return [{"optimizer": name, "world_size": world, "stage": stage, "held": nbytes / model_bytes,
-             "footprint": FOOTPRINTS[name](world), "peak": peak, "cuda_peak": cuda_peak}
+    return [{"optimizer": name, "world_size": world, "shards": shards, "stage": stage, "held": nbytes / model_bytes,
+             "footprint": FOOTPRINTS[name](world // shards), "peak": peak, "cuda_peak": cuda_peak}
             for stage, nbytes in held.items() if nbytes]
 
 
 def bench_memory(names: tuple[str, ...], world_sizes: list[int], *, size: int = 2048, steps: int = 4,
-                 freeze: int = 2, device: str = "cpu") -> list[MemoryResult]:
+                 freeze: int = 2, device: str = "cpu", shards: int = 1) -> list[MemoryResult]:
     """Step an ``nn.Linear(size, size)`` ``steps`` times with each optimizer (1-bit Adam and
-    LAMB freeze after step ``freeze``) on each world size of gloo ranks; every rank measures,
-    the largest figure over ranks is reported."""
+    LAMB freeze after step ``freeze``) on each world size of gloo ranks, the model sharded by
+    FSDP2 over ``shards`` ranks of each node when ``shards`` > 1; every rank measures, the
+    largest figure over ranks is reported."""
     unknown = [n for n in names if n not in FOOTPRINTS]
     if unknown:
         raise ValueError(f"unknown optimizers {unknown}; available: {', '.join(FOOTPRINTS)}")
+    if shards > 1 and (size % shards or any(w % shards or w == shards for w in world_sizes)):
+        raise ValueError(f"Invalid shards value: {shards} (every world size must be a multiple of it, with two "
+                         f"replicas or more, and the model's size {size} too; world sizes {world_sizes})")
     results = []
     for world in world_sizes:
         for name in names:  # a fresh process each: peak resident memory is a per-process high-water mark
-            per_rank = spawn(_rank_memory, world, name, size, steps, freeze, device)
+            per_rank = spawn(_rank_memory, world, name, size, steps, freeze, device, shards)
             for i, row in enumerate(per_rank[0]):
                 worst = {k: max((r[i][k] for r in per_rank if r[i][k] is not None), default=None)
                          for k in ("held", "peak", "cuda_peak")}

@@ -65,11 +65,13 @@ def convergence_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
 
 def memory_rows(results: list[dict[str, Any]]) -> list[list[str]]:
     """``onebit bench memory``'s table: held, footprint and peaks in fp32 model sizes."""
-    rows = [["optimizer", "world size", "stage", "held", "footprint", "held - footprint", "peak during steps",
-             "CUDA peak"]]
-    rows += [[r["optimizer"], str(r["world_size"]), r["stage"], f"{r['held']:.3f}", f"{r['footprint']:.3f}",
-              f"{r['held'] - r['footprint']:+.3f}", fmt(r["peak"], ".2f"), fmt(r["cuda_peak"], ".2f")]
-             for r in results]
+    sharded = any(r.get("shards", 1) > 1 for r in results)  # figures in shard sizes: say so
+    rows = [["optimizer", "world size", *(["replicas x shards"] if sharded else []), "stage", "held", "footprint",
+             "held - footprint", "peak during steps", "CUDA peak"]]
+    rows += [[r["optimizer"], str(r["world_size"]),
+              *([f"{r['world_size'] // r['shards']} x {r['shards']}"] if sharded else []), r["stage"],
+              f"{r['held']:.3f}", f"{r['footprint']:.3f}", f"{r['held'] - r['footprint']:+.3f}",
+              fmt(r["peak"], ".2f"), fmt(r["cuda_peak"], ".2f")] for r in results]
     return rows
 
 

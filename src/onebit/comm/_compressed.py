@@ -163,11 +163,25 @@ class CompressedAllReduce(_Sized):
     this rank's chunk), sized on the first call; ``tensor`` is not modified. Without an
     initialised process group it behaves as world size 1 (it still compresses).
 
-    ``flag_nonfinite``: every wire slot carries one more byte, set when its sender's input
-    held a NaN/Inf, and the owners pass the flags on in the all-gather; after each exchange
-    :attr:`nonfinite` (a 0-dim bool tensor on the input's device: no host read) says
-    whether any rank's input did -- the same on every rank, with no collective of its own.
-    Some compressors' codes (Birder's ``+-1``) cannot carry a NaN themselves.
+    Args:
+        compressor: a compressor name of :func:`onebit.compress.get` (``"sign"``: 1 bit per
+            value and one scale per chunk) or a :class:`onebit.compress.Compressor`.
+        group: process group (``None``: default), an :class:`MPIGroup` or a backend name.
+        timeout: per-collective timeout (seconds or a ``timedelta``; ``None``: 300 s); a
+            peer that does not arrive raises :class:`CollectiveError`.
+        flag_nonfinite: every wire slot carries one more byte, set when its sender's input
+            held a NaN/Inf, and the owners pass the flags on in the all-gather; after each
+            exchange :attr:`nonfinite` (a 0-dim bool tensor on the input's device: no host
+            read) says whether any rank's input did -- the same on every rank, with no
+            collective of its own. Some compressors' codes (Birder's ``+-1``) cannot carry a
+            NaN themselves.
+        **compressor_kwargs: passed to :func:`onebit.compress.get`.
+
+    Examples:
+        >>> car = onebit.comm.CompressedAllReduce("sign")
+        >>> x = torch.tensor([0.5, -1.0, 2.0, -0.25, 1.0, 3.0, -2.0, 0.75])
+        >>> car(x)  # world size 1: signs and one scale, ||x|| / sqrt(n), per chunk
+        tensor([ 1.5762, -1.5762,  1.5762, -1.5762,  1.5762,  1.5762, -1.5762,  1.5762])
     """
 
     # Byte-meter label, and the chunk length the wire slots are sized for (at least): the
@@ -370,6 +384,19 @@ class CompressedAllGather(_Sized):
     averages the decompressed tensors in rank order -- the same bytes and the same order
     on every rank, so the result is bit-identical everywhere. The all-gather volume grows
     with world size: each rank receives ``w - 1`` payloads.
+
+    Args:
+        compressor: ``"topk"``, ``"block_sign"`` (or any name of :func:`onebit.compress.get`)
+            or a :class:`onebit.compress.Compressor`.
+        group: process group (``None``: default), an :class:`MPIGroup` or a backend name.
+        error_feedback: add each rank's compression error to its next input.
+        timeout: per-collective timeout (``None``: 300 s).
+        **compressor_kwargs: passed to :func:`onebit.compress.get` (``ratio=``, ``block=``).
+
+    Examples:
+        >>> gather = onebit.comm.CompressedAllGather("topk", ratio=0.25)
+        >>> gather(torch.tensor([0.1, -4.0, 0.2, 0.3, 3.0, 0.0, -0.1, 0.5]))
+        tensor([ 0., -4.,  0.,  0.,  3.,  0.,  0.,  0.])
     """
 
     def __init__(

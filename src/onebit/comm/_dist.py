@@ -35,6 +35,7 @@ __all__ = [
     "all_gather_bytes",
     "all_gather_object_sizes",
     "all_reduce_max",
+    "all_reduce_sum",
     "all_reduce_mean",
     "all_reduce_mean_stages",
     "all_to_all_bytes",
@@ -370,6 +371,18 @@ def all_reduce_mean_stages(tensor: Tensor, group: Group = None,
     inflight = all_reduce_mean(tensor, group, timeout, async_op=True)
     yield inflight
     return inflight.wait()
+
+
+def all_reduce_sum(tensor: Tensor, group: Group = None, timeout: float | timedelta | None = None,
+                   link: str = "flat") -> Tensor:
+    """In-place sum over the group."""
+    t = _transport(group)
+    world = t.size()
+    if world == 1:
+        return tensor
+    _start("all_reduce", t, timeout, lambda: t.all_reduce(tensor, "sum"), tensor).wait()
+    record("all_reduce", 2 * (world - 1) * tensor.numel() * tensor.element_size() // world, link)
+    return tensor
 
 
 def all_reduce_max(tensor: Tensor, group: Group = None, timeout: float | timedelta | None = None) -> Tensor:

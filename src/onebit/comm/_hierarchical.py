@@ -81,9 +81,17 @@ class HierarchicalAllReduce(_Sized):
     the flat scheme's ``2 (w - 1) / w`` of the whole tensor's. With one rank per node it
     computes exactly what :class:`CompressedAllReduce` computes; on one node it is an
     fp32 reduce-scatter, one error-compensated quantisation per shard and a 1-bit all-gather.
-    ``flag_nonfinite`` / :attr:`nonfinite`: as :class:`CompressedAllReduce`'s, over every
-    rank's input. The byte meter labels the phases' links ``"intra"`` and ``"inter"``. Sub-groups are
+    The byte meter labels the phases' links ``"intra"`` and ``"inter"``. Sub-groups are
     created at construction, collectively: every rank of the default group must construct it.
+
+    Args:
+        compressor: as :class:`CompressedAllReduce`'s (``"sign"``).
+        group: process group (``None``: default); its ranks are ``nodes x ranks_per_node``.
+        ranks_per_node: ranks on each node (``None``: torchrun's ``LOCAL_WORLD_SIZE``).
+        timeout: per-collective timeout (``None``: 300 s).
+        flag_nonfinite: as :class:`CompressedAllReduce`'s, over every rank's input
+            (:attr:`nonfinite`).
+        **compressor_kwargs: passed to :func:`onebit.compress.get`.
     """
 
     def __init__(
@@ -192,11 +200,25 @@ def compressed_allreduce(
 ) -> CompressedAllReduce | HierarchicalAllReduce:
     """The compressed all-reduce an optimizer or hook should use.
 
-    ``hierarchical``: ``False`` -- :class:`CompressedAllReduce`; ``True`` --
-    :class:`HierarchicalAllReduce` (``ranks_per_node`` or ``LOCAL_WORLD_SIZE`` required);
-    ``"auto"`` -- hierarchical when the node size is known and the group spans more than
-    one node with more than one rank on each, flat otherwise. ``flag_nonfinite``: see
-    :class:`CompressedAllReduce`.
+    Args:
+        compressor: as :class:`CompressedAllReduce`'s.
+        group: process group (``None``: default), an :class:`MPIGroup` or a backend name.
+        hierarchical: ``False``: :class:`CompressedAllReduce`; ``True``:
+            :class:`HierarchicalAllReduce` (``ranks_per_node`` or ``LOCAL_WORLD_SIZE``
+            required); ``"auto"``: hierarchical when the node size is known and the group
+            spans more than one node with more than one rank on each, flat otherwise.
+        ranks_per_node: ranks on each node (``None``: torchrun's ``LOCAL_WORLD_SIZE``).
+        timeout: per-collective timeout (``None``: 300 s).
+        flag_nonfinite: see :class:`CompressedAllReduce`.
+        **compressor_kwargs: passed to :func:`onebit.compress.get`.
+
+    Returns:
+        The collective, sized on its first call.
+
+    Examples:
+        >>> car = onebit.comm.compressed_allreduce("sign", hierarchical="auto")
+        >>> type(car).__name__  # one process: no nodes to span
+        'CompressedAllReduce'
     """
     if hierarchical not in (True, False, "auto"):
         raise ValueError(f"hierarchical must be True, False or 'auto', got {hierarchical!r}")

@@ -114,8 +114,16 @@ class MPIGroup:
     Implements the transport the compressed collectives and optimizers use. Sums are an
     all-to-all of equal slots, a sum of each slot in rank order by the rank that owns it,
     and (for ``all_reduce``) an all-gather of the sums: every rank receives the same bytes,
-    which ``MPI_Allreduce`` does not promise, and on 2-3 ranks it beat Open MPI 5's
-    ``Allreduce`` and ``Reduce_scatter_block`` on the same data here.
+    which ``MPI_Allreduce`` does not promise.
+
+    Args:
+        comm: an mpi4py communicator (``None``: ``MPI.COMM_WORLD``).
+
+    Examples:
+        Under ``mpirun -np 4 python -m mpi4py train.py``, with no ``torch.distributed`` at all::
+
+            opt = onebit.OnebitAdam(model.parameters(), group=onebit.comm.MPIGroup())
+            # or group="mpi", the same communicator
     """
 
     backend = "mpi"

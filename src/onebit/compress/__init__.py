@@ -48,7 +48,21 @@ def available() -> list[str]:
 
 
 def get(name: str | Compressor, **kwargs: Any) -> Compressor:
-    """A compressor by registry name (``kwargs`` go to its constructor); instances pass through."""
+    """A compressor by registry name (:func:`available`); instances pass through.
+
+    Args:
+        name: ``"identity"``, ``"sign"``, ``"block_sign"``, ``"topk"``, ``"stochastic_sign"``,
+            ``"uniform"``, or a :class:`Compressor` (returned as it is).
+        **kwargs: passed to the compressor's constructor (e.g. ``ratio=`` for ``"topk"``).
+
+    Examples:
+        >>> sign = onebit.compress.get("sign")
+        >>> payload = sign.compress(torch.tensor([0.5, -1.0, 2.0, -0.25]))
+        >>> [t.dtype for t in payload.tensors]  # what goes on the wire: packed signs, one scale
+        [torch.uint8, torch.float32]
+        >>> sign.decompress(payload)
+        tensor([ 1.1524, -1.1524,  1.1524, -1.1524])
+    """
     if isinstance(name, Compressor):
         if kwargs:
             raise ValueError(f"compressor options {sorted(kwargs)} given with a Compressor instance")

@@ -264,6 +264,15 @@ class ErrorFeedbackState(_HookState):
             :func:`onebit.comm.compressed_allreduce` (``True``, ``False`` or ``"auto"``).
         ranks_per_node: ranks on each node, for the hierarchical exchange (``None``: detected).
         timeout: per-collective timeout.
+        **compressor_kwargs: passed to :func:`onebit.compress.get`.
+
+    Examples:
+        With a DDP model (``torch.distributed`` initialised), and any optimizer::
+
+            ddp = DistributedDataParallel(model)
+            ddp.register_comm_hook(onebit.hooks.ErrorFeedbackState(compressor="sign"),
+                                   onebit.hooks.error_feedback_hook)
+            opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     """
 
     __slots__ = ("compressor", "compressor_kwargs")
@@ -314,6 +323,26 @@ class BirderState(_HookState):
     by the scale, so that ``scaler.unscale_`` / ``scaler.step`` hand the optimizer exactly
     ``u_bar``: without it the step would shrink by the loss scale (65536x by default). It is
     not pickled with the state (pass it again after loading).
+
+    Args:
+        process_group: the DDP model's group (``None``: default).
+        beta: the EMA rate of ``m`` and ``b``.
+        eps: added to ``b`` in ``m / (b + eps)``.
+        seed: seed of the quantisers' generators.
+        start_iter: first compressed iteration (>= 2: DDP rebuilds its buckets after the
+            first; before it the gradient is averaged exactly).
+        hierarchical: Birder's Hierarchical-1-bit-All-Reduce (``True``, ``False`` or ``"auto"``).
+        ranks_per_node: ranks on each node, for the hierarchical exchange (``None``: detected).
+        timeout: per-collective timeout.
+        grad_scaler: the loop's ``torch.amp.GradScaler``, if any (above).
+
+    Examples:
+        With a DDP model (``torch.distributed`` initialised); SGD without momentum makes the
+        step Birder's, ``x <- x (1 - lr wd) - lr u_bar``::
+
+            ddp = DistributedDataParallel(model)
+            ddp.register_comm_hook(onebit.hooks.BirderState(seed=0), onebit.hooks.birder_hook)
+            opt = torch.optim.SGD(ddp.parameters(), lr=1e-3, weight_decay=0.05)
     """
 
     __slots__ = ("beta", "eps", "seed", "rank", "grad_scaler", "_loss_scale")

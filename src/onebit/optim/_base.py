@@ -102,9 +102,9 @@ class OnebitOptimizer(Optimizer):
     of the 2-D mesh. FSDP's reduce-scatter inside the node stays exact; the optimizer runs on
     each rank's local shards (its state is the shard's) and exchanges them with the ranks
     holding the same shard on the other nodes; every rank of the job agrees on skipping a
-    step. Element-wise optimizers only (1-bit LAMB's layer-wise norms need whole parameters),
-    without ``overlap`` and ``max_grad_norm`` (call ``torch.nn.utils.clip_grad_norm_`` on the
-    model, which spans the shards, before ``step()``)::
+    step. What is a function of a whole parameter (1-bit LAMB's layer-wise norms and ratios) is
+    reduced over the ranks sharing it. Without ``overlap`` and ``max_grad_norm`` (call
+    ``torch.nn.utils.clip_grad_norm_`` on the model, which spans the shards, before ``step()``)::
 
         mesh = init_device_mesh("cuda", (nodes, gpus_per_node), mesh_dim_names=("replicate", "shard"))
         for block in model.blocks:
@@ -122,9 +122,6 @@ class OnebitOptimizer(Optimizer):
 
     _flat_names: tuple[str, ...] = ()
     _stages: Any  # OneStage or TwoStages, set by the subclass before this constructor runs
-    # Each value's update reads only its own state and gradient: the algorithm runs unchanged on
-    # FSDP2's shards (False: it needs whole parameters, e.g. layer-wise norms)
-    _elementwise = True
 
     def __init__(
         self,
@@ -153,7 +150,7 @@ class OnebitOptimizer(Optimizer):
         self.world_size = comm.get_world_size(self.process_group)
         self.rank = comm.get_rank(self.process_group)
         self._shards = Shards([p for g in self.param_groups for p in g["params"]], self.process_group,
-                              type(self).__name__)
+                              type(self).__name__, self.timeout)
         if self._shards.sharded:
             self._check_shardable()
         # The flat state holds what is updated: the parameters, or their FSDP2 shards
@@ -185,11 +182,6 @@ class OnebitOptimizer(Optimizer):
 
     def _check_shardable(self) -> None:
         """Refuse, on FSDP2-sharded parameters, what needs whole parameters or their hooks."""
-        name = type(self).__name__
-        if not self._elementwise:
-            raise ValueError(f"{name} does not support FSDP2-sharded (DTensor) parameters: its layer-wise norms "
-                             "need whole parameters; use OnebitAdam or ZeroOneAdam with FSDP2, or "
-                             "DistributedDataParallel")
         if self.max_grad_norm is not None:
             raise ValueError(f"Invalid max_grad_norm value with FSDP2-sharded parameters: {self.max_grad_norm!r} "
                              "(the norm spans every shard); call torch.nn.utils.clip_grad_norm_(model.parameters(), "

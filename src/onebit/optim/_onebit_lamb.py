@@ -4,7 +4,7 @@ coefficients (Algorithm 1, appendix A.5)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,9 +33,27 @@ def lamb_coefficient(param: Tensor, update: Tensor, *, min_coeff: float, max_coe
     A 0-d float64 tensor on the parameter's device: no host synchronisation per layer.
     """
     x_norm = param.detach().reshape(-1).float().norm().double()  # logical order, whatever the layout
-    u_norm = update.norm().double()
+    return _trust_ratio(x_norm, update.norm().double(), min_coeff=min_coeff, max_coeff=max_coeff)
+
+
+def _trust_ratio(x_norm: Tensor, u_norm: Tensor, *, min_coeff: float, max_coeff: float) -> Tensor:
     ratio = (x_norm / u_norm).clamp(min_coeff, max_coeff)
     return torch.where((x_norm == 0) | (u_norm == 0), torch.ones_like(ratio), ratio)
+
+
+# sum_per_param / max_per_param: a float64 vector with an entry per parameter, computed on the
+# local shards of FSDP2-sharded parameters, reduced in place over the ranks sharing each
+Reduce = Callable[[Tensor], Tensor]
+
+
+def _shard_norms(tensors: Mapping[int, tuple[Tensor, Tensor]], n: int, sum_per_param: Reduce,
+                 device: torch.device) -> tuple[Tensor, Tensor]:
+    """The whole parameters' norms of each pair ``(x, u)`` of local shards, by parameter index."""
+    squares = torch.zeros(2, n, dtype=torch.float64, device=device)
+    for i, (x, u) in tensors.items():
+        squares[0, i] = x.detach().reshape(-1).double().square().sum()
+        squares[1, i] = u.double().square().sum()
+    return sum_per_param(squares.view(-1)).view(2, n).sqrt()
 
 
 def lamb(
@@ -54,18 +72,18 @@ def lamb(
     coeff_beta: float,
     max_coeff: float,
     min_coeff: float,
+    sum_per_param: Reduce | None = None,
 ) -> Tensor:
     """LAMB, eq. (1), per tensor on the averaged gradients ``grads`` (scratch once used: each
     update is formed in its gradient's place): ``u = m / (sqrt(v) + eps) + wd x``,
     ``x <- x - lr c u`` with ``c`` :func:`lamb_coefficient`, and the moving average of the
     coefficients ``c_avg <- b3 c_avg + (1 - b3) c`` (line 2). Returns each tensor's ``c``
     (0 where ``active[i]`` is false: not updated); ``coeff_avg`` is a float64 vector on the
-    device, updated in place, so a step makes no host round trip."""
-    coeffs = []
-    no_step = torch.zeros((), dtype=torch.float64, device=exp_avg.device)
-    for i, (p, (lo, hi)) in enumerate(zip(params, offsets)):
+    device, updated in place, so a step makes no host round trip. ``sum_per_param``: the
+    parameters are FSDP2 shards, and the norms are the whole parameters' (one reduction)."""
+    updates: dict[int, Tensor] = {}
+    for i, (lo, hi) in enumerate(offsets):
         if not active[i]:
-            coeffs.append(no_step)
             continue
         b1, b2 = betas[i]
         g, m, v = grads[i].reshape(-1), exp_avg[lo:hi], exp_avg_sq[lo:hi]
@@ -73,12 +91,19 @@ def lamb(
         v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
         update = torch.div(m, torch.sqrt(v, out=g).add_(eps), out=g)  # g's buffer is free now
         if weight_decays[i]:
-            update.add_(p.detach().reshape(-1).float(), alpha=weight_decays[i])
-        c = lamb_coefficient(p, update, min_coeff=min_coeff, max_coeff=max_coeff)
+            update.add_(params[i].detach().reshape(-1).float(), alpha=weight_decays[i])
+        updates[i] = update
+    coeffs = torch.zeros(len(offsets), dtype=torch.float64, device=exp_avg.device)
+    if sum_per_param is not None:
+        norms = _shard_norms({i: (params[i], u) for i, u in updates.items()}, len(offsets), sum_per_param,
+                             exp_avg.device)
+    for i, update in updates.items():
+        c = lamb_coefficient(params[i], update, min_coeff=min_coeff, max_coeff=max_coeff) if sum_per_param is None \
+            else _trust_ratio(norms[0, i], norms[1, i], min_coeff=min_coeff, max_coeff=max_coeff)
         coeff_avg[i] = coeff_beta * coeff_avg[i] + (1.0 - coeff_beta) * c
-        apply_update_(p, update, None, lr=lrs[i], weight_decay=0.0, step_size=lrs[i] * c)
-        coeffs.append(c)
-    return torch.stack(coeffs)
+        apply_update_(params[i], update, None, lr=lrs[i], weight_decay=0.0, step_size=lrs[i] * c)
+        coeffs[i] = c
+    return coeffs
 
 
 def onebit_lamb(
@@ -102,6 +127,7 @@ def onebit_lamb(
     factor_threshold: float,
     clip_update: float | None = 10.0,
     frozen_at: int = 0,
+    max_per_param: Reduce | None = None,
 ) -> Tensor:
     """Algorithm 1 lines 12-21 on the averaged scaled momentum ``exp_avg`` (``last_exp_avg``
     holds ``m_{t-1}``, and scratch after it): unscale (A.5.2);
@@ -110,37 +136,45 @@ def onebit_lamb(
     ``x <- x - lr c (m / (sqrt(v_frozen) + eps) + wd x)``. Unless ``clip_update`` is None the
     averaged momentum is first clipped to ``clip_update`` times Adam's largest step
     (:func:`clip_to_adam_step_`). Returns each tensor's ``c`` (0 where ``active[i]`` is false:
-    not updated); ``ratio`` and the other per-tensor vectors are float64 on the device."""
-    coeffs = []
-    no_step = torch.zeros((), dtype=torch.float64, device=exp_avg.device)
-    for i, (p, (lo, hi)) in enumerate(zip(params, offsets)):
+    not updated); ``ratio`` and the other per-tensor vectors are float64 on the device.
+    ``max_per_param``: the parameters are FSDP2 shards, and the maximum is over the whole
+    parameters (one reduction)."""
+    device = exp_avg.device
+    largest = torch.full((len(offsets),), float("-inf"), dtype=torch.float64, device=device)  # none with a variance
+    for i, (lo, hi) in enumerate(offsets):
         b1, b2 = betas[i]
+        m = exp_avg[lo:hi].div_(momentum_scale[i])
         if not active[i]:
-            exp_avg[lo:hi].div_(momentum_scale[i])
-            coeffs.append(no_step)
             continue
-        m, v, v_frozen = exp_avg[lo:hi], exp_avg_sq[lo:hi], frozen_exp_avg_sq[lo:hi]
-        m.div_(momentum_scale[i])
-        denom = v_frozen.sqrt().add_(eps)
+        v, v_frozen = exp_avg_sq[lo:hi], frozen_exp_avg_sq[lo:hi]
         if clip_update is not None:  # the warm-up's variance has no bias correction: frozen at step frozen_at
-            clip_to_adam_step_(m, denom, b1, b2, bias_correction2=1.0 - b2**frozen_at, factor=clip_update)
+            clip_to_adam_step_(m, v_frozen.sqrt().add_(eps), b1, b2, bias_correction2=1.0 - b2**frozen_at,
+                               factor=clip_update)
         # m_{t-1} is needed only to form g: g, then v_frozen / v, then the update take its place.
         work = last_exp_avg[lo:hi]
         g = work.mul_(-b1).add_(m).div_(1.0 - b1)  # (m_t - b1 m_{t-1}) / (1 - b1)
         v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
+        if hi > lo:
+            largest[i] = max_ratio(v_frozen, v, largest[i], work=work)
+    if max_per_param is not None:
+        max_per_param(largest)
+    coeffs = torch.zeros(len(offsets), dtype=torch.float64, device=device)
+    for i, (lo, hi) in enumerate(offsets):
+        if not active[i]:
+            continue
         prev = ratio[i].clone()
-        # max over the values with a variance; the previous ratio where none has one
-        r = max_ratio(v_frozen, v, prev, work=work) if hi > lo else prev
+        # the previous ratio where no value has a variance
+        r = torch.where(largest[i] == float("-inf"), prev, largest[i])
         r = torch.minimum(torch.maximum(r, (1.0 - factor_threshold) * prev), (1.0 + factor_threshold) * prev)
         r = r.clamp(factor_min, factor_max)
         ratio[i] = r
         c = r * coeff_avg[i]
-        update = torch.div(m, denom, out=work)
+        update = torch.div(exp_avg[lo:hi], frozen_exp_avg_sq[lo:hi].sqrt().add_(eps), out=last_exp_avg[lo:hi])
         if weight_decays[i]:
-            update.add_(p.detach().reshape(-1).float(), alpha=weight_decays[i])
-        apply_update_(p, update, None, lr=lrs[i], weight_decay=0.0, step_size=lrs[i] * c)
-        coeffs.append(c)
-    return torch.stack(coeffs)
+            update.add_(params[i].detach().reshape(-1).float(), alpha=weight_decays[i])
+        apply_update_(params[i], update, None, lr=lrs[i], weight_decay=0.0, step_size=lrs[i] * c)
+        coeffs[i] = c
+    return coeffs
 
 
 class OnebitLamb(OnebitOptimizer):
@@ -214,7 +248,6 @@ class OnebitLamb(OnebitOptimizer):
     """
 
     _flat_names = ("exp_avg", "exp_avg_sq", "frozen_exp_avg_sq", "last_exp_avg")
-    _elementwise = False  # trust ratios and scaling ratios are norms over whole parameters
 
     def __init__(
         self,
@@ -318,7 +351,9 @@ class OnebitLamb(OnebitOptimizer):
             self._coefficients = lamb(self.flat.params, self.flat.offsets, grads=self.flat.split(average),
                                       active=self._active, exp_avg=b["exp_avg"], exp_avg_sq=b["exp_avg_sq"],
                                       coeff_avg=self.coeff_avg, coeff_beta=o["coeff_beta"],
-                                      max_coeff=o["max_coeff"], min_coeff=o["min_coeff"], **common)
+                                      max_coeff=o["max_coeff"], min_coeff=o["min_coeff"],
+                                      sum_per_param=self._shards.sum_per_param if self._shards.sharded else None,
+                                      **common)
             if self._stages.observe(self._step_count, b["exp_avg_sq"]):
                 self._freeze()
             return
@@ -329,7 +364,8 @@ class OnebitLamb(OnebitOptimizer):
             exp_avg_sq=b["exp_avg_sq"], frozen_exp_avg_sq=b["frozen_exp_avg_sq"], last_exp_avg=b["last_exp_avg"],
             coeff_avg=self.coeff_avg, ratio=self.ratio, momentum_scale=self.momentum_scale,
             factor_max=o["factor_max"], factor_min=o["factor_min"], factor_threshold=o["factor_threshold"],
-            clip_update=o["clip_update"], frozen_at=self._stages.frozen_at, **common)
+            clip_update=o["clip_update"], frozen_at=self._stages.frozen_at,
+            max_per_param=self._shards.max_per_param if self._shards.sharded else None, **common)
 
     def _freeze(self) -> None:
         """Line 3 and A.5.2: store v_Tw (c_avg stops moving), derive the momentum scale coefficients."""
@@ -337,8 +373,12 @@ class OnebitLamb(OnebitOptimizer):
         b["frozen_exp_avg_sq"].copy_(b["exp_avg_sq"])
         self._note_unused()
         self._grad = None  # the compression stage reads each rank's own gradients where they lie
-        scales = [float(b["exp_avg"][lo:hi].norm()) / math.sqrt(hi - lo) if hi > lo else 0.0
-                  for lo, hi in self.flat.offsets]
+        if self._shards.sharded:  # the whole parameters' norms, from their shards'
+            squares = torch.stack([b["exp_avg"][lo:hi].double().square().sum() for lo, hi in self.flat.offsets])
+            norms = self._shards.sum_per_param(squares).sqrt().tolist()
+        else:
+            norms = [float(b["exp_avg"][lo:hi].norm()) for lo, hi in self.flat.offsets]
+        scales = [norm / math.sqrt(n) if n else 0.0 for norm, n in zip(norms, self._shards.numels)]
         positive = [s for s in scales if s > 0]
         united = sum(positive) / len(positive) if positive else 1.0
         self.momentum_scale = torch.tensor([united / s if s > 0 else 1.0 for s in scales], dtype=torch.float64,

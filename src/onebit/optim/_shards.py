@@ -8,19 +8,24 @@ and every rank holds the mean gradient of its node for its shard; the optimizer,
 each shard with the ranks holding the same shard on the other nodes, compressed. Its state is
 that of the shard only.
 
-What needs the whole parameter is refused: layer-wise norms (1-bit LAMB's trust ratios),
-``max_grad_norm`` (``torch.nn.utils.clip_grad_norm_`` on the DTensor parameters computes the
-global norm; call it before ``step()``) and ``overlap`` (FSDP overlaps its reduce-scatter with
-backward; the exchange runs in ``step()``).
+What is a function of a whole parameter -- 1-bit LAMB's trust ratios, scaling ratios and
+momentum scales -- is reduced over the ranks sharing it (:meth:`Shards.sum_per_param`,
+:meth:`Shards.max_per_param`: one small all-reduce of a vector with an entry per parameter,
+inside the node). Refused: ``max_grad_norm`` (``torch.nn.utils.clip_grad_norm_`` on the DTensor
+parameters computes the global norm; call it before ``step()``) and ``overlap`` (FSDP overlaps
+its reduce-scatter with backward; the exchange runs in ``step()``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from .. import comm
 
 __all__ = ["Shards"]
 
@@ -40,10 +45,16 @@ class Shards:
     local shard (a view of FSDP's sharded storage, so an in-place update is the parameter's).
     ``sharded``: the parameters are DTensors. ``agreement_group``: where the ranks agree to
     take a step (the whole job when sharded: every shard must take the same steps).
+    ``shard_group``: the ranks that share each parameter (FSDP's mesh; None when not sharded).
+    ``numels``: each parameter's whole number of values.
     """
 
-    def __init__(self, params: Sequence[Tensor], group: object, owner: str) -> None:
+    def __init__(self, params: Sequence[Tensor], group: object, owner: str,
+                 timeout: float | timedelta | None = None) -> None:
         self.params = list(params)
+        self.numels = [p.numel() for p in self.params]  # a DTensor's is the whole parameter's
+        self.shard_group = None
+        self._timeout = timeout
         types = _dtensor_types()
         flat = [p for p in self.params if getattr(p, "_is_flat_param", False)]
         if flat:
@@ -68,6 +79,7 @@ class Shards:
         self._check_placements(dtensors, owner)
         self._check_group(dtensors[0].device_mesh, group, owner)
         self.agreement_group = None  # the whole job
+        self.shard_group = dtensors[0].device_mesh.get_group()
         with torch.no_grad():  # plain views of FSDP's storage, not autograd views of the parameters
             self.tensors = [p.to_local() for p in dtensors]
 
@@ -109,6 +121,16 @@ class Shards:
                 f"on ranks {sorted(shard_ranks)} (world size {dist.get_world_size()}); pass the replicas of this "
                 "rank's shard, group=mesh['replicate'].get_group() of the 2-D mesh whose mesh['shard'] FSDP shards on"
             )
+
+    def sum_per_param(self, values: Tensor) -> Tensor:
+        """``values`` (an entry per parameter, computed on the local shards) summed over the ranks
+        sharing each parameter, in place; as it is when the parameters are whole."""
+        return values if self.shard_group is None else comm.all_reduce_sum(values, self.shard_group, self._timeout,
+                                                                           link="intra")
+
+    def max_per_param(self, values: Tensor) -> Tensor:
+        """As :meth:`sum_per_param`, the maximum."""
+        return values if self.shard_group is None else comm.all_reduce_max(values, self.shard_group, self._timeout)
 
     def bind_grads(self) -> None:
         """Point each local shard's ``.grad`` at its parameter's local gradient (or None): the
