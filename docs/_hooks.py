@@ -33,7 +33,7 @@ def on_page_markdown(markdown: str, page: Any, **kwargs: Any) -> str:
         return markdown
     from onebit.cli import build_parser
 
-    os.environ.setdefault("COLUMNS", "100")  # argparse wraps help to the terminal's width
+    os.environ["COLUMNS"] = "88"  # argparse wraps its help to the terminal's width: the same on every machine
     parser = build_parser()
     reference = []
     for child in _subparsers(parser).values():
