@@ -1,13 +1,15 @@
 """HSDP on an emulated cluster of 2 nodes x 2 ranks: the step with onebit's 1-bit exchange between
 nodes against FSDP2's own HSDP (fp32 all-reduce between nodes), and the floor without it.
 
-Three runs per bandwidth, the same model, batches and FSDP2 sharding inside each node:
+The runs of each bandwidth (``--variants``), the same model, batches and FSDP2 sharding inside
+each node:
 
 - ``floor``: ``fully_shard`` on the node's mesh and ``torch.optim.AdamW``; nothing crosses the
   nodes (the replicas drift apart: a time, not a training run).
 - ``fsdp2_hsdp``: ``fully_shard`` on the 2-D mesh (HSDP) and ``torch.optim.AdamW``: what users run.
 - ``onebit_adam``: ``fully_shard`` on the node's mesh and ``onebit.OnebitAdam(group=mesh["replicate"]
   .get_group())``, frozen after step 1, so every timed step is a compressed one.
+- ``onebit_lamb``: the same with ``onebit.OnebitLamb`` (its layer-wise norms reduced inside the node).
 
 Per step: the median wall time over the timed steps, and the bytes leaving node 0 (its
 interface's transmit counter, ``/proc/net/dev``) -- intra-node traffic never crosses it. A
@@ -29,7 +31,7 @@ import torch
 from _records import append_row, provenance, read_rows
 from torch import nn
 
-VARIANTS = ("floor", "fsdp2_hsdp", "onebit_adam")
+VARIANTS = ("floor", "fsdp2_hsdp", "onebit_adam", "onebit_lamb")
 
 
 def _tx_bytes(interface: str = "eth0") -> int:
@@ -57,8 +59,10 @@ def _rank(rank: int, world: int, variant: str, size: int, layers: int, steps: in
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=shard_on)
     fully_shard(model, mesh=shard_on)
-    if variant == "onebit_adam":
-        opt = onebit.OnebitAdam(model.parameters(), lr=1e-4, freeze_step=1, group=mesh["replicate"].get_group())
+    onebit_variant = variant.startswith("onebit_")
+    if onebit_variant:
+        opt = onebit.optim.make_optimizer(variant, model.parameters(), lr=1e-4, freeze_step=1,
+                                          group=mesh["replicate"].get_group())
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(rank)
@@ -77,14 +81,14 @@ def _rank(rank: int, world: int, variant: str, size: int, layers: int, steps: in
         losses.append(loss.item())
     dist.barrier()
     sent = _tx_bytes() - tx
-    # the optimizer's state and wire buffers on this rank, against 1-bit Adam's footprint of its shard
-    held = held_bytes(opt) if variant == "onebit_adam" else None
+    # the optimizer's state and wire buffers on this rank, against its footprint of its shard
+    held = held_bytes(opt) if onebit_variant else None
     shard = 4 * sum(p.to_local().numel() for p in model.parameters())
     return {"step_s": statistics.median(times[warmup:]), "node_tx_bytes_per_step": sent / steps,
             "held_bytes": held, "shard_bytes": shard,
-            "state_target_bytes": (REGISTRY["onebit_adam"].footprint(2) + WIRE_ALLOWANCE) * shard,
+            "state_target_bytes": (REGISTRY[variant].footprint(2) + WIRE_ALLOWANCE) * shard if onebit_variant else None,
             "finite": all(map(lambda v: v == v and abs(v) != float("inf"), losses)),
-            "skipped_steps": opt.stats["skipped_steps"] if variant == "onebit_adam" else 0,
+            "skipped_steps": opt.stats["skipped_steps"] if onebit_variant else 0,
             "params": sum(p.numel() for p in model.parameters())}
 
 
@@ -102,13 +106,15 @@ def report(rows: list[dict]) -> str:
                 f"| {bw} | {variant} | {1e3 * r['step_s']:.1f} | {runs['fsdp2_hsdp']['step_s'] / r['step_s']:.2f}x "
                 f"| {runs['floor']['step_s'] / r['step_s']:.2f}x | {r['node_tx_bytes_per_step'] / 1e6:.2f} MB "
                 f"| {r['skipped_steps']}{'' if counts else ' (does not count)'} |")
-    held = [r for r in rows if r.get("held_bytes")]
-    if held:
-        r = held[0]
-        lines.append(f"\nOptimizer state on a rank (onebit_adam): {r['held_bytes'] / 1e6:.2f} MB for a shard of "
-                     f"{r['shard_bytes'] / 1e6:.2f} MB of fp32 parameters ({r['held_bytes'] / r['shard_bytes']:.2f} shard "
-                     f"sizes); target, 1-bit Adam's footprint at 2 replicas plus the wire buffers: "
-                     f"{r['state_target_bytes'] / 1e6:.2f} MB ({'met' if r['held_bytes'] <= r['state_target_bytes'] else 'missed'}).")
+    for variant in VARIANTS:
+        held = [r for r in rows if r["variant"] == variant and r.get("held_bytes")]
+        if held:
+            r = held[0]
+            met = "met" if r["held_bytes"] <= r["state_target_bytes"] else "missed"
+            lines.append(f"\nOptimizer state on a rank ({variant}): {r['held_bytes'] / 1e6:.2f} MB for a shard of "
+                         f"{r['shard_bytes'] / 1e6:.2f} MB of fp32 parameters ({r['held_bytes'] / r['shard_bytes']:.2f} "
+                         f"shard sizes); target, its footprint at 2 replicas plus the wire buffers: "
+                         f"{r['state_target_bytes'] / 1e6:.2f} MB ({met}).")
     first = rows[0]
     lines.append(f"\n{first['params'] / 1e6:.1f}M parameters ({first['layers']} x Linear({first['size']}, "
                  f"{first['size']})), batch 32 per rank, 2 nodes x 2 gloo ranks, median of {first['steps']} steps; "
@@ -123,6 +129,7 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=10, help="timed steps (after 3 untimed)")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated runs (default: all)")
     parser.add_argument("--out")
     args = parser.parse_args()
     if args.report:
@@ -135,7 +142,7 @@ def main() -> None:
 
     for bw in args.bandwidth.split(","):
         with EmulatedCluster(ClusterSpec(2, parse_bandwidth(bw))) as cluster:
-            for variant in VARIANTS:
+            for variant in args.variants.split(","):
                 res = spawn(_rank, 4, variant, args.size, args.layers, args.steps, 3, placement=cluster.placement(4),
                             timeout=600)
                 row = {"bandwidth": bw, "variant": variant, "size": args.size, "layers": args.layers,
