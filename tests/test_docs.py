@@ -25,9 +25,7 @@ class _Links(HTMLParser):
         found = dict(attrs)
         if found.get("id"):
             self.ids.add(found["id"])
-        for name in ("href", "src"):
-            if found.get(name) and not (tag == "link" and found.get("rel") in ("canonical",)):
-                self.links.append(found[name])
+        self.links += [found[name] for name in ("href", "src") if found.get(name)]
 
 
 def _parse(path: Path) -> _Links:

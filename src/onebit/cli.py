@@ -290,7 +290,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _write_bench(args: argparse.Namespace, summary: dict[str, Any]) -> None:
-    """Print the benchmark's tables; with ``--out``, also write them and ``summary.json`` there."""
+    """Print the benchmark's tables, with its command, machine and date; with ``--out``, also
+    write them and ``summary.json`` there."""
     from .bench._reports import provenance, report_files
 
     summary = {**summary, "provenance": provenance(shlex.join(["onebit", *args.argv]))}
@@ -379,11 +380,9 @@ def _bench_memory(args: argparse.Namespace) -> int:
     import torch
 
     from .bench._memory import FOOTPRINTS, WIRE_ALLOWANCE, bench_memory
-    from .bench._reports import provenance, report_files
 
     names = _names(args.optimizers or ",".join(FOOTPRINTS), tuple(FOOTPRINTS), "--optimizers")
     worlds = args.world_sizes
-    out = Path(args.out)
     print(f"onebit bench memory: nn.Linear({args.size}, {args.size}) on {args.device}, world sizes "
           f"{','.join(map(str, worlds))}, {args.steps} steps (1-bit Adam/LAMB freeze after step 2); "
           + ("figures in fp32 model sizes" if args.shards == 1 else
@@ -391,17 +390,10 @@ def _bench_memory(args: argparse.Namespace) -> int:
     results = bench_memory(names, worlds, size=args.size, steps=args.steps, device=args.device, shards=args.shards)
     meta = {"device": args.device, "size": args.size, "steps": args.steps, "shards": args.shards,
             "torch": torch.__version__}
-    summary = {"meta": meta, "provenance": provenance(shlex.join(["onebit", *args.argv])),
-               "results": [asdict(r) for r in results]}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    for name, text in report_files(summary).items():
-        (out / name).write_text(text)
-    print((out / "table.txt").read_text(), end="")
+    _write_bench(args, {"meta": meta, "results": [asdict(r) for r in results]})
     over = [r for r in results if r.held > r.footprint + WIRE_ALLOWANCE]
     print(f"held above footprint + {WIRE_ALLOWANCE} (packed wire buffers): "
           + (", ".join(f"{r.optimizer} w={r.world_size} {r.stage}" for r in over) or "none"))
-    print(f"summary: {out}/summary.json, table: {out}/table.txt")
     return 0 if not over else 1
 
 

@@ -33,8 +33,8 @@ from typing import Any
 
 from ._analysis import fmt, text_table
 
-__all__ = ["BLOCK_END", "BLOCK_START", "convergence_rows", "expected_reports", "memory_rows",
-           "comm_tables", "kernel_rows", "plot_convergence_summaries", "provenance", "report_files", "stale_reports"]
+__all__ = ["BLOCK_END", "BLOCK_START", "comm_tables", "convergence_rows", "expected_reports", "kernel_rows",
+           "memory_rows", "plot_convergence_summaries", "provenance", "report_files", "stale_reports"]
 
 BLOCK_START = "<!-- report: "
 BLOCK_END = "<!-- /report -->"
@@ -112,35 +112,32 @@ def _provenance(summary: dict[str, Any]) -> str:
     return f"`{p['command']}`; {p['machine']}, {p['date']}."
 
 
+def _is_convergence(summary: dict[str, Any]) -> bool:
+    return "runs" in summary and "aggregate" in summary
+
+
 def report_files(summary: dict[str, Any]) -> dict[str, str]:
-    """The reports a benchmark's ``summary.json`` gives (file name: content); ``{}`` for one
-    run's summary (``onebit compare``, ``train``), whose table is what the run printed."""
-    if "runs" in summary and "aggregate" in summary:
-        return _convergence(summary)
-    if "meta" in summary and "results" in summary:
-        return _memory(summary)
-    note = "\n\n" + _provenance(summary) + "\n" if "benchmark" in summary else ""
-    if summary.get("benchmark") == "kernels":
+    """The reports a benchmark's ``summary.json`` gives (file name: content, each table followed
+    by the result's command, machine and date); ``{}`` for one run's summary (``onebit compare``,
+    ``train``), whose table is what the run printed."""
+    if _is_convergence(summary):
+        from ._convergence import aggregate, markdown_table
+
+        rows = aggregate(summary["runs"])
+        tables = {"table.md": markdown_table(rows), "table.txt": text_table(convergence_rows(rows))}
+    elif "meta" in summary and "results" in summary:
+        tables = {"table.txt": text_table(memory_rows(summary["results"]))}
+    elif summary.get("benchmark") == "kernels":
         meta = summary["settings"]
-        head = f"onebit bench kernels: {meta['numel']} fp32 values on {meta['device']}, median of {meta['repeat']}\n"
-        return {"table.txt": head + text_table(kernel_rows(summary["results"])) + note}
-    if summary.get("benchmark") == "comm":
+        tables = {"table.txt": f"onebit bench kernels: {meta['numel']} fp32 values on {meta['device']}, median of "
+                               f"{meta['repeat']}\n" + text_table(kernel_rows(summary["results"]))}
+    elif summary.get("benchmark") == "comm":
         meta = summary["settings"]
-        return {"table.txt": comm_tables(summary["results"], meta["backend"], meta["repeat"]) + note}
-    return {}
-
-
-def _convergence(summary: dict[str, Any]) -> dict[str, str]:
-    from ._convergence import aggregate, markdown_table
-
-    rows = aggregate(summary["runs"])
+        tables = {"table.txt": comm_tables(summary["results"], meta["backend"], meta["repeat"])}
+    else:
+        return {}
     note = _provenance(summary)
-    return {"table.md": markdown_table(rows) + "\n\n" + note + "\n",
-            "table.txt": text_table(convergence_rows(rows)) + "\n\n" + note + "\n"}
-
-
-def _memory(summary: dict[str, Any]) -> dict[str, str]:
-    return {"table.txt": text_table(memory_rows(summary["results"])) + "\n\n" + _provenance(summary) + "\n"}
+    return {name: f"{table}\n\n{note}\n" for name, table in tables.items()}
 
 
 def _run(command: str, root: Path) -> str:
@@ -229,6 +226,6 @@ def plot_convergence_summaries(root: Path, results: Path) -> list[Path]:
     drawn = []
     for summary_path in sorted((root / results).rglob("summary.json")):
         summary = json.loads(summary_path.read_text())
-        if "runs" in summary and "aggregate" in summary:
+        if _is_convergence(summary):
             drawn.append(plot_convergence(summary["runs"], summary_path.parent / "loss.png"))
     return drawn

@@ -373,27 +373,25 @@ def all_reduce_mean_stages(tensor: Tensor, group: Group = None,
     return inflight.wait()
 
 
-def all_reduce_sum(tensor: Tensor, group: Group = None, timeout: float | timedelta | None = None,
-                   link: str = "flat") -> Tensor:
-    """In-place sum over the group."""
+def _all_reduce(tensor: Tensor, op: str, group: Group, timeout: float | timedelta | None, link: str) -> Tensor:
     t = _transport(group)
     world = t.size()
     if world == 1:
         return tensor
-    _start("all_reduce", t, timeout, lambda: t.all_reduce(tensor, "sum"), tensor).wait()
+    _start(f"all_reduce({op})", t, timeout, lambda: t.all_reduce(tensor, op), tensor).wait()
     record("all_reduce", 2 * (world - 1) * tensor.numel() * tensor.element_size() // world, link)
     return tensor
 
 
+def all_reduce_sum(tensor: Tensor, group: Group = None, timeout: float | timedelta | None = None,
+                   link: str = "flat") -> Tensor:
+    """In-place sum over the group."""
+    return _all_reduce(tensor, "sum", group, timeout, link)
+
+
 def all_reduce_max(tensor: Tensor, group: Group = None, timeout: float | timedelta | None = None) -> Tensor:
     """In-place element-wise maximum over the group."""
-    t = _transport(group)
-    world = t.size()
-    if world == 1:
-        return tensor
-    _start("all_reduce(max)", t, timeout, lambda: t.all_reduce(tensor, "max"), tensor).wait()
-    record("all_reduce", 2 * (world - 1) * tensor.numel() * tensor.element_size() // world)
-    return tensor
+    return _all_reduce(tensor, "max", group, timeout, "flat")
 
 
 def broadcast(tensor: Tensor, src: int = 0, group: Group = None, timeout: float | timedelta | None = None) -> Tensor:
