@@ -22,28 +22,43 @@ def chunks(n: int, world: int, align: int) -> list[tuple[int, int]]:
     return [(min(j * chunk, n), min((j + 1) * chunk, n)) for j in range(world)]
 
 
-class SimulatedCompressedAllReduce:
-    """n workers + per-chunk servers of Algorithm 1 (lines 7, 10, 11), one process, plain loops."""
+def pieces(lo: int, hi: int, starts: list[int], align: int) -> list[tuple[int, int]]:
+    """The pieces of chunk ``[lo, hi)`` cut where a segment starts (each start rounded down to
+    ``align``), in the chunk's own coordinates."""
+    cuts = sorted({lo, hi, *(s // align * align for s in starts if lo < s // align * align < hi)})
+    return [(a - lo, b - lo) for a, b in zip(cuts, cuts[1:])]
 
-    def __init__(self, n_workers: int, numel: int, compress=sign_compress, align: int = 8) -> None:
+
+class SimulatedCompressedAllReduce:
+    """n workers + per-chunk servers of Algorithm 1 (lines 7, 10, 11), one process, plain loops.
+    With ``segments``, each piece of a chunk between segment starts is compressed on its own."""
+
+    def __init__(self, n_workers: int, numel: int, compress=sign_compress, align: int = 8,
+                 segments: list[int] | None = None) -> None:
         self.w = n_workers
         self.bounds = chunks(numel, n_workers, align)
+        self.pieces = [pieces(lo, hi, segments or [], align) for lo, hi in self.bounds]
         self.compress = compress
         self.worker_err = [torch.zeros(numel) for _ in range(n_workers)]
         self.server_err = [torch.zeros(hi - lo) for lo, hi in self.bounds]
+
+    def _compress_chunk(self, j: int, c: Tensor) -> Tensor:
+        if c.numel() == 0:
+            return c.clone()
+        return torch.cat([self.compress(c[a:b]) for a, b in self.pieces[j]])
 
     def __call__(self, xs: list[Tensor]) -> Tensor:
         sent = []
         for i, x in enumerate(xs):
             c = x.float() + self.worker_err[i]
-            q = torch.cat([self.compress(c[lo:hi]) for lo, hi in self.bounds])
+            q = torch.cat([self._compress_chunk(j, c[lo:hi]) for j, (lo, hi) in enumerate(self.bounds)])
             self.worker_err[i] = c - q
             sent.append(q)
         out = []
         for j, (lo, hi) in enumerate(self.bounds):
             avg = sum(q[lo:hi] for q in sent) / self.w
             s = avg + self.server_err[j]
-            m = self.compress(s)
+            m = self._compress_chunk(j, s)
             self.server_err[j] = s - m
             out.append(m)
         return torch.cat(out)

@@ -59,6 +59,51 @@ def test_compressed_allreduce_matches_oracle_and_is_identical(world):
         assert torch.allclose(out["state"]["server_error"]["error"], oracle.server_err[r], atol=1e-5)
 
 
+def _segmented_worker(rank, world, n, segments, steps):
+    car = comm.CompressedAllReduce("sign", segments=segments)
+    outs = []
+    for step in range(steps):
+        x = _inputs(world, n, step)[rank]
+        x[:2_000] *= 1000.0  # a "layer" three orders of magnitude above the rest of its chunk
+        with comm.measure() as m:
+            outs.append(car(x))
+    return {"outs": outs, "bytes": m.bytes_sent, "state": car.state_dict()}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_segmented_scales_match_oracle(world):
+    # starts off the byte grid (rounded down to 8) and a piece inside every chunk
+    n, steps = 10_007, 3
+    segments = [0, 2_000, 2_013, n // 3 + 5, 5_004, 9_999]
+    res = run_ranks(_segmented_worker, world, n, segments, steps)
+    oracle = SimulatedCompressedAllReduce(world, n, segments=segments)
+    plain = SimulatedCompressedAllReduce(world, n)
+    for step in range(steps):
+        xs = _inputs(world, n, step)
+        for x in xs:
+            x[:2_000] *= 1000.0
+        expect, coarse = oracle(xs), plain(xs)
+        got = [r["outs"][step] for r in res]
+        assert all(torch.equal(g, got[0]) for g in got), "ranks disagree"
+        assert torch.allclose(got[0], expect, rtol=1e-5, atol=0), (got[0] - expect).abs().max()
+        # the small values of the large layer's chunk keep their own magnitude instead of its
+        truth, small = torch.stack(xs).mean(0), slice(2_008, oracle.bounds[0][1])
+        assert (got[0] - truth)[small].norm() < 0.01 * (coarse - truth)[small].norm()
+    for r, out in enumerate(res):
+        assert torch.allclose(out["state"]["worker_error"]["error"], oracle.worker_err[r], rtol=1e-5, atol=1e-3)
+        # 4 bytes per piece: the slot of the chunk with the most pieces, 2 (w - 1) of them
+        slot = max(compress.get("sign").wire_bytes(hi - lo) + 4 * (len(p) - 1)
+                   for (lo, hi), p in zip(oracle.bounds, oracle.pieces))
+        assert out["bytes"] == 2 * (world - 1) * slot
+
+
+def test_segments_need_a_compressor_with_scales():
+    with pytest.raises(ValueError, match="segments given for IdentityCompressor"):
+        comm.CompressedAllReduce("identity", segments=[0, 10])
+    with pytest.raises(ValueError, match="segments must be a sequence of ints >= 0"):
+        comm.CompressedAllReduce("sign", segments=[0, -1])
+
+
 def _small_sizes_worker(rank, world):
     results = {}
     for n in (0, 1, 5, 8, 9, 23, 24, 25, 100):

@@ -42,10 +42,12 @@ class SimulatedHierarchical:
     """Birder section 4 for nodes x per_node workers: node averages of each shard in fp32,
     then one simulated 1-bit all-reduce (Algorithm 1 of 1-bit Adam) per shard among the nodes."""
 
-    def __init__(self, nodes: int, per_node: int, numel: int, align: int = 8) -> None:
+    def __init__(self, nodes: int, per_node: int, numel: int, align: int = 8, segments: list[int] | None = None):
         self.nodes, self.per_node = nodes, per_node
         self.shards = chunks(numel, per_node, align * nodes)
-        self.inner = [SimulatedCompressedAllReduce(nodes, hi - lo, align=align) for lo, hi in self.shards]
+        self.inner = [SimulatedCompressedAllReduce(nodes, hi - lo, align=align,
+                                                   segments=[s - lo for s in segments or [] if lo < s < hi])
+                      for lo, hi in self.shards]
 
     def __call__(self, xs: list[torch.Tensor]) -> torch.Tensor:
         out = []
@@ -81,6 +83,30 @@ def test_two_nodes_of_two_match_the_oracle_and_send_fewer_inter_node_bytes():
         assert links["inter"] * 1.9 < flat_inter, (links["inter"], flat_inter)
         # flag_nonfinite, staged: the same bits; a NaN on the last rank reaches every rank's flag
         assert r["flags"] == [False] * steps + [True]
+
+
+def _segmented_worker(rank, world, n, per_node, segments, steps):
+    car = comm.HierarchicalAllReduce("sign", ranks_per_node=per_node, segments=segments)
+    outs = []
+    for step in range(steps):
+        x = _inputs(world, n, step)[rank]
+        x[:1_000] *= 1000.0
+        outs.append(car(x))
+    return outs
+
+
+def test_segmented_scales_match_the_oracle_on_every_shard():
+    world, per_node, n, steps = 4, 2, 10_003, 3
+    segments = [0, 1_000, 1_003, 2_600, 5_010, 7_777]  # pieces in both shards, off the byte grid
+    res = run_ranks(_segmented_worker, world, n, per_node, segments, steps)
+    oracle = SimulatedHierarchical(world // per_node, per_node, n, segments=segments)
+    for step in range(steps):
+        xs = _inputs(world, n, step)
+        for x in xs:
+            x[:1_000] *= 1000.0
+        expect = oracle(xs)
+        assert all(torch.equal(r[step], res[0][step]) for r in res), "ranks disagree"
+        assert torch.allclose(res[0][step], expect, rtol=1e-5, atol=1e-7), (res[0][step] - expect).abs().max()
 
 
 @pytest.mark.parametrize("world", [2, 3])

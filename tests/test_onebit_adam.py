@@ -215,6 +215,7 @@ def test_bad_arguments():
         (dict(clip_update=0), ValueError, "Invalid clip_update value: 0 (expected None or a positive number)"),
         (dict(clip_update=True), ValueError, "Invalid clip_update value: True"),
         (dict(compressor="bogus"), ValueError, "unknown compressor 'bogus'"),
+        (dict(scales="layer"), ValueError, "Invalid scales value: 'layer' (expected 'tensor' or 'chunk')"),
         (dict(timeout=0), ValueError, "timeout must be positive, got 0"),
     ]
     for kwargs, exc, msg in cases:

@@ -28,16 +28,18 @@ def _trust(x, u, cmin, cmax):
     return 1.0 if xn == 0 or un == 0 else float(torch.clamp(xn / un, cmin, cmax))
 
 
-def _plain(world, steps, freeze, lr, b1, b2, eps, wd, o=OPTS, clip=None):
+def _plain(world, steps, freeze, lr, b1, b2, eps, wd, o=OPTS, clip=None, ratio="norm", scales="tensor"):
     """LAMB eq. (1) for `freeze` steps, then Algorithm 1 with momentum fusion and scaling (A.5);
     with `clip`, each value's step |m / (sqrt(v_frozen) + eps)| at most `clip` times Adam's largest,
-    (1 - b1) / sqrt(1 - b2), counting the bias correction the frozen variance lacks."""
+    (1 - b1) / sqrt(1 - b2), counting the bias correction the frozen variance lacks. The scaling
+    ratio: `"max"` line 17's max(v_frozen / v), `"norm"` sum(v_frozen) / sum(v); `scales="tensor"`:
+    each tensor's piece of a chunk compressed with its own scale."""
     xs = [p.clone() for p in initial_params()]
     m = [torch.zeros_like(x) for x in xs]
     v = [torch.zeros_like(x) for x in xs]
     c_avg = [0.0 for _ in xs]
     r = [1.0 for _ in xs]
-    car = SimulatedCompressedAllReduce(world, sum(SIZES))
+    car = SimulatedCompressedAllReduce(world, sum(SIZES), segments=[0, SIZES[0]] if scales == "tensor" else None)
     ratios = []
     for t in range(1, steps + 1):
         per_rank = [grads(xs, i, t) for i in range(world)]
@@ -67,7 +69,7 @@ def _plain(world, steps, freeze, lr, b1, b2, eps, wd, o=OPTS, clip=None):
             for l in range(len(xs)):
                 g = (new_m[l] - b1 * m[l]) / (1 - b1)
                 v[l] = b2 * v[l] + (1 - b2) * g * g
-                rr = float((v_frozen[l] / v[l]).max())
+                rr = float((v_frozen[l] / v[l]).max() if ratio == "max" else v_frozen[l].sum() / v[l].sum())
                 rr = min(max(rr, (1 - o["factor_threshold"]) * r[l]), (1 + o["factor_threshold"]) * r[l])
                 r[l] = min(max(rr, o["factor_min"]), o["factor_max"])
                 u = new_m[l] / (v_frozen[l].sqrt() + eps) + wd * xs[l]
@@ -90,12 +92,14 @@ def test_warmup_equals_plain_lamb():
     assert res[0]["digests"] == res[1]["digests"]
 
 
-@pytest.mark.parametrize("clip", [None, 0.1])  # 0.1: tight enough to bind here
-def test_compression_matches_algorithm_1_ratios_bounded_replicas_identical(clip):
+@pytest.mark.parametrize("clip, ratio, scales", [(None, "norm", "tensor"), (0.1, "norm", "tensor"),  # 0.1 binds
+                                                 (None, "max", "chunk")])
+def test_compression_matches_algorithm_1_ratios_bounded_replicas_identical(clip, ratio, scales):
     world = 3
-    kw = dict(lr=0.01, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0, freeze_step=5, clip_update=clip)
+    kw = dict(lr=0.01, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0, freeze_step=5, clip_update=clip,
+              scaling_ratio=ratio, scales=scales)
     res = run_ranks(_train, world, 16, kw)
-    expect, ratios = _plain(world, 16, 5, 0.01, 0.9, 0.99, 1e-8, 0.0, clip=clip)
+    expect, ratios = _plain(world, 16, 5, 0.01, 0.9, 0.99, 1e-8, 0.0, clip=clip, ratio=ratio, scales=scales)
     for r in res:
         assert r["digests"] == res[0]["digests"]
         _close(r["params"], expect, 1e-4)
@@ -145,8 +149,39 @@ def test_bad_arguments():
         (dict(lr=-1.0), "Invalid learning rate value: -1.0"),
         (dict(betas=(1.0, 0.9)), "Invalid beta parameter at index 0: 1.0"),
         (dict(freeze_step=-1), "Invalid freeze_step value: -1"),
+        (dict(scaling_ratio="mean"), "Invalid scaling_ratio value: 'mean' (expected 'norm' or 'max')"),
+        (dict(scales="layer"), "Invalid scales value: 'layer' (expected 'tensor' or 'chunk')"),
     ]
     for kwargs, msg in cases:
         with pytest.raises(ValueError) as exc:
             onebit.OnebitLamb(p, **kwargs)
         assert msg in str(exc.value)
+
+
+def _sparse_embedding(rank, world, kwargs):
+    from onebit.bench._convergence import ConvergenceTask, measure_training
+
+    task = ConvergenceTask("sparse_embed", rank, world)
+    torch.manual_seed(0)
+    model = task.model()
+    opt = onebit.OnebitLamb(model.parameters(), lr=1e-2, **kwargs)
+
+    def update(loss, step):
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    run = measure_training(task, model, update, steps=200, batch=32, seed=0, rank=rank)
+    return run["heldout_loss"], max(run["losses"][40:])
+
+
+def test_scaling_ratio_of_the_layer_norms_keeps_a_sparse_embedding_stable():
+    """An Embedding(65536, 16) of which each rank looks up a few rows, frozen at step 40: the raw
+    variance is still filling, and rows without new gradients never fill, so the largest
+    v_frozen / v (line 17) holds the table's ratio near 1 while the layer's variance grows 4x.
+    With the paper's max the loss blows up after the freeze; the ratio of the l1 norms follows it."""
+    lamb, _ = run_ranks(_sparse_embedding, 2, dict(freeze_step=10**9))[0]
+    paper, paper_peak = run_ranks(_sparse_embedding, 2, dict(freeze_step=40, scaling_ratio="max"))[0]
+    norm, norm_peak = run_ranks(_sparse_embedding, 2, dict(freeze_step=40))[0]
+    assert paper > 1.15 * lamb and paper_peak > 8.0, (paper, paper_peak, lamb)  # the blow-up, reproduced
+    assert norm < 1.05 * lamb and norm_peak < 4.0, (norm, norm_peak, lamb)

@@ -358,9 +358,10 @@ def _bench_convergence(args: argparse.Namespace) -> int:
         levels = LEVELS if args.lr == "both" else (args.lr,)
         seeds = tuple(range(args.seeds))
         print(f"onebit bench convergence: {len(tasks)} tasks x {len(families)} optimizer families x {len(seeds)} "
-              f"seeds, {args.world_size} gloo ranks, {args.steps} steps, batch {args.batch_size}/rank")
+              f"seeds x {1 + args.perturb} initial weights, {args.world_size} gloo ranks, {args.steps} steps, "
+              f"batch {args.batch_size}/rank")
         summary = run_convergence(out, tasks, families, steps=args.steps, batch=args.batch_size,
-                                  world=args.world_size, seeds=seeds, levels=levels,
+                                  world=args.world_size, seeds=seeds, perturbations=args.perturb, levels=levels,
                                   freeze_fractions=tuple(args.freeze), extended=args.extended,
                                   schedule=args.schedule, iid=args.iid, progress=not args.quiet,
                                   max_grad_norm=args.max_grad_norm,
@@ -528,9 +529,14 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--world-size", type=_positive_int, default=3, help="gloo ranks (default 3)")
     conv.add_argument("--lr", choices=("low", "high", "both"), default="high",
                       help="each family's low or high learning rate, or both (default high)")
-    conv.add_argument("--freeze", type=lambda t: [_fraction(x) for x in t.split(",")], default=[0.2],
-                      help="comma-separated freeze points of the two-stage optimizers, as fractions of the "
-                           "steps (default 0.2)")
+    conv.add_argument("--freeze", type=lambda t: [None if x == "default" else _fraction(x) for x in t.split(",")],
+                      default=[None],
+                      help="comma-separated schedules of the two-stage optimizers: 'default' (theirs as shipped: "
+                           "freeze_step='auto', 0/1 Adam's own) or a freeze point as a fraction of the steps "
+                           "(default: default)")
+    conv.add_argument("--perturb", type=_nonneg_int, default=0, metavar="K",
+                      help="also run every seed from K last-bit changes of its initial weights, standing in for "
+                           "another machine's rounding (default 0)")
     conv.add_argument("--extended", action="store_true",
                       help="add the overlapped exchanges, no-error-feedback runs, Top-k keeping 5%% and 25%% and "
                            "per-layer Block-Sign")

@@ -48,15 +48,17 @@ def provenance(command: str) -> dict[str, str]:
 
 def convergence_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
     """``table.txt``'s rows: every column of :func:`~onebit.bench._convergence.aggregate`'s cells."""
-    out = [["task", "lr", "optimizer", "seeds", "score (mean)", "paired gap", "95% ±", "target", "verdict",
-            "steps to target"]]
+    out = [["task", "lr", "optimizer", "runs", "score (mean)", "paired gap", "95% ±", "worst (seed/perturbation)",
+            "runs >10% behind", "target", "verdict", "steps to target"]]
     for r in rows:
         reached = [f for f in r.get("steps_to_target", []) if f is not None]
+        worst = "" if "worst_run" not in r else \
+            f"{fmt(r['worst_gap'], '+.2f')} ({'/'.join(map(str, r['worst_run']))})" if r["worst_run"] else "-"
         out.append([
             r["task"], f"{r['lr']:g}", r["label"], str(len(r["seeds"])),
             f"{r['score_mean']:.4f}",
-            fmt(r.get("gap_mean"), "+.2f"), fmt(r.get("gap_half"), ".2f"), fmt(r.get("target"), "g"),
-            r.get("verdict", "counterpart"),
+            fmt(r.get("gap_mean"), "+.2f"), fmt(r.get("gap_half"), ".2f"), worst, fmt(r.get("behind"), ".0%"),
+            fmt(r.get("target"), "g"), r.get("verdict", "counterpart"),
             "" if "steps_to_target" not in r else
             f"{sum(reached) / len(reached):.2f} ({len(reached)}/{len(r['seeds'])})" if reached else "never",
         ])

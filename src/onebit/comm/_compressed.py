@@ -4,7 +4,7 @@ all-gather exchange of Comp-AMS (Algorithm 2)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -22,7 +22,7 @@ from ._dist import (
 from ._meter import phase
 from ._wire import read_payload, write_payload
 
-__all__ = ["CompressedAllGather", "CompressedAllReduce", "chunk_bounds"]
+__all__ = ["CompressedAllGather", "CompressedAllReduce", "chunk_bounds", "chunk_codecs"]
 
 _log = logging.getLogger(__name__)
 
@@ -36,6 +36,35 @@ def chunk_bounds(numel: int, world_size: int, alignment: int) -> list[tuple[int,
     span = world_size * alignment
     chunk = -(-numel // span) * alignment
     return [(min(j * chunk, numel), min((j + 1) * chunk, numel)) for j in range(world_size)]
+
+
+def chunk_codecs(compressor: Compressor, bounds: Sequence[tuple[int, int]],
+                 segments: Sequence[int] | None) -> list[Compressor]:
+    """The compressor of each chunk ``[lo, hi)`` of ``bounds``: ``compressor`` itself, or with
+    ``segments`` (the offsets where the input's pieces start -- its tensors in a fused buffer)
+    one scale per piece of the chunk (:meth:`Compressor.with_blocks`), each start rounded down
+    to the compressor's ``alignment`` so that no block splits a byte of packed signs."""
+    if segments is None:
+        return [compressor] * len(bounds)
+    align = compressor.alignment
+    cuts = sorted({s - s % align for s in segments})
+    codecs = []
+    for lo, hi in bounds:
+        inner = [lo, *(c for c in cuts if lo < c < hi), hi]
+        lengths = [b - a for a, b in zip(inner, inner[1:])]
+        codecs.append(compressor.with_blocks(lengths) if len(lengths) > 1 else compressor)
+    return codecs
+
+
+def _check_segments(segments: object, compressor: Compressor) -> tuple[int, ...] | None:
+    if segments is None:
+        return None
+    if not compressor.blockwise:
+        raise ValueError(f"segments given for {compressor!r}, which has no per-block scales (blockwise=False)")
+    if isinstance(segments, (str, bytes)) or not all(
+            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in segments):  # type: ignore[union-attr]
+        raise ValueError(f"segments must be a sequence of ints >= 0, got {segments!r}")
+    return tuple(segments)  # type: ignore[arg-type]
 
 
 def _check_input(tensor: object, name: str = "tensor") -> Tensor:
@@ -167,6 +196,10 @@ class CompressedAllReduce(_Sized):
         compressor: a compressor name of :func:`onebit.compress.get` (``"sign"``: 1 bit per
             value and one scale per chunk) or a :class:`onebit.compress.Compressor`.
         group: process group (``None``: default), an :class:`MPIGroup` or a backend name.
+        segments: the offsets in ``tensor`` where its pieces start (e.g. each parameter's, in a
+            fused buffer): every piece of a chunk gets its own scale, as a per-tensor exchange's
+            would, for 4 bytes more per piece (rounded down to the compressor's alignment;
+            only for a ``blockwise`` compressor, such as ``"sign"``). ``None``: one scale per chunk.
         timeout: per-collective timeout (seconds or a ``timedelta``; ``None``: 300 s); a
             peer that does not arrive raises :class:`CollectiveError`.
         flag_nonfinite: every wire slot carries one more byte, set when its sender's input
@@ -184,11 +217,11 @@ class CompressedAllReduce(_Sized):
         tensor([ 1.5762, -1.5762,  1.5762, -1.5762,  1.5762,  1.5762, -1.5762,  1.5762])
     """
 
-    # Byte-meter label, and the chunk length the wire slots are sized for (at least): the
+    # Byte-meter label, and the bytes the wire slots are sized for (at least): the
     # hierarchical collective runs one instance per shard between nodes, and all shards'
     # slots must be the same size for the node's all-gather.
     _link = "flat"
-    _min_chunk = 0
+    _min_slot = 0
     reduces_added_input = True
 
     def __init__(
@@ -196,11 +229,13 @@ class CompressedAllReduce(_Sized):
         compressor: str | Compressor = "sign",
         group: Group = None,
         *,
+        segments: Sequence[int] | None = None,
         timeout: float | timedelta | None = None,
         flag_nonfinite: bool = False,
         **compressor_kwargs: Any,
     ) -> None:
         super().__init__(compressor, group, timeout, compressor_kwargs)
+        self.segments = _check_segments(segments, self.compressor)
         if not isinstance(flag_nonfinite, bool):
             raise TypeError(f"flag_nonfinite must be a bool, got {flag_nonfinite!r}")
         self.flag_nonfinite = flag_nonfinite
@@ -211,8 +246,9 @@ class CompressedAllReduce(_Sized):
 
     def _size(self, numel: int, device: torch.device) -> None:
         self._bounds = chunk_bounds(numel, self._world_size, self.compressor.alignment)
-        chunk = max(self._bounds[0][1] - self._bounds[0][0], self._min_chunk)
-        self._slot = self.compressor.wire_bytes(chunk) + self.flag_nonfinite  # the flag: the slot's last byte
+        self._codecs = chunk_codecs(self.compressor, self._bounds, self.segments)
+        payload = max(c.wire_bytes(hi - lo) for c, (lo, hi) in zip(self._codecs, self._bounds))
+        self._slot = max(payload, self._min_slot) + self.flag_nonfinite  # the flag: the slot's last byte
         self._send = torch.zeros(self._world_size * self._slot, dtype=torch.uint8, device=device)
         self._gather_slot = torch.zeros(self._slot, dtype=torch.uint8, device=device)
 
@@ -310,10 +346,10 @@ class CompressedAllReduce(_Sized):
     def _stages(self, flat: Tensor | None, error: Tensor) -> Stages:
         """Phases 1-2 and the all-gather of phase 3 in stages; returns every chunk's re-compressed
         bytes, in rank order (``flat=None``: ``error`` already holds ``x + e``)."""
-        comp, slot = self.compressor, self._slot
+        slot = self._slot
         with phase("compress"):
             for j, (lo, hi) in enumerate(self._bounds):
-                payload = comp.compress_ef(None if flat is None else flat[lo:hi], error[lo:hi])
+                payload = self._codecs[j].compress_ef(None if flat is None else flat[lo:hi], error[lo:hi])
                 write_payload(payload, self._send[j * slot : (j + 1) * slot])
             if self.flag_nonfinite:
                 # What is left of a NaN/Inf input (or of a code overflowing to Inf) is not finite.
@@ -327,6 +363,7 @@ class CompressedAllReduce(_Sized):
             received = inflight.wait()
         with phase("server"):
             lo, hi = self.chunk
+            comp = self._codecs[self._rank]
             payloads = [read_payload(comp, received[i * slot : (i + 1) * slot], hi - lo)
                         for i in range(self._world_size)]
             # Average straight into the server error buffer: it then holds avg + error, the value to compress.
@@ -359,8 +396,8 @@ class CompressedAllReduce(_Sized):
 
     def _decode_chunk(self, gathered: Tensor, j: int, out: Tensor) -> Tensor:
         lo, hi = self._bounds[j]
-        payload = read_payload(self.compressor, gathered[j * self._slot : (j + 1) * self._slot], hi - lo)
-        return self.compressor.decompress(payload, out=out)
+        payload = read_payload(self._codecs[j], gathered[j * self._slot : (j + 1) * self._slot], hi - lo)
+        return self._codecs[j].decompress(payload, out=out)
 
     def state_dict(self) -> dict[str, Any]:
         """Worker and server errors, compressor state, and the sizes they belong to."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from ..compress import Compressor
-from ._compressed import CompressedAllReduce, _Sized, chunk_bounds
+from ._compressed import CompressedAllReduce, _Sized, _check_segments, chunk_bounds, chunk_codecs
 from ._wire import read_payload
 from ._dist import (
     Group, Stages, all_gather_bytes, get_rank, get_world_size, reduce_scatter_mean, run_stages, split, to_timedelta,
@@ -88,6 +88,7 @@ class HierarchicalAllReduce(_Sized):
         compressor: as :class:`CompressedAllReduce`'s (``"sign"``).
         group: process group (``None``: default); its ranks are ``nodes x ranks_per_node``.
         ranks_per_node: ranks on each node (``None``: torchrun's ``LOCAL_WORLD_SIZE``).
+        segments: as :class:`CompressedAllReduce`'s (the pieces of every shard's chunks).
         timeout: per-collective timeout (``None``: 300 s).
         flag_nonfinite: as :class:`CompressedAllReduce`'s, over every rank's input
             (:attr:`nonfinite`).
@@ -100,11 +101,13 @@ class HierarchicalAllReduce(_Sized):
         group: Group = None,
         *,
         ranks_per_node: int | None = None,
+        segments: Sequence[int] | None = None,
         timeout: float | timedelta | None = None,
         flag_nonfinite: bool = False,
         **compressor_kwargs: Any,
     ) -> None:
         super().__init__(compressor, group, timeout, compressor_kwargs)
+        self.segments = _check_segments(segments, self.compressor)
         per_node = resolve_ranks_per_node(ranks_per_node, self._world_size)
         if per_node is None:
             raise ValueError("ranks_per_node is required when LOCAL_WORLD_SIZE is not set")
@@ -126,8 +129,15 @@ class HierarchicalAllReduce(_Sized):
         self._shards = chunk_bounds(numel, self.ranks_per_node, align)
         span = -(-numel // (self.ranks_per_node * align)) * align  # shard l starts at l * span
         self._padded = torch.zeros(self.ranks_per_node * span, dtype=torch.float32, device=device)
-        self.inter._min_chunk = span // self.nodes
         self._inner_bounds = [chunk_bounds(hi - lo, self.nodes, self.compressor.alignment) for lo, hi in self._shards]
+        # Each shard's pieces, from its own start: its chunks' codes, and the inner collective's.
+        pieces = [None if self.segments is None else [s - lo for s in self.segments if lo < s < hi]
+                  for lo, hi in self._shards]
+        self._codecs = [chunk_codecs(self.compressor, bounds, p) for bounds, p in zip(self._inner_bounds, pieces)]
+        self.inter.segments = pieces[get_rank(self.node_group)]
+        # every shard's slots the size of the largest payload of any (the node's all-gather)
+        self.inter._min_slot = max(c.wire_bytes(b - a) for codecs, bounds in zip(self._codecs, self._inner_bounds)
+                                   for c, (a, b) in zip(codecs, bounds))
 
     def __call__(self, tensor: Tensor, out: Tensor | None = None) -> Tensor:
         """Compressed average of ``tensor`` over the group; written to ``out`` when given."""
@@ -150,12 +160,13 @@ class HierarchicalAllReduce(_Sized):
         everything = inflight.wait()
         self.inter._read_flags(everything)  # every shard's flags, all ranks' inputs between them
         result = self._output(out, flat)
-        comp, slot, per_shard = self.compressor, self.inter._slot, gathered.numel()
+        slot, per_shard = self.inter._slot, gathered.numel()
         for s, (lo, _) in enumerate(self._shards):
             for j, (a, b) in enumerate(self._inner_bounds[s]):
                 start = s * per_shard + j * slot
-                payload = read_payload(comp, everything[start : start + slot], b - a)
-                comp.decompress(payload, out=result[lo + a : lo + b])
+                codec = self._codecs[s][j]
+                codec.decompress(read_payload(codec, everything[start : start + slot], b - a),
+                                 out=result[lo + a : lo + b])
         return self._finish(result, tensor, out)
 
     def state_dict(self) -> dict[str, Any]:
@@ -194,6 +205,7 @@ def compressed_allreduce(
     *,
     hierarchical: bool | str = False,
     ranks_per_node: int | None = None,
+    segments: Sequence[int] | None = None,
     timeout: float | timedelta | None = None,
     flag_nonfinite: bool = False,
     **compressor_kwargs: Any,
@@ -208,6 +220,7 @@ def compressed_allreduce(
             required); ``"auto"``: hierarchical when the node size is known and the group
             spans more than one node with more than one rank on each, flat otherwise.
         ranks_per_node: ranks on each node (``None``: torchrun's ``LOCAL_WORLD_SIZE``).
+        segments: see :class:`CompressedAllReduce` (one scale per piece of each chunk).
         timeout: per-collective timeout (``None``: 300 s).
         flag_nonfinite: see :class:`CompressedAllReduce`.
         **compressor_kwargs: passed to :func:`onebit.compress.get`.
@@ -229,9 +242,10 @@ def compressed_allreduce(
         hierarchical = per_node is not None and 1 < per_node < world
     if hierarchical:
         return HierarchicalAllReduce(
-            compressor, group, ranks_per_node=ranks_per_node, timeout=timeout, flag_nonfinite=flag_nonfinite,
-            **compressor_kwargs
+            compressor, group, ranks_per_node=ranks_per_node, segments=segments, timeout=timeout,
+            flag_nonfinite=flag_nonfinite, **compressor_kwargs
         )
     if ranks_per_node is not None:
         resolve_ranks_per_node(ranks_per_node, get_world_size(group))
-    return CompressedAllReduce(compressor, group, timeout=timeout, flag_nonfinite=flag_nonfinite, **compressor_kwargs)
+    return CompressedAllReduce(compressor, group, segments=segments, timeout=timeout, flag_nonfinite=flag_nonfinite,
+                               **compressor_kwargs)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -61,6 +61,8 @@ class Compressor(abc.ABC):
       seeded generator, which :meth:`state_dict` saves.
     * ``kernels`` -- its compression or decoding runs :mod:`onebit.ops`' fused kernels, which
       :meth:`warm_up` loads ahead of the first call.
+    * ``blockwise`` -- :meth:`with_blocks` gives the same code with one scale per block of a
+      chunk: a collective hands it the pieces of each tensor in the chunk it compresses.
 
     All arithmetic is fp32; :meth:`decompress` returns fp32 values (restoring the input's
     shape and dtype when the payload's ``ctx`` is present, i.e. on the compressing rank).
@@ -70,6 +72,7 @@ class Compressor(abc.ABC):
     alignment: int = 1
     stochastic: ClassVar[bool] = False
     kernels: ClassVar[bool] = False
+    blockwise: ClassVar[bool] = False
 
     @abc.abstractmethod
     def wire_spec(self, numel: int) -> tuple[tuple[torch.dtype, int], ...]:
@@ -82,6 +85,11 @@ class Compressor(abc.ABC):
     @abc.abstractmethod
     def _decompress(self, tensors: tuple[Tensor, ...], numel: int, out: Tensor) -> Tensor:
         """Write the flat fp32 reconstruction of ``numel`` values into ``out``."""
+
+    def with_blocks(self, block_sizes: Sequence[int]) -> Compressor:
+        """This code with one scale per block of ``block_sizes`` (consecutive lengths adding up to a
+        chunk's, each a multiple of 8 but the last); only where ``blockwise``."""
+        raise TypeError(f"{type(self).__name__} has no per-block scales (blockwise=False)")
 
     def wire_bytes(self, numel: int) -> int:
         """Bytes a chunk of ``numel`` values occupies on the wire."""

@@ -40,11 +40,11 @@ from torch import Tensor
 
 from dataclasses import dataclass
 
-from .. import comm
+from .. import comm, compress
 from ._functional import _BLOCK
 
 __all__ = ["COMPRESSED_FORMED", "COMPRESSED_GRADIENT", "Buckets", "Driver", "EXACT_GRADIENT", "LOCAL", "Wire",
-           "allreduce_factory", "bucket_bounds"]
+           "allreduce_factory", "bucket_bounds", "check_scales"]
 
 _log = logging.getLogger("onebit.optim")
 
@@ -438,20 +438,32 @@ class Driver:
 
 
 def allreduce_factory(opt: OnebitOptimizer, compressor: Any, *, hierarchical: bool | str,
-                      ranks_per_node: int | None, overlap: bool) -> Callable[[int, int], Any]:
+                      ranks_per_node: int | None, overlap: bool, scales: str = "chunk") -> Callable[[int, int], Any]:
     """``collective(start, end)`` for :class:`Driver`: the compressed all-reduce
     (:func:`onebit.comm.compressed_allreduce`: flat, or Birder's hierarchical one). The
     overlapped exchange needs the flat one: what a bucket forms must stay out of the state
     until ``step()``, so it is added into the collective's worker error, which only the flat
-    all-reduce takes."""
+    all-reduce takes. ``scales="tensor"``: a compressor with per-block scales gives every
+    parameter's piece of a chunk its own (:func:`check_scales`); ``"chunk"``: one per chunk."""
+    per_tensor = check_scales(scales) == "tensor" and compress.get(compressor).blockwise
+
     def collective(start: int, end: int) -> Any:
+        segments = [lo - start for lo, _ in opt.flat.offsets if start < lo < end] if per_tensor else None
         made = comm.compressed_allreduce(compressor, opt.process_group, hierarchical=hierarchical,
-                                         ranks_per_node=ranks_per_node, timeout=opt.timeout)
+                                         ranks_per_node=ranks_per_node, segments=segments, timeout=opt.timeout)
         if overlap and not made.reduces_added_input:
             raise ValueError(f"Invalid hierarchical value with overlap=True: {hierarchical!r} (the overlapped "
                              "exchange needs the flat compressed all-reduce)")
         return made
     return collective
+
+
+def check_scales(scales: object) -> str:
+    """``scales`` of the optimizers that exchange with a compressed all-reduce: ``"tensor"``
+    or ``"chunk"``; a ``ValueError`` naming the value otherwise."""
+    if scales not in ("tensor", "chunk"):
+        raise ValueError(f"Invalid scales value: {scales!r} (expected 'tensor' or 'chunk')")
+    return scales  # type: ignore[return-value]
 
 
 if TYPE_CHECKING:

@@ -3,10 +3,18 @@
 The criterion is the paper's (section 7.1): the variance is stable once
 ``||v_t||_1 / ||v_{t-D}||_1 >= threshold`` (default 0.96, ``D = 1 / (1 - beta2)``). The
 paper applies it after the learning-rate warm-up, when ``v`` shrinks towards a plateau.
-Early in training ``v`` instead *grows* from zero (by design without bias correction), so
-the ratio is far above 1 without ``v`` being stable; we therefore require the ratio inside
-``[threshold, 1 / threshold]`` -- less than a 4% change either way over ``D`` steps. The
-freeze is never before ``min_step`` (e.g. the learning-rate warm-up length) nor before
+Early in training the raw ``v`` instead *grows* from zero (its EMA filling), so the ratio is
+far above 1 without ``v`` being stable; we therefore require the ratio inside
+``[threshold, 1 / threshold]`` -- less than a 4% change either way over ``D`` steps.
+
+On the raw EMA the ratio can only approach 1 once the EMA has filled, thousands of steps at
+``beta2 = 0.999``: a run of a few hundred steps would never leave the warm-up. Where the
+frozen variance is bias-corrected (1-bit Adam's default), or its scale does not set the step
+(1-bit LAMB's trust ratios), the criterion reads the bias-corrected ``v_t / (1 - beta2^t)``
+instead, an estimate of ``E[g^2]`` from the first step on, over ``D = 0.1 / (1 - beta2)``
+steps (100 at 0.999): the estimate the compression stage will divide by has stopped moving.
+
+The freeze is never before ``min_step`` (e.g. the learning-rate warm-up length) nor before
 ``D + 1`` steps of history exist, and at the latest at ``max_step``. ``v`` is computed from
 the all-reduced gradient, so it is bit-identical on every rank and every rank takes the
 decision on the same step without another collective.
@@ -103,9 +111,11 @@ class TwoStages:
     def wire(self) -> Wire:
         return self.wires[self.frozen_at is not None]
 
-    def observe(self, step: int, variance: Tensor) -> bool:
-        """After warm-up step ``step``: feed the criterion ``||v||_1``; True when the warm-up ends here."""
-        l1 = float(variance.sum()) if self.schedule.auto else None  # v >= 0: its sum is its l1 norm
+    def observe(self, step: int, variance: Tensor, bias_correction2: float = 1.0) -> bool:
+        """After warm-up step ``step``: feed the criterion ``||v||_1 / bias_correction2``; True when
+        the warm-up ends here."""
+        # v >= 0: its sum is its l1 norm
+        l1 = float(variance.sum()) / bias_correction2 if self.schedule.auto else None
         if self.schedule.should_freeze(step, l1):
             self.frozen_at = step
             _log.info("%s: warm-up ended at step %d; compression stage starts", self.owner, step)
@@ -121,10 +131,12 @@ class TwoStages:
 
 
 def freeze_schedule(freeze_step: int | str, beta2: float, *, threshold: float, window: int | None, min_step: int,
-                    max_step: int | None) -> FreezeSchedule:
-    """:class:`FreezeSchedule` with the window ``D = round(1 / (1 - beta2))`` unless given."""
-    return FreezeSchedule(freeze_step, threshold=threshold, window=round(1.0 / (1.0 - beta2)) if window is None else window,
-                          min_step=min_step, max_step=max_step)
+                    max_step: int | None, corrected: bool) -> FreezeSchedule:
+    """:class:`FreezeSchedule` with the window ``D`` unless given: ``round(0.1 / (1 - beta2))`` when
+    the criterion reads the bias-corrected variance (``corrected``), else ``round(1 / (1 - beta2))``."""
+    if window is None:
+        window = max(1, round((0.1 if corrected else 1.0) / (1.0 - beta2)))
+    return FreezeSchedule(freeze_step, threshold=threshold, window=window, min_step=min_step, max_step=max_step)
 
 
 def warn_early_freeze(owner: str, frozen_at: int, beta2: float) -> None:

@@ -157,11 +157,17 @@ class OnebitAdam(_AdamFamily):
         group: process group (``None``: default; no process group: world size 1), an
             :class:`onebit.comm.MPIGroup`, or a backend name (``"mpi"``: mpi4py's ``COMM_WORLD``).
         freeze_threshold: the auto criterion's threshold on the variance's stability (0.96).
-        freeze_window: the auto criterion's window ``D`` (``None``: ``round(1 / (1 - beta2))``).
+        freeze_window: the auto criterion's window ``D`` (``None``: ``round(0.1 / (1 - beta2))``
+            on the bias-corrected variance, 100 steps at 0.999; ``round(1 / (1 - beta2))`` on the
+            raw one, without bias correction).
         min_freeze_step: "auto" never freezes before this step (set it to the LR warm-up).
         max_freeze_step: "auto" freezes at this step at the latest (``None``: no limit).
         compressor: compressor of the momentum exchange (``"sign"``; ``"identity"`` gives the
             paper's "1-bit Adam (32-bits)" ablation).
+        scales: ``"tensor"``: a compressor with scales (``"sign"``) gives each parameter's
+            piece of a rank's chunk its own, as DeepSpeed's per-tensor exchange (4 bytes more per
+            piece); ``"chunk"``: one per rank's chunk of the fused buffer, which gives a layer of
+            small values the magnitude of its larger neighbours.
         clip_update: clip each value's compressed step to this many times Adam's own largest
             step, ``lr (1 - beta1) / sqrt(1 - beta2)`` (:func:`onebit.optim.clip_to_adam_step_`;
             not in the paper; ``None``: no clip). Without it, values whose frozen variance is
@@ -217,6 +223,7 @@ class OnebitAdam(_AdamFamily):
         min_freeze_step: int = 0,
         max_freeze_step: int | None = None,
         compressor: str = "sign",
+        scales: str = "tensor",
         clip_update: float | None = 10.0,
         hierarchical: bool | str = False,
         ranks_per_node: int | None = None,
@@ -229,12 +236,13 @@ class OnebitAdam(_AdamFamily):
         beta2 = check_adam_args(lr, betas, eps, weight_decay)[1]
         self._stages = TwoStages(type(self).__name__, EXACT_GRADIENT, COMPRESSED_FORMED, freeze_schedule(
             freeze_step, beta2, threshold=freeze_threshold, window=freeze_window, min_step=min_freeze_step,
-            max_step=max_freeze_step))
+            max_step=max_freeze_step, corrected=check_bool("bias_correction", bias_correction)))
+        self._beta2 = beta2
         self._has_unused = False
         self._init_adam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, group=group, options=options)
         self._drive(allreduce_factory(self, compressor, hierarchical=hierarchical, ranks_per_node=ranks_per_node,
-                                      overlap=overlap), overlap=overlap, bucket_cap_mb=bucket_cap_mb)
+                                      overlap=overlap, scales=scales), overlap=overlap, bucket_cap_mb=bucket_cap_mb)
 
     def _form(self, i: int, lo: int, hi: int, grad: Tensor | None, live: bool, group: dict[str, Any], step: int,
               scratch: Tensor, out: Tensor, agreed: bool) -> None:
@@ -252,7 +260,8 @@ class OnebitAdam(_AdamFamily):
     def _apply(self, wire: Wire, average: Tensor | None) -> None:
         if not wire.formed:
             self._adam(average)
-            if self._stages.observe(self._step_count, self.flat.buffers["exp_avg_sq"]):
+            bc2 = 1.0 - self._beta2**self._step_count if self.bias_correction else 1.0
+            if self._stages.observe(self._step_count, self.flat.buffers["exp_avg_sq"], bc2):
                 self._freeze()
             return
         b = self.flat.buffers
@@ -321,6 +330,10 @@ class OnebitAdamNaive(_AdamFamily):
         group: process group (``None``: default), an :class:`onebit.comm.MPIGroup`, or a
             backend name (``"mpi"``).
         compressor: compressor of the gradient exchange (``"sign"``).
+        scales: ``"tensor"``: a compressor with scales (``"sign"``) gives each parameter's
+            piece of a rank's chunk its own, as DeepSpeed's per-tensor exchange (4 bytes more per
+            piece); ``"chunk"``: one per rank's chunk of the fused buffer, which gives a layer of
+            small values the magnitude of its larger neighbours.
         hierarchical: Birder's Hierarchical-1-bit-All-Reduce (``True``, ``False`` or ``"auto"``).
         ranks_per_node: ranks on each node, for the hierarchical exchange (``None``: detected).
         overlap: start each bucket's exchange during backward.
@@ -347,6 +360,7 @@ class OnebitAdamNaive(_AdamFamily):
         group: comm.Group = None,
         *,
         compressor: str = "sign",
+        scales: str = "tensor",
         hierarchical: bool | str = False,
         ranks_per_node: int | None = None,
         overlap: bool = False,
@@ -359,7 +373,7 @@ class OnebitAdamNaive(_AdamFamily):
         self._init_adam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, group=group, options=options)
         self._drive(allreduce_factory(self, compressor, hierarchical=hierarchical, ranks_per_node=ranks_per_node,
-                                      overlap=overlap), overlap=overlap, bucket_cap_mb=bucket_cap_mb)
+                                      overlap=overlap, scales=scales), overlap=overlap, bucket_cap_mb=bucket_cap_mb)
 
     def _landing(self, wire: Wire) -> Tensor:
         return self._grad

@@ -127,20 +127,26 @@ def onebit_lamb(
     factor_threshold: float,
     clip_update: float | None = 10.0,
     frozen_at: int = 0,
+    scaling_ratio: str = "norm",
     max_per_param: Reduce | None = None,
+    sum_per_param: Reduce | None = None,
 ) -> Tensor:
     """Algorithm 1 lines 12-21 on the averaged scaled momentum ``exp_avg`` (``last_exp_avg``
     holds ``m_{t-1}``, and scratch after it): unscale (A.5.2);
-    ``g = (m_t - b1 m_{t-1}) / (1 - b1)``; fresh ``v``; ``r = max(v_frozen / v)`` clipped to
+    ``g = (m_t - b1 m_{t-1}) / (1 - b1)``; fresh ``v``; the scaling ratio ``r`` (``"norm"``:
+    ``||v_frozen||_1 / ||v||_1``; ``"max"``: line 17's ``max(v_frozen / v)``) clipped to
     ``(1 +- r_threshold) r_prev`` then ``[r_min, r_max]``; ``c = r c_avg``;
     ``x <- x - lr c (m / (sqrt(v_frozen) + eps) + wd x)``. Unless ``clip_update`` is None the
     averaged momentum is first clipped to ``clip_update`` times Adam's largest step
     (:func:`clip_to_adam_step_`). Returns each tensor's ``c`` (0 where ``active[i]`` is false:
     not updated); ``ratio`` and the other per-tensor vectors are float64 on the device.
-    ``max_per_param``: the parameters are FSDP2 shards, and the maximum is over the whole
-    parameters (one reduction)."""
+    ``max_per_param`` / ``sum_per_param``: the parameters are FSDP2 shards, and the maximum or
+    the norms are the whole parameters' (one reduction)."""
     device = exp_avg.device
-    largest = torch.full((len(offsets),), float("-inf"), dtype=torch.float64, device=device)  # none with a variance
+    by_norm = scaling_ratio == "norm"
+    # "max": the largest quotient (-inf: no value with a variance); "norm": the two l1 norms
+    largest = torch.full((len(offsets),), float("-inf"), dtype=torch.float64, device=device)
+    norms = torch.zeros(2, len(offsets), dtype=torch.float64, device=device)
     for i, (lo, hi) in enumerate(offsets):
         b1, b2 = betas[i]
         m = exp_avg[lo:hi].div_(momentum_scale[i])
@@ -154,9 +160,15 @@ def onebit_lamb(
         work = last_exp_avg[lo:hi]
         g = work.mul_(-b1).add_(m).div_(1.0 - b1)  # (m_t - b1 m_{t-1}) / (1 - b1)
         v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
-        if hi > lo:
+        if by_norm:
+            norms[0, i], norms[1, i] = v_frozen.sum(dtype=torch.float64), v.sum(dtype=torch.float64)
+        elif hi > lo:
             largest[i] = max_ratio(v_frozen, v, largest[i], work=work)
-    if max_per_param is not None:
+    if by_norm:
+        if sum_per_param is not None:
+            norms = sum_per_param(norms.view(-1)).view(2, -1)
+        largest = torch.where(norms[1] > 0, norms[0] / norms[1], largest)
+    elif max_per_param is not None:
         max_per_param(largest)
     coeffs = torch.zeros(len(offsets), dtype=torch.float64, device=device)
     for i, (lo, hi) in enumerate(offsets):
@@ -194,12 +206,20 @@ class OnebitLamb(OnebitOptimizer):
       each value's step is clipped to ``clip_update`` (default 10) times Adam's own largest
       step (:func:`onebit.optim.clip_to_adam_step_`, not in the paper; ``None``: no clip).
 
+    **The scaling ratio.** Line 17 takes the largest element of ``v_frozen / v`` over the layer
+    (``scaling_ratio="max"``). One value decides it: an embedding row looked up in the warm-up
+    and rarely since, whose fresh variance decays, drives the whole table's ratio to ``r_max``
+    and its steps to 4x -- +43% held-out loss over LAMB on a sparse embedding task, loss 13 on
+    one seed. The default ``"norm"`` takes the ratio of the layer's l1 norms,
+    ``||v_frozen||_1 / ||v||_1`` (the quantity of the paper's own freeze criterion): how much
+    the layer's variance as a whole has moved since the freeze.
+
     Where this differs from DeepSpeed 0.19.6's ``OnebitLamb`` (the documentation's "Coming from
-    DeepSpeed" compares the two): the ratio is the paper's ``max(v_frozen / v)`` (DeepSpeed: of
-    ``sqrt(v) + eps``), clipped to the previous ratio's band and then to ``[r_min, r_max]`` as
-    lines 18-19 (DeepSpeed: the other order); values without a fresh variance are left out of
-    the max (DeepSpeed: ``eps`` makes them ``r_max``); no weight-decay blend of the ratio (not in
-    the paper).
+    DeepSpeed" compares the two): the ratio (DeepSpeed: the largest of ``(sqrt(v_frozen) + eps)
+    / (sqrt(v) + eps)``), clipped to the previous ratio's band and then to ``[r_min, r_max]`` as
+    lines 18-19 (DeepSpeed: the other order); values without a fresh variance are left out
+    (DeepSpeed: ``eps`` makes them ``r_max``); no weight-decay blend of the ratio (not in the
+    paper).
 
     Args:
         params: parameters or param groups (options ``lr``, ``betas``, ``weight_decay``).
@@ -208,8 +228,8 @@ class OnebitLamb(OnebitOptimizer):
         eps: added to ``sqrt(v)`` in the denominator.
         weight_decay: weight decay, added to the update inside the trust ratio (as LAMB).
         freeze_step: last warm-up step (an int), or ``"auto"``: 1-bit Adam's variance
-            criterion (:class:`onebit.optim.FreezeSchedule`; the paper shows LAMB's variance
-            stabilising the same way, section 3).
+            criterion on the bias-corrected variance (:class:`onebit.optim.FreezeSchedule`; the
+            paper shows LAMB's variance stabilising the same way, section 3).
         max_coeff: ``c_max``, the upper clip of each tensor's trust ratio.
         min_coeff: ``c_min``, its lower clip.
         coeff_beta: ``beta_3``, the rate of the trust ratio's moving average ``c_avg``.
@@ -217,14 +237,20 @@ class OnebitLamb(OnebitOptimizer):
         factor_min: ``r_min``, its lower clip.
         factor_threshold: ``r_threshold``: each step the ratio moves at most this fraction
             from the previous one.
+        scaling_ratio: ``"norm"``: ``||v_frozen||_1 / ||v||_1`` per layer; ``"max"``: the
+            paper's ``max(v_frozen / v)`` (line 17; see above).
         group: process group (``None``: default), an :class:`onebit.comm.MPIGroup`, or a
             backend name (``"mpi"``).
         freeze_threshold: as :class:`onebit.OnebitAdam`'s.
-        freeze_window: as :class:`onebit.OnebitAdam`'s.
+        freeze_window: the auto criterion's window ``D`` (``None``: ``round(0.1 / (1 - beta2))``).
         min_freeze_step: as :class:`onebit.OnebitAdam`'s.
         max_freeze_step: as :class:`onebit.OnebitAdam`'s.
         compressor: compressor of the momentum exchange (``"sign"``; ``"identity"`` isolates
             what the bits cost).
+        scales: ``"tensor"``: a compressor with scales (``"sign"``) gives each parameter's
+            piece of a rank's chunk its own, as DeepSpeed's per-tensor exchange (4 bytes more per
+            piece); ``"chunk"``: one per rank's chunk of the fused buffer, which gives a layer of
+            small values the magnitude of its larger neighbours.
         clip_update: clip each value's compressed step to this many times Adam's largest step
             (``None``: no clip).
         hierarchical: Birder's Hierarchical-1-bit-All-Reduce for the momentum exchange.
@@ -263,6 +289,7 @@ class OnebitLamb(OnebitOptimizer):
         factor_max: float = 4.0,
         factor_min: float = 0.5,
         factor_threshold: float = 0.1,
+        scaling_ratio: str = "norm",
         group: comm.Group = None,
         *,
         freeze_threshold: float = 0.96,
@@ -270,6 +297,7 @@ class OnebitLamb(OnebitOptimizer):
         min_freeze_step: int = 0,
         max_freeze_step: int | None = None,
         compressor: str = "sign",
+        scales: str = "tensor",
         clip_update: float | None = 10.0,
         hierarchical: bool | str = False,
         ranks_per_node: int | None = None,
@@ -293,9 +321,12 @@ class OnebitLamb(OnebitOptimizer):
             0.0 <= factor_threshold < 1.0
         ):
             raise ValueError(f"Invalid factor_threshold value: {factor_threshold!r} (must be in [0, 1))")
+        if scaling_ratio not in ("norm", "max"):
+            raise ValueError(f"Invalid scaling_ratio value: {scaling_ratio!r} (expected 'norm' or 'max')")
         self._stages = TwoStages(type(self).__name__, EXACT_GRADIENT, COMPRESSED_FORMED, freeze_schedule(
             freeze_step, beta2, threshold=freeze_threshold, window=freeze_window, min_step=min_freeze_step,
-            max_step=max_freeze_step))
+            max_step=max_freeze_step, corrected=True))
+        self._beta2 = beta2
         self.eps = float(eps)
         self.options = {
             "clip_update": check_optional_positive("clip_update", clip_update),
@@ -305,6 +336,7 @@ class OnebitLamb(OnebitOptimizer):
             "factor_max": float(factor_max),
             "factor_min": float(factor_min),
             "factor_threshold": float(factor_threshold),
+            "scaling_ratio": scaling_ratio,
         }
         self._has_unused = False
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay}, group=group,
@@ -318,7 +350,7 @@ class OnebitLamb(OnebitOptimizer):
         # dropped at the freeze, when each rank's momentum takes its own gradient where it lies.
         self._grad: Tensor | None = self.flat.zeros()
         self._drive(allreduce_factory(self, compressor, hierarchical=hierarchical, ranks_per_node=ranks_per_node,
-                                      overlap=overlap), overlap=overlap, bucket_cap_mb=bucket_cap_mb)
+                                      overlap=overlap, scales=scales), overlap=overlap, bucket_cap_mb=bucket_cap_mb)
 
     @property
     def allreduce(self) -> Any:
@@ -354,7 +386,7 @@ class OnebitLamb(OnebitOptimizer):
                                       max_coeff=o["max_coeff"], min_coeff=o["min_coeff"],
                                       sum_per_param=self._shards.sum_per_param if self._shards.sharded else None,
                                       **common)
-            if self._stages.observe(self._step_count, b["exp_avg_sq"]):
+            if self._stages.observe(self._step_count, b["exp_avg_sq"], 1.0 - self._beta2**self._step_count):
                 self._freeze()
             return
         if self._has_unused:
@@ -364,8 +396,9 @@ class OnebitLamb(OnebitOptimizer):
             exp_avg_sq=b["exp_avg_sq"], frozen_exp_avg_sq=b["frozen_exp_avg_sq"], last_exp_avg=b["last_exp_avg"],
             coeff_avg=self.coeff_avg, ratio=self.ratio, momentum_scale=self.momentum_scale,
             factor_max=o["factor_max"], factor_min=o["factor_min"], factor_threshold=o["factor_threshold"],
-            clip_update=o["clip_update"], frozen_at=self._stages.frozen_at,
-            max_per_param=self._shards.max_per_param if self._shards.sharded else None, **common)
+            clip_update=o["clip_update"], frozen_at=self._stages.frozen_at, scaling_ratio=o["scaling_ratio"],
+            max_per_param=self._shards.max_per_param if self._shards.sharded else None,
+            sum_per_param=self._shards.sum_per_param if self._shards.sharded else None, **common)
 
     def _freeze(self) -> None:
         """Line 3 and A.5.2: store v_Tw (c_avg stops moving), derive the momentum scale coefficients."""

@@ -288,6 +288,10 @@ class ZeroOneAdam(OnebitOptimizer):
         local_step_clipper: the largest local-step interval (H).
         compressor: compressor of the synchronisation (``"sign"``; ``"identity"`` isolates the
             cost of the bits).
+        scales: ``"tensor"``: a compressor with scales (``"sign"``) gives each parameter's
+            piece of a rank's chunk its own, as DeepSpeed's per-tensor exchange (4 bytes more per
+            piece); ``"chunk"``: one per rank's chunk of the fused buffer, which gives a layer of
+            small values the magnitude of its larger neighbours.
         clip_update: clip each value's synchronised step to this many times Adam's largest
             step (:func:`onebit.optim.clip_to_adam_step_`; ``None``: no clip).
         hierarchical: Birder's Hierarchical-1-bit-All-Reduce for the synchronisation
@@ -327,6 +331,7 @@ class ZeroOneAdam(OnebitOptimizer):
         local_step_scaler: int = 32678,
         local_step_clipper: int = 16,
         compressor: str = "sign",
+        scales: str = "tensor",
         clip_update: float | None = 10.0,
         hierarchical: bool | str = False,
         ranks_per_node: int | None = None,
@@ -349,7 +354,7 @@ class ZeroOneAdam(OnebitOptimizer):
         self._grad: Tensor | None = self.flat.zeros()  # the gradients' average, up to the freeze
         self._has_unused = False
         self._drive(allreduce_factory(self, compressor, hierarchical=hierarchical, ranks_per_node=ranks_per_node,
-                                      overlap=overlap), overlap=overlap, bucket_cap_mb=bucket_cap_mb)
+                                      overlap=overlap, scales=scales), overlap=overlap, bucket_cap_mb=bucket_cap_mb)
 
     @property
     def schedule(self) -> ZeroOneSchedule:
