@@ -81,6 +81,42 @@ def test_sign_matches_paper():
     assert torch.allclose(y.norm(), x.norm(), rtol=1e-5)  # same magnitude as the input (section 4.3)
 
 
+@settings(max_examples=25, deadline=None)
+@given(lengths=st.lists(st.integers(1, 6), min_size=1, max_size=5), last=st.integers(1, 20),
+       seed=st.integers(0, 2**16))
+def test_sign_with_blocks_scales_each_block_as_the_paper_scales_a_chunk(lengths, last, seed):
+    sizes = [8 * k for k in lengths] + [last]  # multiples of 8 but the last
+    n = sum(sizes)
+    x = _vector(n, seed) * torch.repeat_interleave(10.0 ** torch.arange(len(sizes)), torch.tensor(sizes))
+    c = compress.get("sign").with_blocks(sizes)
+    assert c.wire_spec(n) == ((torch.uint8, (n + 7) // 8), (torch.float32, len(sizes)))
+    expect = torch.cat([sign_compress(part) for part in torch.split(x, sizes)])
+    p = c.compress(x)
+    assert torch.allclose(c.decompress(p), expect, rtol=1e-6)
+    assert torch.equal(c.decompress(c.from_wire(p.tensors, n)), c.decompress(p))
+    err = _vector(n, seed + 1)
+    compensated = x + err
+    q = c.compress_ef(x, err)
+    assert torch.equal(err, compensated - c.decompress(q))
+    # the server's average of several ranks' payloads: the mean of their decoded values
+    payloads = [c.compress(_vector(n, seed + r)) for r in range(3)]
+    out = torch.zeros(n)
+    c.average(payloads, out)
+    assert torch.allclose(out, sum(c.decompress(q) for q in payloads) / 3, rtol=1e-6, atol=1e-7)
+
+
+def test_blocks_arguments():
+    with pytest.raises(ValueError, match="block_sizes must be multiples of 8 but the last, got \\[5, 3\\]"):
+        compress.SignCompressor(block_sizes=[5, 3])
+    with pytest.raises(ValueError, match="block_sizes must be ints >= 1"):
+        compress.SignCompressor(block_sizes=[8, 0])
+    with pytest.raises(ValueError, match="block_sizes add up to 16, the chunk has 17 values"):
+        compress.SignCompressor(block_sizes=[8, 8]).compress(torch.ones(17))
+    with pytest.raises(TypeError, match="TopKCompressor has no per-block scales"):
+        compress.get("topk", ratio=0.5).with_blocks([8, 8])
+    assert compress.get("sign").with_blocks([9]).block_sizes is None  # one block: the chunk's own scale
+
+
 def test_block_sign_definition_2():
     x = torch.tensor([1.0, -3.0, 2.0, 4.0, -4.0, 0.5, -0.5])
     y = compress.get("block_sign", block_size=3).decompress(compress.get("block_sign", block_size=3).compress(x))

@@ -197,9 +197,9 @@ class CompressedAllReduce(_Sized):
             value and one scale per chunk) or a :class:`onebit.compress.Compressor`.
         group: process group (``None``: default), an :class:`MPIGroup` or a backend name.
         segments: the offsets in ``tensor`` where its pieces start (e.g. each parameter's, in a
-            fused buffer): every piece of a chunk gets its own scale, as a per-tensor exchange's
-            would, for 4 bytes more per piece (rounded down to the compressor's alignment;
-            only for a ``blockwise`` compressor, such as ``"sign"``). ``None``: one scale per chunk.
+            fused buffer), each rounded down to the compressor's alignment: every piece of a
+            chunk gets its own scale, as in a per-tensor exchange, for 4 bytes more per piece
+            (only for a ``blockwise`` compressor, such as ``"sign"``). ``None``: one scale per chunk.
         timeout: per-collective timeout (seconds or a ``timedelta``; ``None``: 300 s); a
             peer that does not arrive raises :class:`CollectiveError`.
         flag_nonfinite: every wire slot carries one more byte, set when its sender's input

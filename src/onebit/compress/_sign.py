@@ -3,6 +3,7 @@ or per block of the chunk (the pieces of each tensor, as DeepSpeed's per-tensor 
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -53,6 +54,8 @@ class SignCompressor(Compressor):
             if any(b % 8 for b in block_sizes[:-1]):
                 raise ValueError(f"block_sizes must be multiples of 8 but the last, got {list(block_sizes)!r}")
         self.block_sizes = block_sizes
+        ends = list(itertools.accumulate(block_sizes or ()))
+        self._block_bounds = list(zip([0, *ends[:-1]], ends))
 
     def with_blocks(self, block_sizes: Sequence[int]) -> SignCompressor:
         """This compressor with one scale per block of ``block_sizes`` (see the class docstring)."""
@@ -62,10 +65,9 @@ class SignCompressor(Compressor):
         """``[start, end)`` of each block of a chunk of ``numel`` values."""
         if self.block_sizes is None:
             return [(0, numel)]
-        if sum(self.block_sizes) != numel:
-            raise ValueError(f"block_sizes add up to {sum(self.block_sizes)}, the chunk has {numel} values")
-        ends = torch.tensor(self.block_sizes).cumsum(0).tolist()
-        return list(zip([0, *ends[:-1]], ends))
+        if self._block_bounds[-1][1] != numel:
+            raise ValueError(f"block_sizes add up to {self._block_bounds[-1][1]}, the chunk has {numel} values")
+        return self._block_bounds
 
     def wire_spec(self, numel: int) -> tuple[tuple[torch.dtype, int], ...]:
         return ((torch.uint8, packed_numel(numel)), (torch.float32, len(self._blocks(numel))))
