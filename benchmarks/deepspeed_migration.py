@@ -38,6 +38,7 @@ parser.add_argument("--task", default="byte_mlp")
 parser.add_argument("--steps", type=int, default=300)
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--freeze-step", type=int, default=None, help="override the config's freeze_step")
+parser.add_argument("--lr", type=float, default=None, help="override the config's learning rate")
 parser.add_argument("--override", action="append", default=[], metavar="NAME=JSON",
                     help="onebit side: a constructor override, e.g. clip_update=null (repeatable)")
 parser.add_argument("--skip-first-step", action="store_true",
@@ -50,21 +51,28 @@ args = parser.parse_args()
 def report(rows: list[dict]) -> str:
     from onebit.bench._analysis import mean_interval
 
-    theirs = {(r["config"], r["task"], r.get("seed", 0)): r for r in rows if r["side"] == "deepspeed"}
-    lines = ["| config | task | onebit overrides | seeds | DeepSpeed held-out | onebit held-out "
-             "| paired gap, mean ± 95% | per seed |", "|---|---|---|---|---|---|---|---|"]
-    groups = dict.fromkeys((r["config"], r["task"], json.dumps(r["overrides"])) for r in rows if r["side"] == "onebit")
-    for config, task, overrides in groups:
-        mine = [r for r in rows if r["side"] == "onebit" and (r["config"], r["task"], json.dumps(r["overrides"]))
-                == (config, task, overrides) and (config, task, r.get("seed", 0)) in theirs]
+    def setting(r: dict) -> tuple:  # what both sides ran: the config, task, length, freeze and learning rate
+        return r["config"], r["task"], r["steps"], r["freeze_step"], r.get("lr")
+
+    theirs = {(setting(r), r.get("seed", 0)): r for r in rows if r["side"] == "deepspeed"}
+    lines = ["| config | task | steps, freeze, lr | onebit overrides | seeds | DeepSpeed held-out | onebit held-out "
+             "| paired gap, mean ± 95% | worst seed | per seed |", "|---|---|---|---|---|---|---|---|---|---|"]
+    groups = dict.fromkeys((setting(r), json.dumps(r["overrides"])) for r in rows if r["side"] == "onebit")
+    for key, overrides in groups:
+        mine = [r for r in rows if r["side"] == "onebit" and (setting(r), json.dumps(r["overrides"])) == (key, overrides)
+                and (key, r.get("seed", 0)) in theirs]
         if not mine:
             continue
-        pairs = [(theirs[(config, task, r.get("seed", 0))]["heldout_loss"], r["heldout_loss"]) for r in mine]
+        pairs = [(theirs[(key, r.get("seed", 0))]["heldout_loss"], r["heldout_loss"]) for r in mine]
         gaps = [100 * (b / a - 1) for a, b in pairs]
         mean, half = mean_interval(gaps)
-        lines.append(f"| {config} | `{task}` | {overrides if overrides != '{}' else '—'} | {len(pairs)} "
+        worst = max(range(len(gaps)), key=gaps.__getitem__)
+        config, task, steps, freeze, lr = key
+        lines.append(f"| {config} | `{task}` | {steps}, {freeze}, {'config' if lr is None else f'{lr:g}'} "
+                     f"| {overrides if overrides != '{}' else '—'} | {len(pairs)} "
                      f"| {sum(a for a, _ in pairs) / len(pairs):.4f} | {sum(b for _, b in pairs) / len(pairs):.4f} "
-                     f"| {mean:+.1f}% ± {half:.1f} | {', '.join(f'{g:+.1f}' for g in gaps)} |")
+                     f"| {mean:+.1f}% ± {half:.1f} | {gaps[worst]:+.1f} (seed {mine[worst].get('seed', 0)}) "
+                     f"| {', '.join(f'{g:+.1f}' for g in gaps)} |")
     return "\n".join(lines) + "\n\n" + provenance_note(rows)
 
 
@@ -76,6 +84,8 @@ if args.side is None or args.config is None or args.out is None:
 config = json.loads(Path(args.config).read_text())
 if args.freeze_step is not None:
     config["optimizer"]["params"]["freeze_step"] = args.freeze_step
+if args.lr is not None:
+    config["optimizer"]["params"]["lr"] = args.lr
 overrides = {k: json.loads(v) for k, v in (o.split("=", 1) for o in args.override)}
 batch = config["train_micro_batch_size_per_gpu"]
 
@@ -103,7 +113,7 @@ run = measure_training(task, model, update, steps=args.steps, batch=batch, seed=
                        forward=forward)
 if rank == 0:
     row = {"side": args.side, "config": Path(args.config).name, "optimizer": config["optimizer"]["type"],
-           "task": args.task, "steps": args.steps, "world_size": world,
+           "task": args.task, "steps": args.steps, "world_size": world, "lr": config["optimizer"]["params"]["lr"],
            "freeze_step": config["optimizer"]["params"].get("freeze_step",
                                                              config["optimizer"]["params"].get("var_freeze_step")),
            "seed": args.seed, "skip_first_step": args.skip_first_step, "overrides": overrides,

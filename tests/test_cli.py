@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import torch
 
 from onebit.bench._cluster import cluster_unavailable
 from onebit.cli import main
@@ -191,25 +192,34 @@ def test_truncated_checkpoint_gives_a_clear_error(tmp_path):
 def test_bench_convergence_pairs_seeds_and_reports_intervals(tmp_path, capsys):
     out = tmp_path / "conv"
     argv = ["bench", "convergence", "--tasks", "digits", "--families", "adamw", "--steps", "5", "--seeds", "2",
-            "--freeze", "0.2,0.4", "--batch-size", "4", "--world-size", "2", "--out", str(out), "--quiet"]
+            "--perturb", "1", "--freeze", "default,0.2", "--batch-size", "4", "--world-size", "2", "--out", str(out),
+            "--quiet"]
     assert main(argv) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["provenance"]["command"] == "onebit " + " ".join(argv)
     assert set(summary["provenance"]) == {"command", "machine", "date"}
     runs = summary["runs"]
-    labels = ["adamw"] + [f"{name}@{f}%" for name in ("onebit_adam_identity", "onebit_adam", "zero_one_adam")
-                          for f in (20, 40)]
-    assert [r["label"] for r in runs] == labels * 2 and [r["seed"] for r in runs] == [0] * 7 + [1] * 7
-    assert [r["freeze_step"] for r in runs[:7]] == [None, 1, 2, 1, 2, 1, 2]
+    # the defaults as shipped (no freeze step set), then a freeze at 20% of the steps
+    labels = ["adamw"] + [label for name in ("onebit_adam_identity", "onebit_adam", "zero_one_adam")
+                          for label in (name, f"{name}@20%")]
+    assert [r["label"] for r in runs] == labels * 4
+    assert [(r["seed"], r["perturbation"]) for r in runs[::7]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    # "auto" does not freeze in 5 steps; 20% of them is step 1
+    assert [r["freeze_step"] for r in runs[:5]] == [None, None, 1, None, 1]
     assert all(r["replicas"] == "identical" and r["first_nonfinite_step"] is None for r in runs)
-    # digits is scored by its error rate on the whole held-out set, a gap in points
+    # digits is scored by its error rate on the whole held-out set, a gap in points, paired by
+    # seed and perturbation
     row = next(a for a in summary["aggregate"] if a["label"] == "onebit_adam@20%")
-    base = {r["seed"]: r["heldout_error"] for r in runs if r["label"] == "adamw"}
-    mine = {r["seed"]: r["heldout_error"] for r in runs if r["label"] == "onebit_adam@20%"}
-    gaps = [mine[s] - base[s] for s in (0, 1)]
+    key = ("seed", "perturbation")
+    base = {tuple(r[k] for k in key): r["heldout_error"] for r in runs if r["label"] == "adamw"}
+    mine = {tuple(r[k] for k in key): r["heldout_error"] for r in runs if r["label"] == "onebit_adam@20%"}
+    gaps = [mine[run] - base[run] for run in mine]
     assert row["metric"] == "heldout_error" and row["gaps"] == pytest.approx(gaps)
-    assert row["gap_mean"] == pytest.approx(sum(gaps) / 2)
-    assert row["gap_half"] == pytest.approx(12.706 * abs(gaps[0] - gaps[1]) / 2)  # t(1) * s / sqrt(2)
+    assert row["runs"] == [list(run) for run in mine]
+    assert row["gap_mean"] == pytest.approx(sum(gaps) / 4)
+    worst = max(range(4), key=gaps.__getitem__)
+    assert row["worst_gap"] == pytest.approx(gaps[worst]) and row["worst_run"] == list(list(mine)[worst])
+    assert row["behind"] == pytest.approx(sum(g > 10.0 for g in gaps) / 4)
     assert row["target"] == 3.0 and row["verdict"] in ("met", "missed", "inconclusive")
     control = next(a for a in summary["aggregate"] if a["label"] == "onebit_adam_identity@20%")
     assert control["verdict"] == "control"
@@ -220,6 +230,29 @@ def test_bench_convergence_pairs_seeds_and_reports_intervals(tmp_path, capsys):
     assert table[0] == "**adamw, lr 0.003**" and table[2] == "| optimizer | digits |"
     line = next(t for t in table if t.startswith("| onebit_adam@20% |"))
     assert line.startswith(f"| onebit_adam@20% | {row['gap_mean']:+.1f} pt ± {row['gap_half']:.1f}")
+    assert line.endswith(f"(worst {row['worst_gap']:+.1f}) |")
+
+
+def test_a_seed_far_behind_misses_the_target_whatever_the_mean():
+    from onebit.bench._convergence import _verdict
+
+    assert _verdict(1.0, 1.0, 3.0, 0, worst=9.9) == "met"
+    assert _verdict(1.0, 1.0, 3.0, 0, worst=10.5) == "missed"
+    assert _verdict(2.5, 1.0, 3.0, 0, worst=4.0) == "inconclusive"
+    assert _verdict(1.0, 1.0, 3.0, 1, worst=1.0) == "non-finite"
+
+
+def test_perturbation_moves_every_weight_by_one_ulp():
+    from onebit.bench._convergence import perturb_
+
+    model = torch.nn.Linear(64, 64)
+    before = [p.detach().clone() for p in model.parameters()]
+    perturb_(model, 0)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    perturb_(model, 3)
+    for p, b in zip(model.parameters(), before):
+        up, down = torch.nextafter(b, torch.tensor(float("inf"))), torch.nextafter(b, torch.tensor(float("-inf")))
+        assert bool(((p == up) | (p == down)).all()) and bool((p == up).any()) and bool((p == down).any())
 
 
 def test_bench_memory_writes_the_table_and_summary(tmp_path, capsys):
