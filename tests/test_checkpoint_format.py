@@ -4,7 +4,13 @@ optimizers and resume to the bits the saving version reached.
 The fixture holds, per optimizer, a state_dict saved mid-run (compression stage where there
 is one; 1-bit Adam also bucketed, with ``overlap=True``), the model at that step, and the
 parameters after the rest of the run. A change to the checkpoint format, or to the math,
-fails here.
+fails here. The 1-bit exchanges are built with 0.1.0's arguments where a default has changed
+since (one scale per chunk, 1-bit LAMB's largest-element ratio).
+
+"The same bits" is the saving machine's: another CPU's SIMD kernels round the model's forward
+and backward differently in the last bits (up to 3e-8 in these parameters between an AVX2 and
+an AVX-512 machine), so the parameters are compared to 1e-6, far below what a change of format
+or math moves them (1e-3 and more).
 """
 
 from __future__ import annotations
@@ -20,10 +26,11 @@ import onebit
 FIXTURE = pathlib.Path(__file__).with_name("fixtures") / "checkpoints-0.1.pt"
 
 MAKERS = {
-    "OnebitAdam": lambda p: onebit.OnebitAdam(p, lr=1e-2, freeze_step=2),
-    "OnebitAdam/overlap": lambda p: onebit.OnebitAdam(p, lr=1e-2, freeze_step=2, overlap=True, bucket_cap_mb=0.002),
-    "OnebitAdamNaive": lambda p: onebit.OnebitAdamNaive(p, lr=1e-2),
-    "OnebitLamb": lambda p: onebit.OnebitLamb(p, lr=1e-2, freeze_step=2),
+    "OnebitAdam": lambda p: onebit.OnebitAdam(p, lr=1e-2, freeze_step=2, scales="chunk"),
+    "OnebitAdam/overlap": lambda p: onebit.OnebitAdam(p, lr=1e-2, freeze_step=2, overlap=True, bucket_cap_mb=0.002,
+                                                      scales="chunk"),
+    "OnebitAdamNaive": lambda p: onebit.OnebitAdamNaive(p, lr=1e-2, scales="chunk"),
+    "OnebitLamb": lambda p: onebit.OnebitLamb(p, lr=1e-2, freeze_step=2, scales="chunk", scaling_ratio="max"),
     "Birder": lambda p: onebit.Birder(p, lr=1e-2, seed=5, threshold_step=3),
     "SoftSignSGD": lambda p: onebit.SoftSignSGD(p, lr=1e-2),
     "CompAMS/topk": lambda p: onebit.CompAMS(p, lr=1e-2, compressor="topk", ratio=0.2),
@@ -59,4 +66,5 @@ def test_a_checkpoint_of_version_0_1_resumes_to_the_same_bits(name):
         opt.step()
     assert opt.stats["step"] == steps
     for i, (got, want) in enumerate(zip(net.parameters(), saved["final"])):
-        assert torch.equal(got.detach(), want), f"{name}: parameter {i} differs after resuming"
+        diff = float((got.detach() - want).abs().max())
+        assert diff <= 1e-6, f"{name}: parameter {i} differs after resuming by {diff:.3g}"

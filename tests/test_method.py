@@ -28,7 +28,9 @@ LR = {"adamw": 3e-3, "lamb": 1e-2, "amsgrad": 3e-3, "softsign_sgd": 3e-3}
 BOUNDS = {
     "onebit_adam": (0.99, 1.09),  # 1.040; bias_correction=False by default: 0.924
     "zero_one_adam": (1.05, 1.10),  # 1.084; bias_correction=False by default: 1.109
-    "onebit_lamb": (1.21, 1.24),  # 1.225 (the trust ratios frozen at 20%); coeff_beta=0.5: 1.203
+    # 1.298 (the trust ratios frozen at 20%; the scaling ratio at r_min: the l1 ratio of a fresh variance
+    # the 1-bit noise dominates); scaling_ratio="max": 1.223
+    "onebit_lamb": (1.27, 1.32),
     "comp_ams": (1.50, 1.65),  # 1.560; ratio=0.001: 2.786
     "comp_ams_block_sign": (1.10, 1.19),  # 1.141; one block (scale) per tensor: 1.233
     "birder": (1.09, 1.12),  # 1.105; a rank without a gradient sends 0: 1.077; beta=0.5: 0.965

@@ -30,15 +30,16 @@ def _adam_reference(world, steps, lr, betas, eps, weight_decay):
     return [p.detach() for p in params]
 
 
-def _algorithm1(world, steps, freeze, lr, b1, b2, eps, bias_correction=False, clip=None):
+def _algorithm1(world, steps, freeze, lr, b1, b2, eps, bias_correction=False, clip=None, per_tensor=False):
     """Algorithm 1 with n simulated workers, one process, fused momentum; the paper's form
     without bias correction or step clip, or onebit's with both (clip: the multiple of
-    Adam's largest step)."""
+    Adam's largest step) and, with `per_tensor`, one scale for each tensor's piece of a chunk."""
     params = [p.clone() for p in _params()]
     sizes = [p.numel() for p in params]
     m = torch.zeros(sum(sizes))
     v = torch.zeros(sum(sizes))
-    car = SimulatedCompressedAllReduce(world, sum(sizes))
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    car = SimulatedCompressedAllReduce(world, sum(sizes), segments=starts if per_tensor else None)
     for step in range(1, steps + 1):
         gs = [torch.cat(_grads(params, r, step)) for r in range(world)]
         x = torch.cat(params)
@@ -81,9 +82,10 @@ def test_warmup_equals_adamw_on_averaged_gradient(world):
 def test_compression_stage_matches_algorithm_1_and_replicas_agree(world, defaults):
     kw = dict(lr=0.02, betas=(0.9, 0.99), eps=1e-8)
     # onebit's form, with a clip tight enough to bind on this problem; or the paper's
-    ours = dict(clip_update=0.3) if defaults else dict(bias_correction=False, clip_update=None)
+    ours = dict(clip_update=0.3) if defaults else dict(bias_correction=False, clip_update=None, scales="chunk")
     res = run_ranks(_train, world, 14, dict(kw, freeze_step=5, **ours))
-    expect = _algorithm1(world, 14, 5, 0.02, 0.9, 0.99, 1e-8, bias_correction=defaults, clip=ours["clip_update"])
+    expect = _algorithm1(world, 14, 5, 0.02, 0.9, 0.99, 1e-8, bias_correction=defaults, clip=ours["clip_update"],
+                         per_tensor=defaults)
     for r in res:
         assert r["digests"] == res[0]["digests"], "replicas diverged"
         for got, want in zip(r["params"], expect):
@@ -96,7 +98,8 @@ def test_compression_stage_matches_algorithm_1_and_replicas_agree(world, default
 
 
 def test_compression_stage_world_1_matches_algorithm_1():
-    kw = dict(lr=0.02, betas=(0.9, 0.99), eps=1e-8, freeze_step=3, bias_correction=False, clip_update=None)
+    kw = dict(lr=0.02, betas=(0.9, 0.99), eps=1e-8, freeze_step=3, bias_correction=False, clip_update=None,
+              scales="chunk")
     got = _train(0, 1, 10, kw)["params"]
     for g, w in zip(got, _algorithm1(1, 10, 3, 0.02, 0.9, 0.99, 1e-8)):
         assert torch.allclose(g, w, rtol=1e-4, atol=1e-6)
@@ -249,12 +252,13 @@ def test_parameters_differing_across_ranks_raise_everywhere():
 
 def _naive_reference(world, steps, lr, b1, b2, eps, wd):
     """Section 3.2's "Adam (1-bit naive)": every step the gradients go through Algorithm 1's
-    compressed all-reduce (worker and server error feedback), and eq. (1) -- both moments,
-    bias-corrected, decoupled weight decay -- runs on what comes back."""
+    compressed all-reduce (worker and server error feedback; one scale per tensor piece of a
+    chunk, the default), and eq. (1) -- both moments, bias-corrected, decoupled weight decay --
+    runs on what comes back."""
     params = [p.clone() for p in _params()]
     sizes = [p.numel() for p in params]
     m, v = torch.zeros(sum(sizes)), torch.zeros(sum(sizes))
-    car = SimulatedCompressedAllReduce(world, sum(sizes))
+    car = SimulatedCompressedAllReduce(world, sum(sizes), segments=[0, sizes[0]])
     for step in range(1, steps + 1):
         g = car([torch.cat(_grads(params, r, step)) for r in range(world)])
         m = b1 * m + (1 - b1) * g
@@ -280,6 +284,7 @@ def test_naive_control_is_adam_on_compressed_gradients(world):
             assert torch.allclose(got, want, rtol=1e-4, atol=1e-6), (got - want).abs().max()
     stats = res[0]["stats"]
     assert {s["stage"] for s in stats} == {"compressed"} and stats[-1]["freeze_step"] is None
-    chunk = math.ceil((DIM + 1) / (world * 8)) * 8  # every step, from the first: 1-bit slots, not fp32
-    slot = onebit.compress.get("sign").wire_bytes(chunk)
+    # every step, from the first: 1-bit slots, not fp32; a slot holds its chunk's signs and a scale per piece
+    oracle = SimulatedCompressedAllReduce(world, DIM + 1, segments=[0, DIM])
+    slot = max(math.ceil((hi - lo) / 8) + 4 * len(p) for (lo, hi), p in zip(oracle.bounds, oracle.pieces))
     assert all(s["bytes_sent"] == 2 * (world - 1) * slot + flag_bytes(world) for s in stats)

@@ -17,19 +17,20 @@ import torch
 from torch import nn
 
 from _harness import run_ranks
+from _oracle import chunks, pieces
 from onebit.optim import Birder, CompAMS, OnebitAdam, OnebitAdamNaive, OnebitLamb
 from onebit.optim._driver import bucket_bounds
 
 FREEZE = 3
 
-# name -> (maker, warm-up steps, fp32 scales per chunk of the compressed code)
+# name -> (maker, warm-up steps, whether the compressed code has an fp32 scale per tensor piece of each chunk)
 OPTIMIZERS = {
-    "onebit_adam": (lambda params, **kw: OnebitAdam(params, lr=1e-2, freeze_step=FREEZE, **kw), FREEZE, 1),
-    "onebit_lamb": (lambda params, **kw: OnebitLamb(params, lr=1e-2, freeze_step=FREEZE, **kw), FREEZE, 1),
-    "birder": (lambda params, **kw: Birder(params, lr=1e-2, seed=7, **kw), 0, 0),
+    "onebit_adam": (lambda params, **kw: OnebitAdam(params, lr=1e-2, freeze_step=FREEZE, **kw), FREEZE, True),
+    "onebit_lamb": (lambda params, **kw: OnebitLamb(params, lr=1e-2, freeze_step=FREEZE, **kw), FREEZE, True),
+    "birder": (lambda params, **kw: Birder(params, lr=1e-2, seed=7, **kw), 0, False),
     # line 7's running maximum of b from step 3 on
-    "birder_max": (lambda params, **kw: Birder(params, lr=1e-2, seed=7, threshold_step=2, **kw), 0, 0),
-    "onebit_adam_naive": (lambda params, **kw: OnebitAdamNaive(params, lr=1e-2, **kw), 0, 1),
+    "birder_max": (lambda params, **kw: Birder(params, lr=1e-2, seed=7, threshold_step=2, **kw), 0, False),
+    "onebit_adam_naive": (lambda params, **kw: OnebitAdamNaive(params, lr=1e-2, **kw), 0, True),
 }
 # Comp-AMS: an all-gather per bucket, and overlap=True must give overlap=False's bits however
 # the buckets fall. name -> (maker, block size, "tensor" for one block per tensor, or None:
@@ -71,13 +72,14 @@ def _bucket_collectives(opt) -> list:
     return opt._driver.collectives
 
 
-def _sign_wire_bytes(numel: int, world: int, scales: int) -> int:
+def _sign_wire_bytes(numel: int, world: int, starts: list[int] | None) -> int:
     """One compressed all-reduce of ``numel`` values (1-bit Adam, section 6): each rank sends
-    ``w - 1`` of its ``w`` chunks (signs packed 8 per byte, plus ``scales`` fp32 scales each)
-    in the all-to-all, and its re-compressed chunk to ``w - 1`` peers in the all-gather;
-    chunks are ``ceil(n / 8w) * 8`` values."""
-    chunk = math.ceil(numel / (8 * world)) * 8
-    slot = chunk // 8 + 4 * scales
+    ``w - 1`` of its ``w`` chunks (signs packed 8 per byte, plus with ``starts`` an fp32 scale
+    for each piece between the tensors' starts) in the all-to-all, and its re-compressed chunk
+    to ``w - 1`` peers in the all-gather, all in slots of the largest chunk's size; chunks are
+    ``ceil(n / 8w) * 8`` values."""
+    slot = max(math.ceil((hi - lo) / 8) + (4 * len(pieces(lo, hi, starts, 8)) if starts is not None else 0)
+               for lo, hi in chunks(numel, world, 8))
     return 2 * (world - 1) * slot
 
 
@@ -129,6 +131,7 @@ def _lockstep(rank, world, name, cap, steps, kw=None):
         out["bytes"].append(oa.stats["bytes_sent"])
         out["in_backward"].append(oa.stats["buckets_in_backward"])
     out["bucket_sizes"] = [hi - lo for lo, hi, _ in oa._driver.bounds]
+    out["bucket_starts"] = [[oa.flat.offsets[i][0] - lo for i in members] for lo, _, members in oa._driver.bounds]
     out["stage"] = oa.stats["stage"]
     return out
 
@@ -153,7 +156,7 @@ def test_the_naive_control_clips_the_average_with_overlap():
 def test_several_buckets_keep_replicas_identical_and_send_one_exchange_per_bucket():
     world = 2
     for name, res in _for_each(world, _lockstep, 0.004, FREEZE + 4).items():  # 0.004 MB: 1048 values at most
-        _, warmup, scales = OPTIMIZERS[name]
+        _, warmup, per_tensor = OPTIMIZERS[name]
         r0 = res[0]
         assert r0["buckets"] >= 3
         assert all(r["digest"] == r0["digest"] for r in res), f"{name}: replicas differ"
@@ -162,7 +165,8 @@ def test_several_buckets_keep_replicas_identical_and_send_one_exchange_per_bucke
         assert all(n == r0["buckets"] for n in r0["in_backward"]), f"{name}: buckets not all launched in backward"
         agreement = 2 * (world - 1) * 4 * (1 + 6) // world  # non-finite flag + one per parameter tensor
         fp32 = sum(2 * (world - 1) * 4 * n // world for n in r0["bucket_sizes"])
-        onebit = sum(_sign_wire_bytes(n, world, scales) for n in r0["bucket_sizes"])
+        onebit = sum(_sign_wire_bytes(n, world, starts if per_tensor else None)
+                     for n, starts in zip(r0["bucket_sizes"], r0["bucket_starts"]))
         assert r0["bytes"][:warmup] == [fp32 + agreement] * warmup, name
         assert r0["bytes"][warmup:] == [onebit + agreement] * (len(r0["bytes"]) - warmup), name
 

@@ -48,11 +48,11 @@ def _synchronises(t, freeze, scaler, clipper):
     return t % h == 0
 
 
-def _zero_one_adam(world, steps, lr, b1, b2, eps, wd, schedule, bias_correction, clip):
+def _zero_one_adam(world, steps, lr, b1, b2, eps, wd, schedule, bias_correction, clip, per_tensor=False):
     """Algorithm 1 of 0/1 Adam with n simulated workers, one process, plain loops: each worker its
     own x and m between synchronisations, u its step-weighted momentum sum, one x everywhere after.
     Before the freeze a synchronisation sends the gradients (DeepSpeed's form); the errors of the
-    1-bit exchange restart at the freeze."""
+    1-bit exchange restart at the freeze. `per_tensor`: one scale per tensor piece of a chunk."""
     freeze = schedule["var_freeze_step"]
     refreshes = _refresh_steps(freeze, schedule["var_update_scaler"])
     sizes = [p.numel() for p in _params()]
@@ -62,7 +62,8 @@ def _zero_one_adam(world, steps, lr, b1, b2, eps, wd, schedule, bias_correction,
     ms = [torch.zeros_like(x0) for _ in range(world)]
     us = [torch.zeros_like(x0) for _ in range(world)]
     v = torch.zeros_like(x0)
-    car = SimulatedCompressedAllReduce(world, x0.numel())
+    segments = [0, sizes[0]] if per_tensor else None
+    car = SimulatedCompressedAllReduce(world, x0.numel(), segments=segments)
     weight_sum = lr_sum = 0.0
     k = 0
     frozen = None
@@ -108,7 +109,7 @@ def _zero_one_adam(world, steps, lr, b1, b2, eps, wd, schedule, bias_correction,
                 xs = [anchor * (1 - lr_sum * wd) - us[r] / d for r in range(world)]
         if t == freeze:
             frozen = (v / (1 - b2**k if bias_correction else 1.0)).sqrt() + eps
-            car = SimulatedCompressedAllReduce(world, x0.numel())
+            car = SimulatedCompressedAllReduce(world, x0.numel(), segments=segments)
     return [list(torch.split(x, sizes)) for x in xs]
 
 
@@ -118,10 +119,10 @@ def test_matches_algorithm_1_with_local_steps(world, defaults):
     kw = dict(lr=0.02, betas=(0.9, 0.99), eps=1e-8)
     # onebit's form (bias correction, weight decay, a clip tight enough to bind), or DeepSpeed's
     ours = dict(clip_update=0.3, weight_decay=0.05) if defaults else \
-        dict(bias_correction=False, clip_update=None, weight_decay=0.0)
+        dict(bias_correction=False, clip_update=None, weight_decay=0.0, scales="chunk")
     res = run_ranks(_train, world, STEPS, dict(kw, **SCHEDULE, **ours))
     expect = _zero_one_adam(world, STEPS, 0.02, 0.9, 0.99, 1e-8, ours["weight_decay"], SCHEDULE,
-                            bias_correction=defaults, clip=ours["clip_update"])
+                            bias_correction=defaults, clip=ours["clip_update"], per_tensor=defaults)
     for r, want in zip(res, expect):
         for got, w in zip(r["params"], want):
             assert torch.allclose(got, w, rtol=1e-4, atol=1e-6), (got - w).abs().max()
