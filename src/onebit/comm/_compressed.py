@@ -52,7 +52,7 @@ def chunk_codecs(compressor: Compressor, bounds: Sequence[tuple[int, int]],
     for lo, hi in bounds:
         inner = [lo, *(c for c in cuts if lo < c < hi), hi]
         lengths = [b - a for a, b in zip(inner, inner[1:])]
-        codecs.append(compressor.with_blocks(lengths) if len(lengths) > 1 else compressor)
+        codecs.append(compressor.with_blocks(lengths))
     return codecs
 
 

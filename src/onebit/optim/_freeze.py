@@ -41,7 +41,8 @@ _log = logging.getLogger("onebit.optim")
 
 
 class FreezeSchedule:
-    """Decides the last warm-up step: fixed (an int) or ``"auto"`` (the variance-norm criterion)."""
+    """Decides the last warm-up step: fixed (an int) or ``"auto"`` (the variance-norm criterion,
+    on the variance bias-corrected with ``corrected_beta2`` when given: ``v_t / (1 - beta2^t)``)."""
 
     def __init__(
         self,
@@ -51,6 +52,7 @@ class FreezeSchedule:
         window: int,
         min_step: int,
         max_step: int | None,
+        corrected_beta2: float | None = None,
     ) -> None:
         if freeze_step != "auto" and (isinstance(freeze_step, bool) or not isinstance(freeze_step, int)):
             raise TypeError(f"Invalid freeze_step value: {freeze_step!r} (expected an int >= 0 or 'auto')")
@@ -69,6 +71,7 @@ class FreezeSchedule:
         self.window = window
         self.min_step = min_step
         self.max_step = max_step
+        self.corrected_beta2 = corrected_beta2
         self.history: deque[float] = deque(maxlen=window + 1)
 
     @property
@@ -79,7 +82,8 @@ class FreezeSchedule:
         """Called after warm-up step ``step``: True when the compression stage starts next step."""
         if not self.auto:
             return step >= self.freeze_step
-        self.history.append(float(variance_l1))
+        b2 = self.corrected_beta2
+        self.history.append(float(variance_l1) / (1.0 if b2 is None else 1.0 - b2**step))
         if self.max_step is not None and step >= self.max_step:
             return True
         if step < self.min_step or len(self.history) <= self.window:
@@ -111,11 +115,9 @@ class TwoStages:
     def wire(self) -> Wire:
         return self.wires[self.frozen_at is not None]
 
-    def observe(self, step: int, variance: Tensor, bias_correction2: float = 1.0) -> bool:
-        """After warm-up step ``step``: feed the criterion ``||v||_1 / bias_correction2``; True when
-        the warm-up ends here."""
-        # v >= 0: its sum is its l1 norm
-        l1 = float(variance.sum()) / bias_correction2 if self.schedule.auto else None
+    def observe(self, step: int, variance: Tensor) -> bool:
+        """After warm-up step ``step``: feed the criterion ``||v||_1``; True when the warm-up ends here."""
+        l1 = float(variance.sum()) if self.schedule.auto else None  # v >= 0: its sum is its l1 norm
         if self.schedule.should_freeze(step, l1):
             self.frozen_at = step
             _log.info("%s: warm-up ended at step %d; compression stage starts", self.owner, step)
@@ -136,7 +138,8 @@ def freeze_schedule(freeze_step: int | str, beta2: float, *, threshold: float, w
     the criterion reads the bias-corrected variance (``corrected``), else ``round(1 / (1 - beta2))``."""
     if window is None:
         window = max(1, round((0.1 if corrected else 1.0) / (1.0 - beta2)))
-    return FreezeSchedule(freeze_step, threshold=threshold, window=window, min_step=min_step, max_step=max_step)
+    return FreezeSchedule(freeze_step, threshold=threshold, window=window, min_step=min_step, max_step=max_step,
+                          corrected_beta2=beta2 if corrected else None)
 
 
 def warn_early_freeze(owner: str, frozen_at: int, beta2: float) -> None:

@@ -237,7 +237,6 @@ class OnebitAdam(_AdamFamily):
         self._stages = TwoStages(type(self).__name__, EXACT_GRADIENT, COMPRESSED_FORMED, freeze_schedule(
             freeze_step, beta2, threshold=freeze_threshold, window=freeze_window, min_step=min_freeze_step,
             max_step=max_freeze_step, corrected=check_bool("bias_correction", bias_correction)))
-        self._beta2 = beta2
         self._has_unused = False
         self._init_adam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, group=group, options=options)
@@ -260,8 +259,7 @@ class OnebitAdam(_AdamFamily):
     def _apply(self, wire: Wire, average: Tensor | None) -> None:
         if not wire.formed:
             self._adam(average)
-            bc2 = 1.0 - self._beta2**self._step_count if self.bias_correction else 1.0
-            if self._stages.observe(self._step_count, self.flat.buffers["exp_avg_sq"], bc2):
+            if self._stages.observe(self._step_count, self.flat.buffers["exp_avg_sq"]):
                 self._freeze()
             return
         b = self.flat.buffers

@@ -326,7 +326,6 @@ class OnebitLamb(OnebitOptimizer):
         self._stages = TwoStages(type(self).__name__, EXACT_GRADIENT, COMPRESSED_FORMED, freeze_schedule(
             freeze_step, beta2, threshold=freeze_threshold, window=freeze_window, min_step=min_freeze_step,
             max_step=max_freeze_step, corrected=True))
-        self._beta2 = beta2
         self.eps = float(eps)
         self.options = {
             "clip_update": check_optional_positive("clip_update", clip_update),
@@ -386,7 +385,7 @@ class OnebitLamb(OnebitOptimizer):
                                       max_coeff=o["max_coeff"], min_coeff=o["min_coeff"],
                                       sum_per_param=self._shards.sum_per_param if self._shards.sharded else None,
                                       **common)
-            if self._stages.observe(self._step_count, b["exp_avg_sq"], 1.0 - self._beta2**self._step_count):
+            if self._stages.observe(self._step_count, b["exp_avg_sq"]):
                 self._freeze()
             return
         if self._has_unused:
