@@ -233,6 +233,17 @@ def test_bench_convergence_pairs_seeds_and_reports_intervals(tmp_path, capsys):
     assert line.endswith(f"(worst {row['worst_gap']:+.1f}) |")
 
 
+def test_convergence_cells_leave_out_the_identity_controls_on_request():
+    from onebit.bench._convergence import convergence_cells
+
+    def labels(**kw):
+        return [c.label for c in convergence_cells(("gpt",), ("adamw", "softsign_sgd"), **kw)]
+
+    assert labels() == ["adamw", "onebit_adam_identity", "onebit_adam", "zero_one_adam",
+                        "softsign_sgd", "birder_identity", "birder"]
+    assert labels(controls=False) == ["adamw", "onebit_adam", "zero_one_adam", "softsign_sgd", "birder"]
+
+
 def test_a_seed_far_behind_misses_the_target_whatever_the_mean():
     from onebit.bench._convergence import _verdict
 

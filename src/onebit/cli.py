@@ -363,6 +363,7 @@ def _bench_convergence(args: argparse.Namespace) -> int:
         summary = run_convergence(out, tasks, families, steps=args.steps, batch=args.batch_size,
                                   world=args.world_size, seeds=seeds, perturbations=args.perturb, levels=levels,
                                   freeze_fractions=tuple(args.freeze), extended=args.extended,
+                                  controls=not args.no_controls,
                                   schedule=args.schedule, iid=args.iid, progress=not args.quiet,
                                   max_grad_norm=args.max_grad_norm,
                                   provenance=provenance(shlex.join(["onebit", *args.argv])))
@@ -540,6 +541,9 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--extended", action="store_true",
                       help="add the overlapped exchanges, no-error-feedback runs, Top-k keeping 5%% and 25%% and "
                            "per-layer Block-Sign")
+    conv.add_argument("--no-controls", action="store_true",
+                      help="leave out the identity controls (each compressed optimizer with its compressor "
+                           "replaced by the exact exchange)")
     conv.add_argument("--schedule", choices=("constant", "cosine"), default="constant",
                       help="learning rate: constant, or a cosine decay to zero (default constant)")
     conv.add_argument("--iid", action="store_true",

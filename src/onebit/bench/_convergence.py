@@ -137,15 +137,18 @@ def _two_stage(name: str) -> bool:
 
 
 def convergence_cells(tasks: tuple[str, ...], families: tuple[str, ...], *, levels: tuple[str, ...] = ("high",),
-                      freeze_fractions: tuple[float | None, ...] = (None,), extended: bool = False) -> list[Cell]:
+                      freeze_fractions: tuple[float | None, ...] = (None,), extended: bool = False,
+                      controls: bool = True) -> list[Cell]:
     """The matrix: for each task, family and learning rate (``levels`` of the family's two), the
-    counterpart then what is compared with it, the two-stage optimizers at each freeze fraction
-    (``None``: their default schedule, ``freeze_step="auto"`` or 0/1 Adam's own)."""
+    counterpart then what is compared with it (without the identity controls unless ``controls``),
+    the two-stage optimizers at each freeze fraction (``None``: their default schedule,
+    ``freeze_step="auto"`` or 0/1 Adam's own)."""
     cells = []
     for task in tasks:
         for family in families:
             lrs, compared = FAMILIES[family]
-            names = compared + (EXTENDED[family] if extended else ())
+            names = tuple(n for n in compared + (EXTENDED[family] if extended else ())
+                          if controls or _VARIANTS[n][1] is not _IDENTITY)
             for level in levels:
                 lr = lrs[LEVELS.index(level)]
                 cells.append(Cell(task, family, family, lr))
@@ -386,7 +389,7 @@ def run_convergence(out: Path, tasks: tuple[str, ...] = DEFAULT_TASKS,
                     families: tuple[str, ...] = tuple(FAMILIES), *, steps: int = 300, batch: int = 32,
                     world: int = 3, seeds: tuple[int, ...] = (0, 1, 2, 3), perturbations: int = 0,
                     levels: tuple[str, ...] = ("high",), freeze_fractions: tuple[float | None, ...] = (None,),
-                    extended: bool = False,
+                    extended: bool = False, controls: bool = True,
                     schedule: str = "constant", iid: bool = False, progress: bool = True,
                     max_grad_norm: float | None = None,
                     provenance: dict[str, str] | None = None) -> dict[str, Any]:
@@ -402,7 +405,7 @@ def run_convergence(out: Path, tasks: tuple[str, ...] = DEFAULT_TASKS,
     for name in tasks:
         # overlap=True refuses max_grad_norm (the local clip needs every gradient before the first bucket leaves)
         cells = [c for c in convergence_cells((name,), families, levels=levels, freeze_fractions=freeze_fractions,
-                                              extended=extended)
+                                              extended=extended, controls=controls)
                  if max_grad_norm is None or not c.optimizer.endswith("_overlap")]
         if progress:
             print(f"task {name}: {len(cells)} cells x {len(seeds)} seeds of {steps} steps on {world} ranks",
