@@ -57,6 +57,18 @@ def check(device: str) -> int:
                 _triton.average_signs(torch.stack(rows), torch.cat(scales), n, fused, accumulate)
                 assert torch.equal(bits(fused), bits(ref)), f"average_signs n={n} world={world} acc={accumulate}"
                 checked += 1
+        # 1-bit Adam's update bound, a NaN kept where torch.clamp keeps it (any NaN's bits)
+        x, bound = torch.randn(n, generator=g) * 3, torch.rand(n, generator=g)
+        x[:: max(1, n // 3)] = float("nan")
+        x, bound = x.to(device), bound.to(device)
+        with ops.reference_kernels():
+            ref = ops.clamp_scaled_(x.clone(), bound, 0.7)
+        fused = x.clone()
+        _triton.clamp_scaled(fused, bound, 0.7)
+        nan = ref.isnan()
+        assert torch.equal(fused.isnan(), nan) and torch.equal(bits(fused[~nan]), bits(ref[~nan])), \
+            f"clamp_scaled n={n}"
+        checked += 1
         # Slots of one received buffer (the all-to-all layout): a strided view, no copy.
         slot = ref_packed.numel() + 5
         buffer = torch.randint(0, 256, (3 * slot,), dtype=torch.uint8, generator=g).to(device)

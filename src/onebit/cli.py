@@ -312,8 +312,10 @@ def _bench_kernels(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     results = bench_kernels(args.numel, args.repeat, args.device)
+    device = torch.device(args.device)
+    gpu = {"device_name": torch.cuda.get_device_name(device)} if device.type == "cuda" else {}
     _write_bench(args, {"benchmark": "kernels", "settings": {
-        "numel": args.numel, "repeat": args.repeat, "device": args.device, "threads": args.threads,
+        "numel": args.numel, "repeat": args.repeat, "device": args.device, **gpu, "threads": args.threads,
         "torch": torch.__version__}, "results": [asdict(r) for r in results]})
     return 0
 

@@ -41,9 +41,24 @@ BLOCK_END = "<!-- /report -->"
 
 
 def provenance(command: str) -> dict[str, str]:
-    """``command``, ``machine`` (host name and cores) and ``date`` of a run made now."""
-    return {"command": command, "machine": f"{platform.node()} ({os.cpu_count()} cores)",
+    """``command``, ``machine`` (host name, cores, CPU model and widest vector instructions) and
+    ``date`` of a run made now."""
+    return {"command": command, "machine": f"{platform.node()} ({os.cpu_count()} cores{_cpu()})",
             "date": time.strftime("%Y-%m-%d")}
+
+
+def _cpu() -> str:
+    """", <model>, <AVX-512|AVX2|...>" from Linux's /proc/cpuinfo (the timings depend on both), or ""."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    fields = dict(line.split(":", 1) for line in info.splitlines()[:30] if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    isa = next((name for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("sse4_2", "SSE4.2"))
+                if flag in flags), "")
+    return "".join(f", {part}" for part in (fields.get("model name", ""), isa) if part)
 
 
 def convergence_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
@@ -131,7 +146,8 @@ def report_files(summary: dict[str, Any]) -> dict[str, str]:
         tables = {"table.txt": text_table(memory_rows(summary["results"]))}
     elif summary.get("benchmark") == "kernels":
         meta = summary["settings"]
-        tables = {"table.txt": f"onebit bench kernels: {meta['numel']} fp32 values on {meta['device']}, median of "
+        device = meta.get("device_name", meta["device"])
+        tables = {"table.txt": f"onebit bench kernels: {meta['numel']} fp32 values on {device}, median of "
                                f"{meta['repeat']}\n" + text_table(kernel_rows(summary["results"]))}
     elif summary.get("benchmark") == "comm":
         meta = summary["settings"]

@@ -7,7 +7,8 @@ reference (and the numba CPU kernels), so results are bit-identical to it:
 * ``pack_signs_update``: the same bytes, and ``c -= copysign(scale, c)`` (1-bit Adam's new error).
 * ``unpack_signs``: byte bits to ``+-scale`` (exact: a sign flip, no arithmetic).
 * ``average_signs``: ``((+-s_0) + (+-s_1) + ...) * (1/w)`` summed in rank order, optionally
-  added to ``out``. Kernels are compiled with ``enable_fp_fusion=False`` so that
+  added to ``out``.
+* ``clamp_scaled``: ``x <- clamp(x, -b * s, b * s)`` (1-bit Adam's update bound), NaN kept. Kernels are compiled with ``enable_fp_fusion=False`` so that
   ``out + acc * inv`` is never contracted to an FMA the reference does not perform.
 
 Scales are read from device memory: no host synchronisation. With ``TRITON_INTERPRET=1``
@@ -23,7 +24,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-__all__ = ["available", "average_signs", "pack_signs", "pack_signs_update", "unpack_signs"]
+__all__ = ["available", "average_signs", "clamp_scaled", "pack_signs", "pack_signs_update", "unpack_signs"]
 
 _BLOCK_BYTES = 512  # 4096 values per program
 
@@ -68,5 +69,14 @@ def average_signs(rows: Tensor, scales: Tensor, numel: int, out: Tensor, accumul
     """``out (+)= (sum_r +-scales[r]) * (1/w)`` over the ``(w, stride)`` uint8 ``rows``, in row order."""
     world = rows.shape[0]
     inv = float(torch.tensor(1.0 / world, dtype=torch.float32))
-    _kernels().average_kernel[_grid(-(-numel // 8))](rows, rows.stride(0), scales, out, numel, world, inv,
-                                              ACCUMULATE=accumulate, BLOCK=_BLOCK_BYTES, enable_fp_fusion=False)
+    # The world size is a compile-time constant: one kernel per job's world, its loop unrolled.
+    _kernels().average_kernel[_grid(-(-numel // 8))](rows, rows.stride(0), scales, out, numel, inv, WORLD=world,
+                                                     ACCUMULATE=accumulate, BLOCK=_BLOCK_BYTES,
+                                                     enable_fp_fusion=False)
+
+
+def clamp_scaled(x: Tensor, bound: Tensor, scale: float) -> None:
+    """``x <- clamp(x, -bound * scale, bound * scale)`` in place, flat fp32, the product in fp32."""
+    numel = x.numel()
+    _kernels().clamp_scaled_kernel[(max(1, -(-numel // (8 * _BLOCK_BYTES))),)](x, bound, numel, scale,
+                                                                             BLOCK=8 * _BLOCK_BYTES)

@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-__all__ = ["average_kernel", "pack_kernel", "unpack_kernel"]
+__all__ = ["average_kernel", "clamp_scaled_kernel", "pack_kernel", "unpack_kernel"]
 
 
 @triton.jit
@@ -32,8 +32,8 @@ def unpack_kernel(packed_ptr, scale_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + idx, tl.where(((b[:, None] >> k[None, :]) & 1) == 1, scale, -scale), mask=valid)
 
 @triton.jit
-def average_kernel(packed_ptr, stride, scales_ptr, out_ptr, n, world, inv,
-                    ACCUMULATE: tl.constexpr, BLOCK: tl.constexpr):
+def average_kernel(packed_ptr, stride, scales_ptr, out_ptr, n, inv,
+                   WORLD: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK: tl.constexpr):
     byte = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     k = tl.arange(0, 8)
     idx = byte[:, None] * 8 + k[None, :]
@@ -42,7 +42,7 @@ def average_kernel(packed_ptr, stride, scales_ptr, out_ptr, n, world, inv,
     b = tl.load(packed_ptr + byte, mask=in_range, other=0).to(tl.int32)
     s = tl.load(scales_ptr)
     acc = tl.where(((b[:, None] >> k[None, :]) & 1) == 1, s, -s)
-    for r in range(1, world):
+    for r in tl.static_range(1, WORLD):
         b = tl.load(packed_ptr + r * stride + byte, mask=in_range, other=0).to(tl.int32)
         s = tl.load(scales_ptr + r)
         acc += tl.where(((b[:, None] >> k[None, :]) & 1) == 1, s, -s)
@@ -50,3 +50,13 @@ def average_kernel(packed_ptr, stride, scales_ptr, out_ptr, n, world, inv,
     if ACCUMULATE:
         result = tl.load(out_ptr + idx, mask=valid, other=0.0) + result
     tl.store(out_ptr + idx, result, mask=valid)
+
+@triton.jit
+def clamp_scaled_kernel(x_ptr, bound_ptr, n, scale, BLOCK: tl.constexpr):
+    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = idx < n
+    x = tl.load(x_ptr + idx, mask=valid)
+    limit = tl.load(bound_ptr + idx, mask=valid) * scale
+    # torch.clamp's order and its NaN: a NaN in x stays NaN
+    low = tl.maximum(x, -limit, propagate_nan=tl.PropagateNan.ALL)
+    tl.store(x_ptr + idx, tl.minimum(low, limit, propagate_nan=tl.PropagateNan.ALL), mask=valid)
