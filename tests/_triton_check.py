@@ -13,7 +13,7 @@ import torch
 
 from onebit import ops
 from onebit.ops import _triton
-from _fused_check import bits, check_fused_ops
+from _fused_check import bits, check_fused_ops, random_blocks
 
 SIZES = [1, 7, 8, 9, 63, 1001, 4096, 4103, 12_345]
 
@@ -95,12 +95,14 @@ def check_dispatch() -> int:
     checked = 0
     for n in SIZES:
         x, packed, scale = check_fused_ops(n, 3, torch.Generator().manual_seed(n), True, f"n={n}")
+        g = torch.Generator().manual_seed(n)
+        check_fused_ops(n, 3, g, True, f"n={n} blocks", blocks=random_blocks(n, g))
         with ops.reference_kernels():
             ref_unpacked = ops.unpack_signs(packed, n, scale)
             ref_signs = ops.pack_signs(x.bfloat16())
         assert torch.equal(bits(ops.unpack_signs(packed, n, scale)), bits(ref_unpacked)), f"unpack n={n}"
         assert torch.equal(ops.pack_signs(x.bfloat16()), ref_signs), f"pack_signs bf16 n={n}"
-        checked += 5  # compress, average (payloads and slots), unpack, pack
+        checked += 8  # compress, average (payloads and slots), unpack, pack; the first three per block
     return checked
 
 

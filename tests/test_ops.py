@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _fused_check import check_fused_ops, check_stochastic_sign
+from _fused_check import check_fused_ops, check_stochastic_sign, random_blocks
 from onebit import ops
 
 lengths = st.integers(min_value=0, max_value=300)
@@ -81,6 +81,8 @@ def test_bad_inputs():
 @given(n=st.integers(0, 200), world=st.integers(1, 11), seed=st.integers(0, 2**16), accumulate=st.booleans())
 def test_fused_kernels_bit_identical_to_reference(n, world, seed, accumulate):
     check_fused_ops(n, world, torch.Generator().manual_seed(seed), accumulate)
+    g = torch.Generator().manual_seed(seed)  # and with one scale per block
+    check_fused_ops(n, world, g, accumulate, blocks=random_blocks(n, g))
     check_stochastic_sign(n, torch.Generator().manual_seed(seed))
 
 

@@ -31,6 +31,23 @@ class CommResult:
     phases: dict[str, float]
 
 
+def transformer_starts(numel: int, width: int = 256) -> list[int]:
+    """Where the tensors of a GPT-style stack of width ``width`` start in a flat buffer of
+    ``numel`` values (per block: attention's in and out projections with their biases, the MLP's
+    two with theirs, two layer norms' weights and biases; 12 tensors, 12 width^2 + 13 width
+    values), cut at ``numel``: the pieces a per-tensor scale gives one scale each."""
+    d = width
+    block = (3 * d * d, 3 * d, d * d, d, d, d, 4 * d * d, 4 * d, 4 * d * d, d, d, d)
+    starts, at = [], 0
+    while at < numel:
+        for size in block:
+            if at >= numel:
+                break
+            starts.append(at)
+            at += size
+    return starts
+
+
 def _rank_bench(rank: int, world: int, numel: int, repeat: int, per_node: int | None,
                 group: comm.Group = None) -> dict[str, Any]:
     x = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
@@ -43,6 +60,9 @@ def _rank_bench(rank: int, world: int, numel: int, repeat: int, per_node: int | 
     }
     collectives = {
         "compressed_allreduce sign": comm.CompressedAllReduce("sign", group),
+        # the optimizers' default: one scale per tensor piece of each chunk
+        "compressed_allreduce sign per-tensor": comm.CompressedAllReduce("sign", group,
+                                                                         segments=transformer_starts(numel)),
         "allgather block_sign": comm.CompressedAllGather("block_sign", group),
         "allgather topk 1%": comm.CompressedAllGather("topk", group, ratio=0.01),
     }
@@ -84,6 +104,7 @@ _KINDS = {
     "all_reduce fp32": "allreduce_fp32",
     "all_reduce fp16": "allreduce_fp16",
     "compressed_allreduce sign": "onebit",
+    "compressed_allreduce sign per-tensor": "onebit",
     "hierarchical_allreduce sign": "onebit_hierarchical",
     "allgather block_sign": "allgather_sign",
     "allgather topk 1%": "allgather_topk",

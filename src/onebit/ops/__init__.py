@@ -1,12 +1,14 @@
 """Bit operations: sign packing (8 per byte), fused error-feedback compression kernels, and
 the optimizers' one-pass element-wise updates."""
 
+from ._blocks import Blocks
 from ._bits import pack_bits, pack_codes, pack_signs, packed_numel, reference_kernels, unpack_bits, unpack_codes, unpack_signs
 from ._elementwise import clamp_scaled_, max_ratio, zero_where_equal_
 from ._fused import average_signs, ef_sign_compress_, stochastic_sign_compress_, warm_up
 from ._norms import block_l1_norms, l1_norm, l2_norm, max_abs
 
 __all__ = [
+    "Blocks",
     "average_signs",
     "block_l1_norms",
     "clamp_scaled_",

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from . import _cpu, _triton
+from ._blocks import Blocks
 
 __all__ = [
     "pack_codes",
@@ -165,35 +166,40 @@ def _sign_table(device: torch.device) -> Tensor:
     return table
 
 
-def unpack_signs(packed: Tensor, numel: int, scale: float | Tensor = 1.0, out: Tensor | None = None) -> Tensor:
+def unpack_signs(packed: Tensor, numel: int, scale: float | Tensor = 1.0, out: Tensor | None = None, *,
+                 blocks: Blocks | None = None) -> Tensor:
     """Decode :func:`pack_signs` output to ``+scale``/``-scale`` float32 values.
 
     ``scale`` may be a Python float or a 0-d/1-element tensor (kept on device: no sync on
-    CUDA). On CPU a numba kernel writes ``+-scale`` in one pass (without numba: a lookup in
-    a 256x8 table pre-multiplied by ``scale``); the reference expands bits and computes
-    ``(2 b - 1) * scale``. All give the same bits.
+    CUDA), or with ``blocks`` a tensor of one scale per block. On CPU a numba kernel writes
+    ``+-scale`` in one pass (without numba: a lookup in a 256x8 table pre-multiplied by
+    ``scale``); the reference expands bits and computes ``(2 b - 1) * scale``. All give the
+    same bits.
     """
     if packed.dtype != torch.uint8:
         raise TypeError(f"packed must be a uint8 tensor, got dtype={packed.dtype}")
     if numel < 0 or packed_numel(numel) > packed.numel():
         raise ValueError(f"numel={numel} does not fit in {packed.numel()} packed bytes")
+    if blocks is not None:
+        blocks.check(numel)
     packed = packed.reshape(-1)
     out = _check_out(out, numel, torch.float32, packed.device)
     if numel == 0:
         return out
     if not isinstance(scale, Tensor):
         scale = torch.tensor(float(scale), dtype=torch.float32, device=packed.device)
-    scale = scale.reshape(()).to(torch.float32)
+    scale = scale.reshape(() if blocks is None else -1).to(torch.float32)
     if _fast_gpu(packed):
-        _triton.unpack_signs(packed, numel, scale, out)
+        _triton.unpack_signs(packed, numel, scale, out, None if blocks is None else blocks.byte_blocks(out.device))
         return out
-    if _FORCE_REFERENCE:
+    if _numba_ok(packed, out):
+        ends = np.array([numel], dtype=np.int64) if blocks is None else blocks.ends
+        _cpu.unpack_signs(packed.numpy(), scale.reshape(-1).numpy(), ends, out.numpy())
+        return out
+    if _FORCE_REFERENCE or blocks is not None:
         bits = unpack_bits(packed, numel)
         torch.mul(bits.to(torch.float32), 2.0, out=out)
-        return out.sub_(1.0).mul_(scale)
-    if _numba_ok(packed, out):
-        _cpu.unpack_signs(packed.numpy(), np.float32(scale.item()), out.numpy())
-        return out
+        return out.sub_(1.0).mul_(scale if blocks is None else blocks.per_value(scale))
     table = _sign_table(packed.device) * scale
     full = numel // 8
     if full:

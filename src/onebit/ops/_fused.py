@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from . import _bits, _cpu, _triton
+from ._blocks import Blocks
 from ._bits import _numba_ok, pack_bits, pack_codes, pack_signs, packed_numel, unpack_codes, unpack_signs
 from ._elementwise import clamp_scaled_, max_ratio, zero_where_equal_
 from ._norms import l2_norm
@@ -49,12 +50,15 @@ def ef_sign_compress_(
     *,
     workspace: Tensor | None = None,
     packed_out: Tensor | None = None,
+    blocks: Blocks | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Compress ``c = x + error`` to signs and ``scale = ||c||_2 / sqrt(n)``; set ``error = c - C(c)``.
 
     ``error`` is a contiguous fp32 buffer updated in place; ``x`` may be ``None`` when the
     caller already added it. ``workspace`` (fp32, same size) avoids an allocation per call.
-    Returns ``(packed_signs, scale)`` with ``scale`` a 1-element fp32 tensor on ``error``'s device.
+    With ``blocks``, every block of ``c`` has its own scale, in the same single pass.
+    Returns ``(packed_signs, scales)``: a 1-element fp32 tensor on ``error``'s device, or one
+    scale per block.
     """
     if error.dtype != torch.float32 or not error.is_contiguous():
         raise ValueError(f"error must be a contiguous float32 buffer, got {error.dtype}")
@@ -64,22 +68,28 @@ def ef_sign_compress_(
     n = c.numel()
     if n == 0:
         return pack_signs(c, out=packed_out), torch.zeros(1, dtype=torch.float32, device=c.device)
-    scale = l2_norm(c).mul_(1.0 / math.sqrt(n)).reshape(1)
+    scales = l2_norm(c).mul_(1.0 / math.sqrt(n)).reshape(1) if blocks is None else blocks.l2_scales(c)
     if _numba_ok(c):
         packed = packed_out if packed_out is not None else torch.empty(packed_numel(n), dtype=torch.uint8)
-        _cpu.pack_signs_update(c.numpy(), np.float32(scale.item()), packed.numpy())
-        return packed, scale
+        _cpu.pack_signs_update(c.numpy(), scales.numpy(), _ends(blocks, n), packed.numpy())
+        return packed, scales
     if _bits._fast_gpu(c):
         packed = packed_out if packed_out is not None else torch.empty(packed_numel(n), dtype=torch.uint8,
                                                                        device=c.device)
-        _triton.pack_signs_update(c, scale, packed)  # the scale stays on the device: no sync
-        return packed, scale
+        # the scales stay on the device: no sync
+        _triton.pack_signs_update(c, scales, packed, None if blocks is None else blocks.byte_blocks(c.device))
+        return packed, scales
     packed = pack_signs(c, out=packed_out)
     if workspace is None:
         workspace = torch.empty_like(c)
-    torch.copysign(scale, c, out=workspace)
+    torch.copysign(scales if blocks is None else blocks.per_value(scales), c, out=workspace)
     c.sub_(workspace)
-    return packed, scale
+    return packed, scales
+
+
+def _ends(blocks: Blocks | None, numel: int) -> np.ndarray:
+    """The numba kernels' block ends: the blocks', or one block of ``numel`` values."""
+    return np.array([numel], dtype=np.int64) if blocks is None else blocks.ends
 
 
 def stochastic_sign_compress_(error: Tensor, u: Tensor) -> Tensor:
@@ -101,25 +111,34 @@ def stochastic_sign_compress_(error: Tensor, u: Tensor) -> Tensor:
 
 
 def average_signs(
-    packed: Sequence[Tensor], scales: Sequence[Tensor], numel: int, out: Tensor, *, accumulate: bool = False
+    packed: Sequence[Tensor], scales: Sequence[Tensor], numel: int, out: Tensor, *, accumulate: bool = False,
+    blocks: Blocks | None = None,
 ) -> Tensor:
     """``(sum_r +-scales[r]) * (1 / len(packed))``, decoding each rank's packed signs, summed in
-    rank order; written to ``out``, or added to it with ``accumulate``.
+    rank order; written to ``out``, or added to it with ``accumulate``. With ``blocks``, each
+    rank's ``scales[r]`` holds one scale per block.
 
     The multiplication by the fp32 reciprocal (rather than a division) is what every
     kernel computes, so CPU, CUDA and the reference agree to the bit."""
+    if blocks is not None:
+        blocks.check(numel)
     if numel and _numba_ok(out):
-        values = np.array([float(s.reshape(-1)[0]) for s in scales], dtype=np.float32)
-        _cpu.average_signs(_rows(packed, packed_numel(numel)).numpy(), values, numel, out.numpy(), accumulate)
+        values = torch.stack([s.reshape(-1)[: 1 if blocks is None else len(blocks)] for s in scales])
+        _cpu.average_signs(_rows(packed, packed_numel(numel)).numpy(), values.to(torch.float32).numpy(),
+                           _ends(blocks, numel), out.numpy(), accumulate)
         return out
     if numel and _bits._fast_gpu(out):
         rows = _rows(packed, packed_numel(numel))
-        _triton.average_signs(rows, torch.cat([s.reshape(1) for s in scales]), numel, out, accumulate)
+        if blocks is None:
+            _triton.average_signs(rows, torch.cat([s.reshape(1) for s in scales]), numel, out, accumulate)
+        else:
+            _triton.average_signs(rows, torch.stack([s.reshape(-1) for s in scales]), numel, out, accumulate,
+                                  blocks.byte_blocks(out.device))
         return out
     target = torch.empty_like(out) if accumulate else out
-    unpack_signs(packed[0], numel, scales[0], out=target)
+    unpack_signs(packed[0], numel, scales[0], out=target, blocks=blocks)
     for p, s in zip(packed[1:], scales[1:]):
-        target.add_(unpack_signs(p, numel, s))
+        target.add_(unpack_signs(p, numel, s, blocks=blocks))
     target.mul_(1.0 / len(packed))
     return out.add_(target) if accumulate else out
 

@@ -6,8 +6,19 @@ import triton.language as tl
 __all__ = ["average_kernel", "clamp_scaled_kernel", "pack_kernel", "unpack_kernel"]
 
 
+# With BLOCKED, scales_ptr holds one scale per block and blocks_ptr the block of every packed
+# byte (int32); without, scales_ptr holds the one scale.
 @triton.jit
-def pack_kernel(c_ptr, scale_ptr, packed_ptr, n, nbytes, UPDATE: tl.constexpr, BLOCK: tl.constexpr):
+def _scale(scale_ptr, blocks_ptr, byte, in_range, BLOCKED: tl.constexpr):
+    if BLOCKED:
+        return tl.load(scale_ptr + tl.load(blocks_ptr + byte, mask=in_range, other=0))[:, None]
+    else:
+        return tl.load(scale_ptr)
+
+
+@triton.jit
+def pack_kernel(c_ptr, scale_ptr, blocks_ptr, packed_ptr, n, nbytes, UPDATE: tl.constexpr, BLOCKED: tl.constexpr,
+                BLOCK: tl.constexpr):
     byte = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     k = tl.arange(0, 8)
     idx = byte[:, None] * 8 + k[None, :]
@@ -18,33 +29,33 @@ def pack_kernel(c_ptr, scale_ptr, packed_ptr, n, nbytes, UPDATE: tl.constexpr, B
     bits = tl.where(valid, (1 - negative) << k[None, :], 0)
     tl.store(packed_ptr + byte, tl.sum(bits, axis=1).to(tl.uint8), mask=byte < nbytes)
     if UPDATE:
-        scale = tl.load(scale_ptr)
+        scale = _scale(scale_ptr, blocks_ptr, byte, byte < nbytes, BLOCKED)
         tl.store(c_ptr + idx, c - tl.where(negative == 1, -scale, scale), mask=valid)
 
 @triton.jit
-def unpack_kernel(packed_ptr, scale_ptr, out_ptr, n, BLOCK: tl.constexpr):
+def unpack_kernel(packed_ptr, scale_ptr, blocks_ptr, out_ptr, n, BLOCKED: tl.constexpr, BLOCK: tl.constexpr):
     byte = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     k = tl.arange(0, 8)
     idx = byte[:, None] * 8 + k[None, :]
     valid = idx < n
     b = tl.load(packed_ptr + byte, mask=byte * 8 < n, other=0).to(tl.int32)
-    scale = tl.load(scale_ptr)
+    scale = _scale(scale_ptr, blocks_ptr, byte, byte * 8 < n, BLOCKED)
     tl.store(out_ptr + idx, tl.where(((b[:, None] >> k[None, :]) & 1) == 1, scale, -scale), mask=valid)
 
 @triton.jit
-def average_kernel(packed_ptr, stride, scales_ptr, out_ptr, n, inv,
-                   WORLD: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK: tl.constexpr):
+def average_kernel(packed_ptr, stride, scales_ptr, blocks_ptr, nblocks, out_ptr, n, inv,
+                   WORLD: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCKED: tl.constexpr, BLOCK: tl.constexpr):
     byte = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     k = tl.arange(0, 8)
     idx = byte[:, None] * 8 + k[None, :]
     valid = idx < n
     in_range = byte * 8 < n
     b = tl.load(packed_ptr + byte, mask=in_range, other=0).to(tl.int32)
-    s = tl.load(scales_ptr)
+    s = _scale(scales_ptr, blocks_ptr, byte, in_range, BLOCKED)
     acc = tl.where(((b[:, None] >> k[None, :]) & 1) == 1, s, -s)
     for r in tl.static_range(1, WORLD):
         b = tl.load(packed_ptr + r * stride + byte, mask=in_range, other=0).to(tl.int32)
-        s = tl.load(scales_ptr + r)
+        s = _scale(scales_ptr + r * nblocks, blocks_ptr, byte, in_range, BLOCKED)
         acc += tl.where(((b[:, None] >> k[None, :]) & 1) == 1, s, -s)
     result = acc * inv
     if ACCUMULATE:
