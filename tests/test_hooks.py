@@ -2,6 +2,7 @@
 
 import hashlib
 import io
+import itertools
 import pickle
 
 import pytest
@@ -121,7 +122,8 @@ def _schedule_worker(rank, world):
         def spy(state, bucket):
             grad_in = bucket.buffer().clone()
             fut = hook(state, bucket)
-            calls[-1].append([bucket.index(), bucket.is_last(), fut.done(), grad_in, fut])
+            starts = [0, *itertools.accumulate(g.numel() for g in bucket.gradients()[:-1])]
+            calls[-1].append([bucket.index(), bucket.is_last(), fut.done(), grad_in, fut, starts])
             return fut
 
         ddp.register_comm_hook(state, spy)
@@ -137,10 +139,12 @@ def _schedule_worker(rank, world):
         same = None
         if kind == "sign":
             alone: dict[int, comm.CompressedAllReduce] = {}
+            # one scale per tensor piece of each chunk (the default scales="tensor")
             same = [torch.equal(got, comm.all_reduce_mean(grad_in) if it < 2 else
-                                alone.setdefault(index, comm.CompressedAllReduce("sign"))(grad_in))
-                    for it, iteration in enumerate(calls) for index, _, _, grad_in, got in iteration]
-        out[kind] = {"calls": [[tuple(c[:3]) for c in it] for it in calls], "ops": ops, "same": same}
+                                alone.setdefault(index, comm.CompressedAllReduce("sign", segments=starts))(grad_in))
+                    for it, iteration in enumerate(calls) for index, _, _, grad_in, got, starts in iteration]
+        out[kind] = {"calls": [[tuple(c[:3]) for c in it] for it in calls], "ops": ops, "same": same,
+                     "tensors": max(len(c[5]) for it in calls for c in it)}
     return out
 
 
@@ -157,6 +161,7 @@ def test_hooks_return_before_their_exchange_ends_and_give_the_blocking_bits():
                 assert [done for _, _, done in it] == [last for _, last, _ in it], (kind, it)
             assert res["ops"] == [["all_reduce"]] * 2 + [["all_gather", "all_to_all"]] * 2, kind
         assert all(r["sign"]["same"]), r["sign"]["same"]
+        assert r["sign"]["tensors"] > 1  # a bucket of several tensors: one scale each
 
 
 def test_one_bit_hooks_train_near_the_ddp_loss():
@@ -260,6 +265,8 @@ def test_bad_arguments():
         BirderState(eps=0)
     with pytest.raises(ValueError, match="hierarchical must be"):
         BirderState(hierarchical="no")
+    with pytest.raises(ValueError, match="Invalid scales value: 'layer'"):
+        ErrorFeedbackState(scales="layer")
 
 
 def _layout_change_worker(rank, world):

@@ -21,6 +21,7 @@ __all__ = [
     "check_optional_positive",
     "check_positive",
     "check_positive_int",
+    "check_scales",
     "check_seed",
 ]
 
@@ -102,6 +103,14 @@ def check_beta(beta: object) -> float:
     if not 0.0 <= beta < 1.0:
         raise ValueError(f"Invalid beta value: {beta}")
     return float(beta)
+
+
+def check_scales(scales: object) -> str:
+    """``scales`` of an exchange by a compressed all-reduce: ``"tensor"`` (one scale per tensor
+    piece of each chunk) or ``"chunk"``; a ``ValueError`` naming the value otherwise."""
+    if scales not in ("tensor", "chunk"):
+        raise ValueError(f"Invalid scales value: {scales!r} (expected 'tensor' or 'chunk')")
+    return scales  # type: ignore[return-value]
 
 
 def check_seed(seed: object) -> int:

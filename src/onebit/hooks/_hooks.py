@@ -2,6 +2,7 @@
 
 # No ``from __future__ import annotations``: DDP compares the hooks' annotations with the
 # real ``dist.GradBucket`` and ``Future[Tensor]`` objects, not strings.
+import itertools
 import logging
 from collections.abc import Mapping
 from datetime import timedelta
@@ -14,7 +15,7 @@ from torch import Tensor
 from .. import comm
 from ..comm import Stages
 from ..compress import Compressor, StochasticSignCompressor, get
-from .._checks import check_beta, check_positive, check_seed
+from .._checks import check_beta, check_positive, check_scales, check_seed
 from ..optim import soft_sign_direction
 
 __all__ = ["BirderState", "ErrorFeedbackState", "birder_hook", "error_feedback_hook"]
@@ -115,7 +116,12 @@ class _HookState:
     def _compressor(self, index: int) -> str | Compressor:
         raise NotImplementedError
 
-    def _bucket(self, index: int, grad: Tensor) -> dict[str, Any] | None:
+    def _segments(self, bucket: dist.GradBucket) -> list[int] | None:
+        """Where the bucket's tensors start in its buffer, when its chunks get one scale per
+        tensor piece; ``None``: one scale per chunk."""
+        return None
+
+    def _bucket(self, index: int, grad: Tensor, segments: list[int] | None = None) -> dict[str, Any] | None:
         """The bucket's collective and buffers, created on first use or restored from a checkpoint.
 
         ``None`` means "exchange this bucket exactly": a restored state is waiting for the new
@@ -148,6 +154,7 @@ class _HookState:
             ranks_per_node=self.ranks_per_node,
             timeout=self.timeout,
             flag_nonfinite=True,
+            segments=segments,
         )
         entry = self._buckets[index] = {"allreduce": allreduce, **self._new_buffers(grad)}
         if saved is not None:
@@ -169,7 +176,9 @@ class _HookState:
             _log.warning("dropping %d bucket exchanges of an unfinished backward pass; the buckets' state "
                          "is restored as from a checkpoint", len(self._flights))
             self.load_state_dict(self.state_dict())
-        return self._bucket(bucket.index(), bucket.buffer()) if self.iter >= self.start_iter else None
+        if self.iter < self.start_iter:
+            return None
+        return self._bucket(bucket.index(), bucket.buffer(), self._segments(bucket))
 
     def _mean(self, grad: Tensor) -> Stages:
         """The exact fp32 average of ``grad``, in place, as stages."""
@@ -257,9 +266,11 @@ class ErrorFeedbackState(_HookState):
     Args:
         process_group: the DDP model's group (``None``: default).
         compressor: name or instance of the compressor (``"sign"``: 1 bit per value with
-            one ``||x||_2 / sqrt(n)`` scale per chunk of each bucket; ``"identity"`` sends
-            fp32 and equals plain DDP).
+            ``||x||_2 / sqrt(n)`` scales; ``"identity"`` sends fp32 and equals plain DDP).
         start_iter: first compressed iteration (>= 2, see the class notes).
+        scales: ``"tensor"``: a compressor with scales (``"sign"``) gives each parameter's
+            piece of a chunk of the bucket its own, as the optimizers do; ``"chunk"``: one per
+            chunk (the hooks of onebit 0.1.0).
         hierarchical: Birder's Hierarchical-1-bit-All-Reduce, as
             :func:`onebit.comm.compressed_allreduce` (``True``, ``False`` or ``"auto"``).
         ranks_per_node: ranks on each node, for the hierarchical exchange (``None``: detected).
@@ -275,7 +286,7 @@ class ErrorFeedbackState(_HookState):
             opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     """
 
-    __slots__ = ("compressor", "compressor_kwargs")
+    __slots__ = ("compressor", "compressor_kwargs", "scales")
 
     def __init__(
         self,
@@ -283,6 +294,7 @@ class ErrorFeedbackState(_HookState):
         compressor: str = "sign",
         start_iter: int = 2,
         *,
+        scales: str = "tensor",
         hierarchical: bool | str = False,
         ranks_per_node: int | None = None,
         timeout: float | timedelta | None = None,
@@ -292,9 +304,15 @@ class ErrorFeedbackState(_HookState):
         get(compressor, **compressor_kwargs)  # validate now, not in the middle of a backward pass
         self.compressor = compressor
         self.compressor_kwargs = compressor_kwargs
+        self.scales = check_scales(scales)
 
     def _compressor(self, index: int) -> str | Compressor:
         return get(self.compressor, **self.compressor_kwargs)
+
+    def _segments(self, bucket: dist.GradBucket) -> list[int] | None:
+        if self.scales == "chunk" or not get(self.compressor, **self.compressor_kwargs).blockwise:
+            return None
+        return [0, *itertools.accumulate(g.numel() for g in bucket.gradients()[:-1])]
 
 
 def error_feedback_hook(state: ErrorFeedbackState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -41,10 +41,11 @@ from torch import Tensor
 from dataclasses import dataclass
 
 from .. import comm, compress
+from .._checks import check_scales
 from ._functional import _BLOCK
 
 __all__ = ["COMPRESSED_FORMED", "COMPRESSED_GRADIENT", "Buckets", "Driver", "EXACT_GRADIENT", "LOCAL", "Wire",
-           "allreduce_factory", "bucket_bounds", "check_scales"]
+           "allreduce_factory", "bucket_bounds"]
 
 _log = logging.getLogger("onebit.optim")
 
@@ -456,14 +457,6 @@ def allreduce_factory(opt: OnebitOptimizer, compressor: Any, *, hierarchical: bo
                              "exchange needs the flat compressed all-reduce)")
         return made
     return collective
-
-
-def check_scales(scales: object) -> str:
-    """``scales`` of the optimizers that exchange with a compressed all-reduce: ``"tensor"``
-    or ``"chunk"``; a ``ValueError`` naming the value otherwise."""
-    if scales not in ("tensor", "chunk"):
-        raise ValueError(f"Invalid scales value: {scales!r} (expected 'tensor' or 'chunk')")
-    return scales  # type: ignore[return-value]
 
 
 if TYPE_CHECKING:
