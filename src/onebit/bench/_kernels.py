@@ -39,6 +39,8 @@ def _fast_name(device: torch.device, kernel: str) -> str:
         if kernel == "pack_signs":
             return "numpy"
         return "numba" if _cpu.numba is not None else "torch"
+    if kernel == "zero_where_equal":  # a masked fill: one pass in torch already
+        return "torch"
     return "triton" if _triton.available(torch.empty(0, device=device)) else "torch"
 
 
