@@ -233,6 +233,18 @@ def test_bench_convergence_pairs_seeds_and_reports_intervals(tmp_path, capsys):
     assert line.endswith(f"(worst {row['worst_gap']:+.1f}) |")
 
 
+def test_bench_convergence_runs_tasks_side_by_side(tmp_path):
+    out = tmp_path / "conv"
+    argv = ["bench", "convergence", "--tasks", "digits,frozen_unused", "--families", "adamw", "--no-controls",
+            "--steps", "3", "--seeds", "1", "--batch-size", "4", "--world-size", "2", "--jobs", "2",
+            "--out", str(out), "--quiet"]
+    assert main(argv) == 0
+    runs = json.loads((out / "summary.json").read_text())["runs"]
+    assert [(r["task"], r["label"]) for r in runs] == [
+        (task, label) for task in ("digits", "frozen_unused") for label in ("adamw", "onebit_adam", "zero_one_adam")]
+    assert all(r["replicas"] == "identical" and r["first_nonfinite_step"] is None for r in runs)
+
+
 def test_convergence_cells_leave_out_the_identity_controls_on_request():
     from onebit.bench._convergence import convergence_cells
 

@@ -365,7 +365,7 @@ def _bench_convergence(args: argparse.Namespace) -> int:
         summary = run_convergence(out, tasks, families, steps=args.steps, batch=args.batch_size,
                                   world=args.world_size, seeds=seeds, perturbations=args.perturb, levels=levels,
                                   freeze_fractions=tuple(args.freeze), extended=args.extended,
-                                  controls=not args.no_controls,
+                                  controls=not args.no_controls, jobs=args.jobs,
                                   schedule=args.schedule, iid=args.iid, progress=not args.quiet,
                                   max_grad_norm=args.max_grad_norm,
                                   provenance=provenance(shlex.join(["onebit", *args.argv])))
@@ -543,6 +543,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--extended", action="store_true",
                       help="add the overlapped exchanges, no-error-feedback runs, Top-k keeping 5%% and 25%% and "
                            "per-layer Block-Sign")
+    conv.add_argument("--jobs", type=_positive_int, default=1,
+                      help="tasks trained at a time, each on --world-size processes of one thread (default 1)")
     conv.add_argument("--no-controls", action="store_true",
                       help="leave out the identity controls (each compressed optimizer with its compressor "
                            "replaced by the exact exchange)")

@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -389,20 +390,21 @@ def run_convergence(out: Path, tasks: tuple[str, ...] = DEFAULT_TASKS,
                     families: tuple[str, ...] = tuple(FAMILIES), *, steps: int = 300, batch: int = 32,
                     world: int = 3, seeds: tuple[int, ...] = (0, 1, 2, 3), perturbations: int = 0,
                     levels: tuple[str, ...] = ("high",), freeze_fractions: tuple[float | None, ...] = (None,),
-                    extended: bool = False, controls: bool = True,
+                    extended: bool = False, controls: bool = True, jobs: int = 1,
                     schedule: str = "constant", iid: bool = False, progress: bool = True,
                     max_grad_norm: float | None = None,
                     provenance: dict[str, str] | None = None) -> dict[str, Any]:
     """Run the matrix (every optimizer with ``max_grad_norm`` when given; ``schedule``
     ``"constant"`` or ``"cosine"`` to zero; ``iid`` shards; each seed also from ``perturbations``
-    last-bit changes of its initial weights, :func:`perturb_`); write and return the summary
+    last-bit changes of its initial weights, :func:`perturb_`; ``jobs`` tasks at a time, each
+    on ``world`` processes); write and return the summary
     (the settings, ``provenance``: the command, machine and date, :func:`aggregate`'s rows,
     and every run with its loss curve) as ``summary.json`` in ``out``."""
     if schedule not in ("constant", "cosine"):
         raise ValueError(f"schedule must be 'constant' or 'cosine', got {schedule!r}")
     out.mkdir(parents=True, exist_ok=True)
-    results: list[dict[str, Any]] = []
-    for name in tasks:
+
+    def task_job(name: str) -> list[dict[str, Any]]:
         # overlap=True refuses max_grad_norm (the local clip needs every gradient before the first bucket leaves)
         cells = [c for c in convergence_cells((name,), families, levels=levels, freeze_fractions=freeze_fractions,
                                               extended=extended, controls=controls)
@@ -410,8 +412,12 @@ def run_convergence(out: Path, tasks: tuple[str, ...] = DEFAULT_TASKS,
         if progress:
             print(f"task {name}: {len(cells)} cells x {len(seeds)} seeds of {steps} steps on {world} ranks",
                   flush=True)
-        results += spawn(_task_main, world, name, cells, steps, batch, tuple(seeds), perturbations, progress,
-                         max_grad_norm, schedule, iid, timeout=None)[0]
+        return spawn(_task_main, world, name, cells, steps, batch, tuple(seeds), perturbations, progress,
+                     max_grad_norm, schedule, iid, timeout=None)[0]
+
+    # each task's job is its own gloo group: several run side by side on a machine with the cores
+    with ThreadPoolExecutor(jobs) as pool:
+        results = [run for runs in pool.map(task_job, tasks) for run in runs]
     summary = {"steps": steps, "batch_per_rank": batch, "world_size": world, "seeds": list(seeds),
                "perturbations": perturbations,
                "schedule": schedule, "shards": "iid" if iid else "contiguous", "max_grad_norm": max_grad_norm,
