@@ -223,6 +223,9 @@ def test_bench_convergence_pairs_seeds_and_reports_intervals(tmp_path, capsys):
     assert row["target"] == 3.0 and row["verdict"] in ("met", "missed", "inconclusive")
     control = next(a for a in summary["aggregate"] if a["label"] == "onebit_adam_identity@20%")
     assert control["verdict"] == "control"
+    # "auto" did not freeze in 5 steps: fp32 throughout, no verdict on the bits
+    auto = next(a for a in summary["aggregate"] if a["label"] == "onebit_adam")
+    assert auto["uncompressed"] == 4 and auto["verdict"] == "uncompressed" and row["uncompressed"] == 0
     (out / "table.md").unlink()
     assert main(["bench", "convergence", "--out", str(out), "--report-only"]) == 0
     table = (out / "table.md").read_text().splitlines()

@@ -457,7 +457,8 @@ def _steps_to(losses: list[float], target: float) -> float | None:
 def aggregate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per cell (task, optimizer, learning rate, freeze) over its runs (seeds, and their
     last-bit perturbations): the paired gaps to the counterpart, their mean and 95% half-width,
-    the worst run and the share of runs more than :data:`BEHIND` behind, the C1 verdict,
+    the worst run and the share of runs more than :data:`BEHIND` behind, the runs that never
+    compressed (as many bytes sent as the counterpart), the C1 verdict,
     non-finite runs, the steps to the counterpart's final loss, and each run's score with their
     finite mean."""
     key = ("task", "family", "lr")
@@ -485,11 +486,16 @@ def aggregate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             worst = max(range(len(gaps)), key=lambda k: math.inf if gaps[k] is None else gaps[k]) if gaps else None
             reached = [_steps_to(r["losses"], b["final_loss"]) if r["first_nonfinite_step"] is None else None
                        for r, b in pairs]
-            row.update(gaps=gaps, gap_mean=mean, gap_half=half, target=target,
+            # a run that sent as many bytes as its counterpart never compressed (a two-stage
+            # optimizer whose freeze did not come within the run): its gap is no evidence for the
+            # bits (the identity controls send fp32 by design)
+            fp32 = 0 if target is None else sum(r["bytes_sent_per_rank"] >= b["bytes_sent_per_rank"] for r, b in pairs)
+            row.update(gaps=gaps, gap_mean=mean, gap_half=half, target=target, uncompressed=fp32,
                        worst_gap=None if worst is None else gaps[worst],
                        worst_run=None if worst is None else list(_run(pairs[worst][0])),
                        behind=sum(g is None or g > BEHIND for g in gaps) / len(gaps) if gaps else None,
-                       verdict=_verdict(mean, half, target, row["nonfinite"], None if worst is None else gaps[worst]),
+                       verdict="uncompressed" if gaps and fp32 == len(gaps) else
+                       _verdict(mean, half, target, row["nonfinite"], None if worst is None else gaps[worst]),
                        steps_to_target=reached)
         if "ratio_at_min" in runs[0]:
             row["ratio_at_min"] = sum(r.get("ratio_at_min", 0.0) for r in runs) / len(runs)
@@ -534,7 +540,10 @@ def _cell_text(row: dict[str, Any]) -> str:
     mark = {"met": " ✓", "missed": " ✗", "inconclusive": " ?", "non-finite": " NaN"}.get(row["verdict"], "")
     worst = "non-finite" if row.get("worst_gap") is None and "worst_gap" in row else \
         f"{row['worst_gap']:+.1f}" if "worst_gap" in row else ""
-    return f"{row['gap_mean']:+.1f}{unit}{half}{mark}" + (f" (worst {worst})" if worst else "")
+    fp32 = row.get("uncompressed", 0)
+    never = "" if not fp32 else "; never compressed" if fp32 == len(row["gaps"]) else \
+        f"; {fp32}/{len(row['gaps'])} never compressed"
+    return f"{row['gap_mean']:+.1f}{unit}{half}{mark}" + (f" (worst {worst}{never})" if worst else "")
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
