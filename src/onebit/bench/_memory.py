@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
+from ..comm import all_reduce_mean
 from ..launch import spawn
 from ..optim import REGISTRY, make_optimizer
 
@@ -151,8 +151,7 @@ def _train(name: str, size: int, steps: int, freeze: int, world: int, rank: int,
         if name == "adamw" and world > shards:  # what DDP (or HSDP) does for it: average the gradients
             for p in model.parameters():
                 grad = p.grad.to_local() if shards > 1 else p.grad
-                dist.all_reduce(grad, group=group)
-                grad.div_(world // shards)
+                all_reduce_mean(grad, group=group)
         opt.step()
         after_step(opt)
         model.zero_grad(set_to_none=False)
