@@ -288,3 +288,36 @@ def test_naive_control_is_adam_on_compressed_gradients(world):
     oracle = SimulatedCompressedAllReduce(world, DIM + 1, segments=[0, DIM])
     slot = max(math.ceil((hi - lo) / 8) + 4 * len(p) for (lo, hi), p in zip(oracle.bounds, oracle.pieces))
     assert all(s["bytes_sent"] == 2 * (world - 1) * slot + flag_bytes(world) for s in stats)
+
+
+def _quiet_neighbour(rank, world, scales):
+    """A tensor of gradients 1000x smaller than its chunk neighbour's (a LayerNorm beside a
+    projection), in DeepSpeed's setting (no bias correction), frozen at step 20: the mean size of
+    its steps in the 20 compressed steps after, in units of lr."""
+    loud = torch.nn.Parameter(torch.zeros(512))
+    quiet = torch.nn.Parameter(torch.zeros(64))
+    lr, freeze = 1e-3, 20
+    opt = onebit.OnebitAdam([loud, quiet], lr=lr, bias_correction=False, freeze_step=freeze, scales=scales)
+    gen = torch.Generator().manual_seed(rank)
+    path = 0.0
+    for step in range(1, 2 * freeze + 1):
+        before = quiet.detach().clone()
+        loud.grad = 1.0 + torch.randn(512, generator=gen)
+        quiet.grad = 1e-3 * (1.0 + torch.randn(64, generator=gen))
+        opt.step()
+        if step > freeze:
+            path += float((quiet.detach() - before).abs().mean())
+    return path / (lr * freeze)
+
+
+def test_one_scale_per_tensor_keeps_a_quiet_tensor_off_the_clip():
+    """The post-freeze jump of issue 39 (1-bit Adam in DeepSpeed's setting on a byte-level model):
+    one scale per chunk gives a quiet tensor its neighbour's magnitude, and its small frozen
+    variance turns that into steps at the clip, 10x Adam's largest step over sqrt(1 - beta2^T)
+    without bias correction (225 lr here); one scale per tensor keeps its steps at its own
+    momentum's (5.8 lr: the uncorrected variance's 7.1x Adam's)."""
+    chunk = run_ranks(_quiet_neighbour, 2, "chunk")
+    tensor = run_ranks(_quiet_neighbour, 2, "tensor")
+    bound = 10 * 0.1 / math.sqrt(0.001) / math.sqrt(1 - 0.999**20)  # Kingma & Ba: (1 - b1) / sqrt(1 - b2)
+    assert all(c == pytest.approx(bound, rel=0.01) for c in chunk), (chunk, bound)  # every step at the clip
+    assert all(t < 10.0 for t in tensor), tensor
