@@ -200,10 +200,10 @@ def test_bench_convergence_pairs_seeds_and_reports_intervals(tmp_path, capsys):
     assert set(summary["provenance"]) == {"command", "machine", "date"}
     runs = summary["runs"]
     # the defaults as shipped (no freeze step set), then a freeze at 20% of the steps
-    labels = ["adamw"] + [label for name in ("onebit_adam_identity", "onebit_adam", "zero_one_adam")
-                          for label in (name, f"{name}@20%")]
+    labels = ["adamw"] + [label for name in ("onebit_adam_identity", "onebit_adam", "zero_one_adam_identity",
+                                             "zero_one_adam") for label in (name, f"{name}@20%")]
     assert [r["label"] for r in runs] == labels * 4
-    assert [(r["seed"], r["perturbation"]) for r in runs[::7]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [(r["seed"], r["perturbation"]) for r in runs[::9]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     # "auto" does not freeze in 5 steps; 20% of them is step 1
     assert [r["freeze_step"] for r in runs[:5]] == [None, None, 1, None, 1]
     assert all(r["replicas"] == "identical" and r["first_nonfinite_step"] is None for r in runs)
@@ -233,7 +233,8 @@ def test_bench_convergence_pairs_seeds_and_reports_intervals(tmp_path, capsys):
     assert table[0] == "**adamw, lr 0.003**" and table[2] == "| optimizer | digits |"
     line = next(t for t in table if t.startswith("| onebit_adam@20% |"))
     assert line.startswith(f"| onebit_adam@20% | {row['gap_mean']:+.1f} pt ± {row['gap_half']:.1f}")
-    assert line.endswith(f"(worst {row['worst_gap']:+.1f}) |")
+    seed, perturbation = row["worst_run"]
+    assert line.endswith(f"(worst {row['worst_gap']:+.1f}, seed {seed}{' perturbed' if perturbation else ''}) |")
 
 
 def test_bench_convergence_runs_tasks_side_by_side(tmp_path):
@@ -254,7 +255,7 @@ def test_convergence_cells_leave_out_the_identity_controls_on_request():
     def labels(**kw):
         return [c.label for c in convergence_cells(("gpt",), ("adamw", "softsign_sgd"), **kw)]
 
-    assert labels() == ["adamw", "onebit_adam_identity", "onebit_adam", "zero_one_adam",
+    assert labels() == ["adamw", "onebit_adam_identity", "onebit_adam", "zero_one_adam_identity", "zero_one_adam",
                         "softsign_sgd", "birder_identity", "birder"]
     assert labels(controls=False) == ["adamw", "onebit_adam", "zero_one_adam", "softsign_sgd", "birder"]
 

@@ -11,7 +11,7 @@ upper end is inside it ("missed" when its lower end is outside, "inconclusive" b
 =============  ==============================================================================
 counterpart    compared with it
 =============  ==============================================================================
-AdamW          1-bit Adam and its identity-compressor control; 0/1 Adam
+AdamW          1-bit Adam and 0/1 Adam, each with its identity-compressor control
 LAMB           1-bit LAMB and its identity-compressor control
 AMSGrad        Comp-AMS Top-k 1% and Block-Sign
 SoftSignSGD    Birder and its identity-compressor control
@@ -21,8 +21,8 @@ The counterparts are the same code with an exact fp32 exchange (1-bit Adam/LAMB 
 freeze, Comp-AMS with ``compressor="none"``; SoftSignSGD normalises the averaged gradient).
 A control is the compressed optimizer with ``compressor="identity"``: its gap to the
 counterpart is what the algorithm's frozen or normalised parts cost (1-bit Adam's frozen
-variance and step clip, 1-bit LAMB's frozen variance and trust ratios, Birder's per-rank
-normalisation), and the compressed optimizer's gap to the control is what the bits cost.
+variance and step clip, 0/1 Adam's variance schedule, 1-bit LAMB's frozen variance and trust
+ratios, Birder's per-rank normalisation), and the compressed optimizer's gap to the control is what the bits cost.
 ``extended=True`` adds the overlapped exchanges, the runs without error feedback and
 Block-Sign with one block per layer.
 
@@ -65,7 +65,7 @@ LEVELS = ("low", "high")
 
 # counterpart -> (its low and high learning rates, what is compared with it by default)
 FAMILIES: dict[str, tuple[tuple[float, float], tuple[str, ...]]] = {
-    "adamw": ((1e-3, 3e-3), ("onebit_adam_identity", "onebit_adam", "zero_one_adam")),
+    "adamw": ((1e-3, 3e-3), ("onebit_adam_identity", "onebit_adam", "zero_one_adam_identity", "zero_one_adam")),
     "lamb": ((3e-3, 1e-2), ("onebit_lamb_identity", "onebit_lamb")),
     "amsgrad": ((1e-3, 3e-3), ("comp_ams_topk", "comp_ams_block_sign")),
     "softsign_sgd": ((1e-3, 3e-3), ("birder_identity", "birder")),
@@ -98,6 +98,7 @@ _VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "onebit_adam_identity": ("onebit_adam", _IDENTITY),
     "onebit_adam_overlap": ("onebit_adam", _OVERLAP),
     "zero_one_adam": ("zero_one_adam", {}),
+    "zero_one_adam_identity": ("zero_one_adam", _IDENTITY),
     "lamb": ("onebit_lamb", {"freeze_step": _NEVER}),
     "onebit_lamb": ("onebit_lamb", {}),
     "onebit_lamb_identity": ("onebit_lamb", _IDENTITY),
@@ -540,6 +541,9 @@ def _cell_text(row: dict[str, Any]) -> str:
     mark = {"met": " ✓", "missed": " ✗", "inconclusive": " ?", "non-finite": " NaN"}.get(row["verdict"], "")
     worst = "non-finite" if row.get("worst_gap") is None and "worst_gap" in row else \
         f"{row['worst_gap']:+.1f}" if "worst_gap" in row else ""
+    if worst and row.get("worst_run") and row["verdict"] != "uncompressed":
+        seed, perturbation = row["worst_run"]
+        worst += f", seed {seed}" + (" perturbed" if perturbation else "")
     fp32 = row.get("uncompressed", 0)
     never = "" if not fp32 else "; never compressed" if fp32 == len(row["gaps"]) else \
         f"; {fp32}/{len(row['gaps'])} never compressed"
@@ -549,7 +553,8 @@ def _cell_text(row: dict[str, Any]) -> str:
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     """One table per family and learning rate: a row per optimizer, a column per task; the
     counterpart's mean score, then each optimizer's mean paired gap ± the 95% half-width
-    (✓ met, ? inconclusive, ✗ missed against its C1 target; none: a control) and its worst run."""
+    (✓ met, ? inconclusive, ✗ missed against its C1 target; none: a control) and its worst run
+    (its seed, "perturbed" when it started from the last-bit-changed weights)."""
     tables = []
     tasks = list(dict.fromkeys(r["task"] for r in rows))
     for family, lr in dict.fromkeys((r["family"], r["lr"]) for r in rows):
