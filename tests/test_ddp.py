@@ -17,6 +17,7 @@ from _harness import run_ranks
 from _problem import OPTIMIZERS, optimizer_class
 from _problem import digest as _digest
 
+
 def _written_bytes() -> int:
     """Bytes this process has written so far, sockets included (``wchar`` of ``/proc/self/io``):
     the rank's own traffic, whatever else runs on the machine."""

@@ -22,7 +22,8 @@ freeze, Comp-AMS with ``compressor="none"``; SoftSignSGD normalises the averaged
 A control is the compressed optimizer with ``compressor="identity"``: its gap to the
 counterpart is what the algorithm's frozen or normalised parts cost (1-bit Adam's frozen
 variance and step clip, 0/1 Adam's variance schedule, 1-bit LAMB's frozen variance and trust
-ratios, Birder's per-rank normalisation), and the compressed optimizer's gap to the control is what the bits cost.
+ratios, Birder's per-rank normalisation), and the compressed optimizer's gap to the control is
+what the bits cost.
 ``extended=True`` adds the overlapped exchanges, the runs without error feedback and
 Block-Sign with one block per layer.
 
