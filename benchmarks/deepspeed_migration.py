@@ -55,8 +55,9 @@ def report(rows: list[dict]) -> str:
         return r["config"], r["task"], r["steps"], r["freeze_step"], r.get("lr")
 
     theirs = {(setting(r), r.get("seed", 0)): r for r in rows if r["side"] == "deepspeed"}
-    lines = ["| config | task | steps, freeze, lr | onebit overrides | seeds | DeepSpeed held-out | onebit held-out "
-             "| paired gap, mean ± 95% | worst seed | per seed |", "|---|---|---|---|---|---|---|---|---|---|"]
+    # the result first (paired gap, worst seed): the columns a narrow page shows without scrolling
+    lines = ["| config | task | steps, freeze, lr | onebit overrides | paired gap, mean ± 95% | worst seed | seeds "
+             "| DeepSpeed held-out | onebit held-out | per seed |", "|---|---|---|---|---|---|---|---|---|---|"]
     groups = dict.fromkeys((setting(r), json.dumps(r["overrides"])) for r in rows if r["side"] == "onebit")
     for key, overrides in groups:
         mine = [r for r in rows if r["side"] == "onebit" and (setting(r), json.dumps(r["overrides"])) == (key, overrides)
@@ -69,10 +70,10 @@ def report(rows: list[dict]) -> str:
         worst = max(range(len(gaps)), key=gaps.__getitem__)
         config, task, steps, freeze, lr = key
         lines.append(f"| {config} | `{task}` | {steps}, {freeze}, {'config' if lr is None else f'{lr:g}'} "
-                     f"| {overrides if overrides != '{}' else '—'} | {len(pairs)} "
-                     f"| {sum(a for a, _ in pairs) / len(pairs):.4f} | {sum(b for _, b in pairs) / len(pairs):.4f} "
+                     f"| {overrides if overrides != '{}' else '—'} "
                      f"| {mean:+.1f}% ± {half:.1f} | {gaps[worst]:+.1f} (seed {mine[worst].get('seed', 0)}) "
-                     f"| {', '.join(f'{g:+.1f}' for g in gaps)} |")
+                     f"| {len(pairs)} | {sum(a for a, _ in pairs) / len(pairs):.4f} "
+                     f"| {sum(b for _, b in pairs) / len(pairs):.4f} | {', '.join(f'{g:+.1f}' for g in gaps)} |")
     return "\n".join(lines) + "\n\n" + provenance_note(rows)
 
 
