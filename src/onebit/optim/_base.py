@@ -23,10 +23,11 @@ calls them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import zlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,8 +39,9 @@ from .. import comm
 from .._checks import COMMON_OPTIONS, check_betas, check_nonneg, check_optional_positive
 from ._agreement import agree_nonfinite, check_replicas
 from ._ddp import attach_ddp, check_ddp
-from ._driver import Driver, Wire
+from ._driver import Driver, Plan, Wire, allreduce_factory
 from ._flat import FlatState
+from ._functional import _BLOCK
 from ._shards import Shards
 
 if TYPE_CHECKING:
@@ -202,8 +204,32 @@ class OnebitOptimizer(Optimizer):
             raise ValueError(f"Invalid max_grad_norm value with overlap=True: {self.max_grad_norm!r} (the "
                              f"{type(self).__name__} step clips each rank's gradient over all parameters, which the "
                              "first bucket's exchange cannot wait for); use overlap=False to clip")
-        self._driver = Driver(self, collective, overlap=overlap, bucket_cap_mb=bucket_cap_mb, alignment=alignment,
-                              key=key)
+        self._driver = Driver(self.flat, self.process_group, self.timeout, collective, overlap=overlap,
+                              bucket_cap_mb=bucket_cap_mb, alignment=alignment, key=key, owner=type(self).__name__)
+        self._plan_next()
+
+    def _allreduce(self, compressor: Any, *, hierarchical: bool | str, ranks_per_node: int | None, overlap: bool,
+                   scales: str = "chunk") -> Callable[[int, int], Any]:
+        """The compressed all-reduce's factory for :meth:`_drive` (:func:`~onebit.optim._driver.allreduce_factory`
+        on these parameters, group and timeout)."""
+        return allreduce_factory(self.flat.offsets, self.process_group, self.timeout, compressor,
+                                 hierarchical=hierarchical, ranks_per_node=ranks_per_node, overlap=overlap,
+                                 scales=scales)
+
+    @property
+    def _collectives(self) -> list[Any]:
+        """The exchange's compressed collectives, one per bucket (None where a bucket has none)."""
+        return self._driver.collectives
+
+    def _reset_errors(self) -> None:
+        """The collectives' error-feedback buffers restart at zero (what they carry changes meaning)."""
+        self._driver.reset()
+
+    def _plan_next(self) -> None:
+        """Hand the driver what the next step sends (before its backward: buckets may leave during it)."""
+        wire, step = self._stages.wire, self._step_count + 1
+        self._driver.plan(Plan(wire, step, functools.partial(self._write, wire, step),
+                               functools.partial(self._landing, wire)))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Only during construction: the fused flat state and the collectives are sized for the
@@ -252,6 +278,33 @@ class OnebitOptimizer(Optimizer):
     def _apply(self, wire: Wire, average: Tensor | None) -> None:
         """The step, on the landed ``average`` (None where it was consumed chunk by chunk)."""
         raise NotImplementedError
+
+    def _write(self, wire: Wire, step: int, out: Tensor, base: int, members: Sequence[int], live: Sequence[bool],
+               agreed: bool, add: bool) -> None:
+        """What parameters ``members`` send at ``step``, written (``add``: added) into ``out`` from
+        flat offset ``base`` on: their gradients (zeros where missing), or :meth:`_form` block by
+        block, in the parameters' logical order (the driver's :class:`~onebit.optim._driver.Plan`)."""
+        flat = self.flat
+        if not wire.formed and not add:
+            flat.gather_grads(out, members, base=base)
+            return
+        scratch = torch.empty(2, min(_BLOCK, out.numel()), dtype=torch.float32, device=out.device)
+        groups = [g for g in self.param_groups for _ in g["params"]]  # read now: LR schedulers change them
+        for i in members:
+            p, (first, last) = flat.params[i], flat.offsets[i]
+            g = p.grad.reshape(-1) if p.grad is not None else None  # logical order (a copy if channels_last)
+            for at in range(first, last, _BLOCK):
+                to = min(at + _BLOCK, last)
+                grad = None if g is None else g[at - first : to - first]
+                target = out[at - base : to - base]
+                if not wire.formed:  # the gradients, added
+                    if grad is not None:
+                        target.add_(grad)
+                    continue
+                rows = scratch[:, : to - at]
+                self._form(i, at, to, grad, live[i], groups[i], step, rows, rows[0] if add else target, agreed)
+                if add:
+                    target.add_(rows[0])
 
     # ------------------------------------------------------------------ helpers
     def _check_groups(self, defaults: Mapping[str, Any]) -> None:
@@ -355,9 +408,18 @@ class OnebitOptimizer(Optimizer):
     def step(self, closure=None):  # type: ignore[override]
         """One optimizer step (the closure, if given, is evaluated with grad enabled first).
 
-        If any rank has a non-finite gradient (or its GradScaler found one), every rank skips
-        the step and leaves all state untouched (``stats["skipped_steps"]`` counts them), or
-        raises ``FloatingPointError`` with ``on_nonfinite="raise"``.
+        1. **Flush**: launch, in order, the buckets backward did not (``overlap=True``).
+        2. **Agree**: one small all-reduce of "a gradient here is not finite" and "parameter
+           ``i`` has a gradient here". If any rank has a non-finite gradient (or its GradScaler
+           found one), every rank skips the step and leaves all state untouched
+           (``stats["skipped_steps"]`` counts them), or raises ``FloatingPointError`` with
+           ``on_nonfinite="raise"``.
+        3. **Clip** (``max_grad_norm``): each rank's own gradients, where the stage never forms
+           their average.
+        4. **Exchange**: the stage's wire -- the exact mean, the compressed collective, or
+           nothing -- into where the average lands; clipped where it is the gradients'.
+        5. **Apply**: the algorithm's step on it, the only place the state moves.
+        6. **Advance**: hand the driver the next step's stage.
         """
         loss = None
         if closure is not None:
@@ -370,19 +432,31 @@ class OnebitOptimizer(Optimizer):
         self._shards.bind_grads()
         try:
             with comm.measure() as meter:
-                self._driver.flush()
-                nonfinite, self._active = agree_nonfinite(self)
+                if self._driver.overlapped and (getattr(self, "grad_scale", None) is not None
+                                                or getattr(self, "found_inf", None) is not None):
+                    raise ValueError(
+                        f"{type(self).__name__}(overlap=True) exchanged the gradients during backward, before "
+                        "GradScaler could unscale them or find infs: use overlap=False with GradScaler")
+                self._driver.flush()  # 1
+                nonfinite, self._active = agree_nonfinite(self)  # 2
                 if nonfinite:
                     self._skipped += 1
                     self._driver.abandon()
                 else:
                     self._step_count += 1
-                    self._last_stage = self._stages.wire.stage
-                    self._driver.run(self._step_count)
+                    wire = self._stages.wire
+                    self._last_stage = wire.stage
+                    if wire.formed or not wire.exchanged:  # 3
+                        self._clip_local_grads()
+                    average = self._driver.run(self._active) if wire.exchanged else None  # 4
+                    if average is not None and not wire.formed:
+                        self._clip_grad_(average)
+                    self._apply(wire, average)  # 5
                     if self.check_replicas_every and self._step_count % self.check_replicas_every == 0:
                         self.check_replicas()
         finally:
             self._shards.release_grads()
+            self._plan_next()  # 6
         sent = meter.bytes_sent + self._driver.done()
         self._bytes_last = sent
         self._bytes_total += sent
@@ -478,6 +552,7 @@ class OnebitOptimizer(Optimizer):
             self._stages.load_state_dict(extra)
             self._load_extra_state(extra, own_state)
             self._driver.load_state_dict(extra, own_state)
+            self._plan_next()
         except KeyError as exc:
             raise ValueError(
                 f"incomplete {type(self).__name__} state_dict: missing {exc.args[0]!r} "

@@ -18,7 +18,7 @@ from .. import comm
 from .._checks import check_beta, check_bool, check_nonneg, check_positive, check_seed
 from ..compress import StochasticSignCompressor
 from ._base import OneStage, OnebitOptimizer
-from ._driver import COMPRESSED_FORMED, EXACT_GRADIENT, Wire, allreduce_factory
+from ._driver import COMPRESSED_FORMED, EXACT_GRADIENT, Wire
 from ._functional import UpdateByChunks, ema_
 
 if TYPE_CHECKING:
@@ -217,8 +217,8 @@ class Birder(_SoftSign):
             raise ValueError(f"Invalid compressor value: {compressor!r} (expected 'stochastic_sign' or 'identity')")
         self.seed = seed
         self.threshold_step = threshold_step
+        self._overlap = overlap
         self._flat_names = ("exp_avg", "exp_avg_abs") + (("max_exp_avg_abs",) if threshold_step is not None else ())
-        self._moved = False  # the moments of the step being taken moved in _form
         self._stages = OneStage(COMPRESSED_FORMED)
         self._init_soft_sign(params, lr=lr, beta=beta, eps=eps, weight_decay=weight_decay, group=group,
                              options=options)
@@ -226,8 +226,8 @@ class Birder(_SoftSign):
         quantiser = (
             StochasticSignCompressor(seed + self.rank * 2**32) if compressor == "stochastic_sign" else "identity"
         )
-        self._drive(allreduce_factory(self, quantiser, hierarchical=hierarchical, ranks_per_node=ranks_per_node,
-                                      overlap=overlap), overlap=overlap, bucket_cap_mb=bucket_cap_mb)
+        self._drive(self._allreduce(quantiser, hierarchical=hierarchical, ranks_per_node=ranks_per_node,
+                                    overlap=overlap), overlap=overlap, bucket_cap_mb=bucket_cap_mb)
         # The flat exchange takes u added straight into its worker error and hands its average
         # back chunk by chunk: no model-sized buffer for either. The hierarchical one reduces
         # the fp32 u within the node first, so u needs a buffer of its own there.
@@ -236,7 +236,7 @@ class Birder(_SoftSign):
     @property
     def allreduce(self) -> Any:
         """The compressed all-reduce (with ``overlap=True``, the first bucket's)."""
-        return self._driver.collectives[0]
+        return self._collectives[0]
 
     def _use_max(self, step: int) -> bool:
         """Line 7's running maximum is on at ``step``."""
@@ -258,7 +258,6 @@ class Birder(_SoftSign):
                 b_abs = torch.maximum(b_max, b_abs, out=b_max) if self._use_max(step) else b_max.copy_(b_abs)
             elif self._use_max(step):
                 b_abs = torch.maximum(b_max, b_abs, out=scratch[1])
-        self._moved = agreed
         torch.div(m, b_abs + self.eps, out=out)
 
     def _landing(self, wire: Wire) -> Tensor | UpdateByChunks:
@@ -270,8 +269,7 @@ class Birder(_SoftSign):
         ``_form`` moved them in the agreed step."""
         if average is not None:
             self._update()(0, average.numel(), average)
-        if self._moved:
-            self._moved = False
+        if not self._overlap:  # the one-shot exchange is formed once every rank agreed: the moments moved
             return
         b = self.flat.buffers
         soft_sign_moments(self.flat.offsets, grads=self._local_grads(), active=self._active,

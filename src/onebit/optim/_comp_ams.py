@@ -109,7 +109,7 @@ class _GradientExchange(OnebitOptimizer):
     def exchange(self) -> comm.CompressedAllGather | None:
         """The compressed all-gather of the one-shot exchange (None with ``overlap=True``, where each
         bucket has its own, or without compression)."""
-        return None if self._driver.overlapped else self._driver.collectives[0]
+        return None if self._overlap else self._collectives[0]
 
     def _landing(self, wire: Wire) -> Tensor:
         return self._grad
@@ -215,6 +215,7 @@ class CompAMS(_GradientExchange):
                                 Wire("compressed", formed=False, exact=True))
         self._init_exchange(params, lr=lr, betas=betas, weight_decay=weight_decay, group=group, options=options)
         self._block = block if compressor == "block_sign" else None
+        self._overlap = overlap
         make = None if compressor == "none" else (lambda start, end: topk) if self._block is None else self._block_sign
         self._drive(self._gathers(make, error_feedback, overlap), overlap=overlap, bucket_cap_mb=bucket_cap_mb,
                     alignment=self._block if isinstance(self._block, int) else 1, key="exchange")
@@ -285,6 +286,7 @@ class QAdam(_GradientExchange):
         self.eps = float(eps)
         self._stages = OneStage(COMPRESSED_FORMED)
         self._init_exchange(params, lr=lr, betas=betas, weight_decay=weight_decay, group=group, options=options)
+        self._overlap = False
         self._drive(self._gathers(lambda start, end: quantizer, error_feedback), key="exchange")
 
     def _form(self, i: int, lo: int, hi: int, grad: Tensor | None, live: bool, group: dict[str, Any], step: int,

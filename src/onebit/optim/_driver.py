@@ -1,15 +1,13 @@
 """The one exchange driver: what every onebit optimizer sends, one-shot or bucketed and overlapped.
 
-Every optimizer is one contract in three phases (:class:`~onebit.optim.OnebitOptimizer`):
-
-1. **form** (``_form``): what goes on the wire for a block of the flat layout, from the
-   gradients and the state as it was -- the state is not touched before every rank agreed to
-   take the step (the one-shot exchange may move it there, where ``_apply`` would repeat it);
-2. **the exchange**: a collective from :mod:`onebit.comm`, run by :class:`Driver`;
-3. **apply** (``_apply``): the average lands (``_landing``) and the state moves.
+The driver is the optimizer floor's lower half: it is handed the flat layout, the process
+group and the collectives when the optimizer is built, and before each step a :class:`Plan`
+-- the stage's :class:`Wire`, how to form what is sent, where the average lands -- and it
+returns the step's average. It never reads or calls the optimizer; the optimizer's base
+(:class:`~onebit.optim.OnebitOptimizer`) is its only caller.
 
 Each stage declares its :class:`Wire` -- what is sent (the gradients themselves, or what
-``_form`` makes) and how (the exact fp32 mean, or the optimizer's compressed collective) --
+the optimizer forms) and how (the exact fp32 mean, or the optimizer's compressed collective) --
 and the driver does the rest for every optimizer alike: without overlap, one bucket spanning
 the whole model, launched in ``step()`` once every rank agreed the gradients are finite;
 with ``overlap=True``, DDP's scheme: the parameters are grouped into buckets of about
@@ -33,18 +31,20 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from dataclasses import dataclass
-
 from .. import comm, compress
 from .._checks import check_scales
-from ._functional import _BLOCK
 
-__all__ = ["COMPRESSED_FORMED", "COMPRESSED_GRADIENT", "Buckets", "Driver", "EXACT_GRADIENT", "LOCAL", "Wire",
+if TYPE_CHECKING:
+    from ._flat import FlatState
+
+__all__ = ["COMPRESSED_FORMED", "COMPRESSED_GRADIENT", "Buckets", "Driver", "EXACT_GRADIENT", "LOCAL", "Plan", "Wire",
            "allreduce_factory", "bucket_bounds"]
 
 _log = logging.getLogger("onebit.optim")
@@ -207,8 +207,28 @@ LOCAL = Wire("local", formed=True, exact=False, exchanged=False)
 Consume = Callable[[int, int, Tensor], None]
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What one step sends, handed to the :class:`Driver` by the optimizer before the step's
+    backward (its buckets may leave during it).
+
+    ``wire``: the stage's :class:`Wire`; ``step``: the step's number; ``form(out, base,
+    members, live, agreed, add)``: write (``add``: add) into ``out``, from flat offset ``base``
+    on, what parameters ``members`` send (``live[i]``: parameter ``i`` takes a gradient this
+    step; ``agreed``: every rank agreed to take the step); ``landing()``: where the average
+    lands -- a flat fp32 buffer, or ``consume(lo, hi, values)`` handed it chunk by chunk --
+    asked at most once per step, right before it is first written."""
+
+    wire: Wire
+    step: int
+    form: Callable[[Tensor, int, Sequence[int], Sequence[bool], bool, bool], None]
+    landing: Callable[[], Tensor | Consume]
+
+
 class Driver:
-    """Runs an optimizer's exchange, step after step (see the module docstring).
+    """Runs one optimizer's exchange, step after step (see the module docstring): handed the
+    flat layout, the process group and the collectives at construction and a :class:`Plan`
+    before each step, it returns each step's average and never reads the optimizer.
 
     ``collective(start, end)`` makes the compressed collective of the flat values
     ``[start, end)`` (``None``: the optimizer has none; it may return None for a span it cannot
@@ -223,13 +243,13 @@ class Driver:
     during backward, before the ranks agreed to step -- or where the average is handed out
     chunk by chunk: it is then added into the worker error of a collective that
     ``reduces_added_input`` (no model-sized buffer for either). ``key`` names the
-    collectives' entry in checkpoints.
+    collectives' entry in checkpoints; ``owner`` names the optimizer in messages.
     """
 
-    def __init__(self, opt: OnebitOptimizer, collective: Callable[[int, int], Any] | None, *, overlap: bool,
-                 bucket_cap_mb: float, alignment: int = 1, key: str = "allreduce") -> None:
-        self.opt, self.key = opt, key
-        flat = opt.flat
+    def __init__(self, flat: FlatState, group: comm.Group, timeout: timedelta,
+                 collective: Callable[[int, int], Any] | None, *, overlap: bool, bucket_cap_mb: float,
+                 alignment: int = 1, key: str = "allreduce", owner: str = "") -> None:
+        self.flat, self.group, self.timeout, self.key, self.owner = flat, group, timeout, key, owner
         self.buckets: Buckets | None = None
         self.bounds = bucket_bounds(flat.offsets, _bucket_cap(bucket_cap_mb), [p.dim() == 1 for p in flat.params]) \
             if overlap else [(0, flat.numel, list(range(len(flat.params))))]
@@ -243,6 +263,7 @@ class Driver:
                 c.warm_up(flat.device)  # kernels loaded now, not at the first compressed step
         if overlap:
             self.buckets = Buckets(flat.params, self.bounds, self._launch_in_backward)
+        self._plan: Plan | None = None
         self._flights: list[Any] = [None] * len(self.bounds)  # a collective, or (stages, pending)
         self._compressed_in_flight = False
         self._land: Tensor | Consume | None = None
@@ -261,32 +282,23 @@ class Driver:
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         return self.buckets.no_sync() if self.buckets is not None else contextlib.nullcontext()
 
+    def plan(self, plan: Plan) -> None:
+        """What the next step sends (before its backward: its buckets may leave during it)."""
+        self._plan = plan
+
     def flush(self) -> None:
         """The start of ``step()``, before the non-finite agreement: launch, in order, every
         bucket backward did not (every rank then issues the same sequence)."""
-        if self.buckets is None:
-            return
-        opt = self.opt
-        if getattr(opt, "grad_scale", None) is not None or getattr(opt, "found_inf", None) is not None:
-            raise ValueError(
-                f"{type(opt).__name__}(overlap=True) exchanged the gradients during backward, before GradScaler "
-                "could unscale them or find infs: use overlap=False with GradScaler"
-            )
-        self.buckets.flush()
+        if self.buckets is not None:
+            self.buckets.flush()
 
-    def run(self, step: int) -> None:
-        """Step ``step`` (every rank agreed its gradients are finite): launch the one-shot
-        exchange, land every bucket's average, clip it where it is the gradients', apply."""
-        opt, wire = self.opt, self.opt._stages.wire
-        if not wire.exchanged:
-            opt._clip_local_grads()
-            opt._apply(wire, None)
-            return
+    def run(self, live: Sequence[bool]) -> Tensor | None:
+        """The planned step, which every rank agreed to take (``live[i]``: parameter ``i`` has a
+        gradient on some rank): launch the one-shot exchange, land every bucket's average;
+        returns it (None where it was handed out chunk by chunk)."""
         if self.buckets is None:
-            if wire.formed:
-                opt._clip_local_grads()
-            self._launch(0, step, opt._active, agreed=True)
-        land = self._landing(wire)
+            self._launch(0, live, agreed=True)
+        land = self._landing()
         for c in self._flights:  # every all-gather in flight before waiting on one
             if c is not None and not isinstance(c, tuple):
                 c.advance_added()
@@ -299,9 +311,7 @@ class Driver:
             elif flight is not None:
                 flight.finish_added_by_chunks(lambda a, z, values, lo=start: land(lo + a, lo + z, values))
         self._end_step()
-        if not wire.formed and isinstance(land, Tensor):
-            opt._clip_grad_(land)
-        opt._apply(wire, land if isinstance(land, Tensor) else None)
+        return land if isinstance(land, Tensor) else None
 
     def abandon(self) -> None:
         """Every rank skips the step: wait for the exchanges launched and drop them. A compressed
@@ -314,12 +324,16 @@ class Driver:
             elif flight is not None:
                 flight.abandon()
         if self._compressed_in_flight:
-            for c in self.collectives:
-                if c is not None:
-                    c.reset()
+            self.reset()
             _log.warning("%s: step skipped after the overlapped exchange had started: error-feedback buffers "
-                         "restarted at zero", type(self.opt).__name__)
+                         "restarted at zero", self.owner)
         self._end_step()
+
+    def reset(self) -> None:
+        """The collectives' errors restart at zero."""
+        for c in self.collectives:
+            if c is not None:
+                c.reset()
 
     def done(self) -> int:
         """Bytes sent by the launches during backward (outside ``step()``'s own meter)."""
@@ -330,26 +344,24 @@ class Driver:
         self._compressed_in_flight = False
         self._land = None
 
-    def _landing(self, wire: Wire) -> Tensor | Consume:
-        """Where this step's average lands, asked of the optimizer once per step."""
+    def _landing(self) -> Tensor | Consume:
+        """Where this step's average lands, asked of the plan once per step."""
         if self._land is None:
-            self._land = self.opt._landing(wire)
+            self._land = self._plan.landing()
         return self._land
 
     # ------------------------------------------------------------------ a bucket
     def _launch_in_backward(self, b: int) -> None:
-        if not self.opt._stages.wire.exchanged:
+        if not self._plan.wire.exchanged:
             return
-        params = self.opt.flat.params
-        self._launch(b, self.opt._step_count + 1, [p.requires_grad or p.grad is not None for p in params],
-                     agreed=False)
+        self._launch(b, [p.requires_grad or p.grad is not None for p in self.flat.params], agreed=False)
 
-    def _launch(self, b: int, step: int, live: Sequence[bool], *, agreed: bool) -> None:
-        """Form bucket ``b``'s input for step ``step`` and start its exchange. ``live[i]``: parameter
-        ``i`` takes a gradient this step (one-shot: some rank has one; during backward: it is
-        trainable or has one here); the others' state enters as it is. ``agreed``: launched in
-        ``step()``, once every rank agreed to take it."""
-        opt, wire = self.opt, self.opt._stages.wire
+    def _launch(self, b: int, live: Sequence[bool], *, agreed: bool) -> None:
+        """Form bucket ``b``'s input for the planned step and start its exchange. ``live[i]``:
+        parameter ``i`` takes a gradient this step (one-shot: some rank has one; during backward:
+        it is trainable or has one here); the others' state enters as it is. ``agreed``:
+        launched in ``step()``, once every rank agreed to take it."""
+        wire, form = self._plan.wire, self._plan.form
         lo, hi, members = self.bounds[b]
         start, end = self.spans[b]
         collective = None if wire.exact else self.collectives[b]
@@ -360,50 +372,21 @@ class Driver:
         # average lands and exchanged there, as the one-shot step does: a pass fewer over the
         # model, since the collective's fused compression reads x and e together.
         added = collective is not None and collective.reduces_added_input and (
-            self.buckets is not None or not isinstance(self._landing(wire), Tensor))
+            self.buckets is not None or not isinstance(self._landing(), Tensor))
         if added:
-            self._form(collective.input_buffer(end - start, opt.flat.device), lo, members, wire, step, live, agreed,
-                       add=True)
+            form(collective.input_buffer(end - start, self.flat.device), lo, members, live, agreed, True)
             collective.start_added()
             self._flights[b] = collective
             return
-        land = self._landing(wire)
-        self._form(land[lo:hi], lo, members, wire, step, live, agreed, add=False)
+        land = self._landing()
+        form(land[lo:hi], lo, members, live, agreed, False)
         if wire.exact:
-            stages = comm.all_reduce_mean_stages(land[lo:hi], opt.process_group, opt.timeout)
+            stages = comm.all_reduce_mean_stages(land[lo:hi], self.group, self.timeout)
         elif collective is None:  # no whole block in this bucket: its values go with the next one
             return
         else:
             stages = collective.stages(land[start:end], out=land[start:end])
         self._flights[b] = (stages, next(stages))
-
-    def _form(self, out: Tensor, base: int, members: Sequence[int], wire: Wire, step: int, live: Sequence[bool],
-              agreed: bool, *, add: bool) -> None:
-        """What parameters ``members`` send, written (``add``: added) into ``out`` from flat
-        offset ``base`` on: their gradients (zeros where missing), or the optimizer's
-        ``_form`` block by block, in the parameters' logical order."""
-        opt = self.opt
-        flat = opt.flat
-        if not wire.formed and not add:
-            flat.gather_grads(out, members, base=base)
-            return
-        scratch = torch.empty(2, min(_BLOCK, out.numel()), dtype=torch.float32, device=out.device)
-        groups = [g for g in opt.param_groups for _ in g["params"]]  # read now: LR schedulers change them
-        for i in members:
-            p, (first, last) = flat.params[i], flat.offsets[i]
-            g = p.grad.reshape(-1) if p.grad is not None else None  # logical order (a copy if channels_last)
-            for at in range(first, last, _BLOCK):
-                to = min(at + _BLOCK, last)
-                grad = None if g is None else g[at - first : to - first]
-                target = out[at - base : to - base]
-                if not wire.formed:  # the gradients, added
-                    if grad is not None:
-                        target.add_(grad)
-                    continue
-                rows = scratch[:, : to - at]
-                opt._form(i, at, to, grad, live[i], groups[i], step, rows, rows[0] if add else target, agreed)
-                if add:
-                    target.add_(rows[0])
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -428,7 +411,7 @@ class Driver:
         same = own_state and (None if layout is None else [list(b) for b in layout]) == mine
         if own_state and not same:
             _log.warning("%s: checkpoint saved with another bucketing (overlap=%s): error-feedback buffers "
-                         "restart at zero", type(self.opt).__name__, layout is not None)
+                         "restart at zero", self.owner, layout is not None)
         for i, c in enumerate(self.collectives):
             if c is None:
                 continue
@@ -438,26 +421,24 @@ class Driver:
                 c.reset()
 
 
-def allreduce_factory(opt: OnebitOptimizer, compressor: Any, *, hierarchical: bool | str,
-                      ranks_per_node: int | None, overlap: bool, scales: str = "chunk") -> Callable[[int, int], Any]:
+def allreduce_factory(offsets: Sequence[tuple[int, int]], group: comm.Group, timeout: timedelta, compressor: Any, *,
+                      hierarchical: bool | str, ranks_per_node: int | None, overlap: bool,
+                      scales: str = "chunk") -> Callable[[int, int], Any]:
     """``collective(start, end)`` for :class:`Driver`: the compressed all-reduce
-    (:func:`onebit.comm.compressed_allreduce`: flat, or Birder's hierarchical one). The
-    overlapped exchange needs the flat one: what a bucket forms must stay out of the state
-    until ``step()``, so it is added into the collective's worker error, which only the flat
-    all-reduce takes. ``scales="tensor"``: a compressor with per-block scales gives every
-    parameter's piece of a chunk its own (:func:`check_scales`); ``"chunk"``: one per chunk."""
+    (:func:`onebit.comm.compressed_allreduce`: flat, or Birder's hierarchical one) of the flat
+    values of parameters at ``offsets``. The overlapped exchange needs the flat one: what a
+    bucket forms must stay out of the state until ``step()``, so it is added into the
+    collective's worker error, which only the flat all-reduce takes. ``scales="tensor"``: a
+    compressor with per-block scales gives every parameter's piece of a chunk its own
+    (:func:`check_scales`); ``"chunk"``: one per chunk."""
     per_tensor = check_scales(scales) == "tensor" and compress.get(compressor).blockwise
 
     def collective(start: int, end: int) -> Any:
-        segments = [lo - start for lo, _ in opt.flat.offsets if start < lo < end] if per_tensor else None
-        made = comm.compressed_allreduce(compressor, opt.process_group, hierarchical=hierarchical,
-                                         ranks_per_node=ranks_per_node, segments=segments, timeout=opt.timeout)
+        segments = [lo - start for lo, _ in offsets if start < lo < end] if per_tensor else None
+        made = comm.compressed_allreduce(compressor, group, hierarchical=hierarchical,
+                                         ranks_per_node=ranks_per_node, segments=segments, timeout=timeout)
         if overlap and not made.reduces_added_input:
             raise ValueError(f"Invalid hierarchical value with overlap=True: {hierarchical!r} (the overlapped "
                              "exchange needs the flat compressed all-reduce)")
         return made
     return collective
-
-
-if TYPE_CHECKING:
-    from ._base import OnebitOptimizer

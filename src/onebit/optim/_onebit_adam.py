@@ -18,7 +18,7 @@ from torch import Tensor
 from .. import comm
 from .._checks import check_adam_args, check_bool, check_optional_positive
 from ._base import OneStage, OnebitOptimizer
-from ._driver import COMPRESSED_FORMED, COMPRESSED_GRADIENT, EXACT_GRADIENT, Wire, allreduce_factory
+from ._driver import COMPRESSED_FORMED, COMPRESSED_GRADIENT, EXACT_GRADIENT, Wire
 from ._freeze import TwoStages, count_unused, freeze_schedule, mask_unused_, warn_early_freeze
 from ._functional import adam_denominator, adam_denominators, apply_update_, clip_to_adam_step_, ema_
 
@@ -113,7 +113,7 @@ class _AdamFamily(OnebitOptimizer):
     @property
     def allreduce(self) -> Any:
         """The compressed all-reduce (with ``overlap=True``, the first bucket's)."""
-        return self._driver.collectives[0]
+        return self._collectives[0]
 
     def _adam(self, average: Tensor) -> None:
         b = self.flat.buffers
@@ -240,8 +240,8 @@ class OnebitAdam(_AdamFamily):
         self._has_unused = False
         self._init_adam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, group=group, options=options)
-        self._drive(allreduce_factory(self, compressor, hierarchical=hierarchical, ranks_per_node=ranks_per_node,
-                                      overlap=overlap, scales=scales), overlap=overlap, bucket_cap_mb=bucket_cap_mb)
+        self._drive(self._allreduce(compressor, hierarchical=hierarchical, ranks_per_node=ranks_per_node,
+                                    overlap=overlap, scales=scales), overlap=overlap, bucket_cap_mb=bucket_cap_mb)
 
     def _form(self, i: int, lo: int, hi: int, grad: Tensor | None, live: bool, group: dict[str, Any], step: int,
               scratch: Tensor, out: Tensor, agreed: bool) -> None:
@@ -370,8 +370,8 @@ class OnebitAdamNaive(_AdamFamily):
         self._stages = OneStage(COMPRESSED_GRADIENT)
         self._init_adam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, group=group, options=options)
-        self._drive(allreduce_factory(self, compressor, hierarchical=hierarchical, ranks_per_node=ranks_per_node,
-                                      overlap=overlap, scales=scales), overlap=overlap, bucket_cap_mb=bucket_cap_mb)
+        self._drive(self._allreduce(compressor, hierarchical=hierarchical, ranks_per_node=ranks_per_node,
+                                    overlap=overlap, scales=scales), overlap=overlap, bucket_cap_mb=bucket_cap_mb)
 
     def _landing(self, wire: Wire) -> Tensor:
         return self._grad

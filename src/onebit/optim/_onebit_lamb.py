@@ -14,7 +14,7 @@ from .. import comm
 from .._checks import check_adam_args, check_bool, check_nonneg, check_optional_positive
 from ..ops import max_ratio
 from ._base import OnebitOptimizer
-from ._driver import COMPRESSED_FORMED, EXACT_GRADIENT, Wire, allreduce_factory
+from ._driver import COMPRESSED_FORMED, EXACT_GRADIENT, Wire
 from ._freeze import TwoStages, count_unused, freeze_schedule, mask_unused_
 from ._functional import apply_update_, clip_to_adam_step_, ema_
 
@@ -348,13 +348,13 @@ class OnebitLamb(OnebitOptimizer):
         # The averaged gradient of the warm-up (the fp32 all-reduce needs one flat buffer);
         # dropped at the freeze, when each rank's momentum takes its own gradient where it lies.
         self._grad: Tensor | None = self.flat.zeros()
-        self._drive(allreduce_factory(self, compressor, hierarchical=hierarchical, ranks_per_node=ranks_per_node,
-                                      overlap=overlap, scales=scales), overlap=overlap, bucket_cap_mb=bucket_cap_mb)
+        self._drive(self._allreduce(compressor, hierarchical=hierarchical, ranks_per_node=ranks_per_node,
+                                    overlap=overlap, scales=scales), overlap=overlap, bucket_cap_mb=bucket_cap_mb)
 
     @property
     def allreduce(self) -> Any:
         """The compressed all-reduce (with ``overlap=True``, the first bucket's)."""
-        return self._driver.collectives[0]
+        return self._collectives[0]
 
     def _form(self, i: int, lo: int, hi: int, grad: Tensor | None, live: bool, group: dict[str, Any], step: int,
               scratch: Tensor, out: Tensor, agreed: bool) -> None:

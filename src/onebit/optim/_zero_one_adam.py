@@ -34,7 +34,7 @@ from .._checks import check_adam_args, check_bool, check_optional_positive, chec
 from ..ops import zero_where_equal_
 from ._agreement import check_replicas
 from ._base import OnebitOptimizer, ReplicaDivergence
-from ._driver import COMPRESSED_FORMED, COMPRESSED_GRADIENT, LOCAL, Wire, allreduce_factory
+from ._driver import COMPRESSED_FORMED, COMPRESSED_GRADIENT, LOCAL, Wire
 from ._freeze import count_unused, mask_unused_
 from ._functional import adam_denominator, adam_denominators, apply_update_, clip_to_adam_step_, ema_
 
@@ -353,8 +353,8 @@ class ZeroOneAdam(OnebitOptimizer):
         self._lr_sums, self._weight_sums, self._touched = [0.0] * n, [0.0] * n, [False] * n
         self._grad: Tensor | None = self.flat.zeros()  # the gradients' average, up to the freeze
         self._has_unused = False
-        self._drive(allreduce_factory(self, compressor, hierarchical=hierarchical, ranks_per_node=ranks_per_node,
-                                      overlap=overlap, scales=scales), overlap=overlap, bucket_cap_mb=bucket_cap_mb)
+        self._drive(self._allreduce(compressor, hierarchical=hierarchical, ranks_per_node=ranks_per_node,
+                                    overlap=overlap, scales=scales), overlap=overlap, bucket_cap_mb=bucket_cap_mb)
 
     @property
     def schedule(self) -> ZeroOneSchedule:
@@ -496,9 +496,7 @@ class ZeroOneAdam(OnebitOptimizer):
         """The variance becomes, in place, the preconditioner ``d`` (``frozen_denom``); the
         gradients' average buffer goes; the errors of the 1-bit exchange restart at zero, as
         what it sends changes from gradients to momentum (DeepSpeed's ``reinitial_error_buffer``)."""
-        for c in self._driver.collectives:
-            if c is not None:
-                c.reset()
+        self._reset_errors()
         _, bc2 = self._corrections(self._step_count)
         v = self.flat.buffers["exp_avg_sq"]
         adam_denominators(v, self.flat.offsets, eps=self.eps, bias_corrections2=bc2, out=v)
