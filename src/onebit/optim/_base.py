@@ -6,18 +6,18 @@ between them, one-shot or bucketed and overlapped with backward):
 1. ``_form(i, lo, hi, grad, live, group, step, scratch, out, agreed)``: what goes on the wire
    for the flat values ``[lo, hi)`` of parameter ``i``, from its gradient and the state as it
    was; the state is not touched where the step is not yet ``agreed`` (a bucket formed during
-   backward, before the ranks agreed that the step is taken). Only stages whose :class:`~onebit.optim._driver.Wire` is
-   ``formed`` have one; the others send the gradients themselves.
+   backward, before the ranks agreed that the step is taken). Only stages whose
+   :class:`~onebit.optim._driver.Wire` is ``formed`` have one; the others send the gradients.
 2. The exchange: the exact fp32 mean, or the collectives made by the ``collective`` factory
    handed to :meth:`OnebitOptimizer._drive`.
 3. ``_landing(wire)``: where the average lands -- a flat buffer, or a callable that takes it
    chunk by chunk -- and ``_apply(wire, average)``: the step, where the state moves.
 
-The stages and the state layout are declared: ``_stages`` (:class:`OneStage` or
-:class:`~onebit.optim._freeze.TwoStages`), each with its wire, and ``_flat_names``, the
-flat buffers (``_flat.py``). The math of each algorithm is a set of plain functions in its
-file, with the paper's equation numbers; the class validates arguments, owns the state and
-calls them.
+The stages are declared (``_stages``, ``_stages.py``): each stage's wire and flat buffers
+(``_flat.py``), and the policy that moves between them; the base lays the state out at a
+stage change and calls ``_enter(stage)`` for the math of it. The math of each algorithm is a
+set of plain functions in its file, with the paper's equation numbers; the class validates
+arguments, owns the state and calls them.
 """
 
 from __future__ import annotations
@@ -43,36 +43,20 @@ from ._driver import Driver, Plan, Wire, allreduce_factory
 from ._flat import FlatState
 from ._functional import _BLOCK
 from ._shards import Shards
+from ._stages import OneStage, Stage, StepStages, TwoStages
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
     from .._checks import CommonOptions
 
-__all__ = ["OneStage", "OnebitOptimizer", "ReplicaDivergence"]
+__all__ = ["OnebitOptimizer", "ReplicaDivergence"]
 
 _log = logging.getLogger("onebit.optim")
 
 
 class ReplicaDivergence(RuntimeError):
     """The ranks' parameters are no longer bit-identical."""
-
-
-class OneStage:
-    """The stages of an optimizer with one wire for every step (no warm-up)."""
-
-    frozen_at = None
-    schedule = None  # no warm-up to end
-
-    def __init__(self, wire: Wire) -> None:
-        self.wire = wire
-        self.wires = (wire,)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        pass
 
 
 class OnebitOptimizer(Optimizer):
@@ -122,8 +106,7 @@ class OnebitOptimizer(Optimizer):
     per parameter in its all-reduce), so every rank takes the same decision.
     """
 
-    _flat_names: tuple[str, ...] = ()
-    _stages: Any  # OneStage or TwoStages, set by the subclass before this constructor runs
+    _stages: OneStage | TwoStages | StepStages  # set by the subclass before this constructor runs
 
     def __init__(
         self,
@@ -177,9 +160,8 @@ class OnebitOptimizer(Optimizer):
         self._last_stage: str | None = None
         self._ddp_checked = False
         self._driver: Driver | None = None
-        for name in self._flat_names:
-            self.flat.new(name)
-        self._link_state()
+        self._grad: Tensor | None = None  # the averaged gradients, in a stage that averages them
+        self._lay_out(self._stages.current)
         check_ddp(self, construction=True)
 
     def _check_shardable(self) -> None:
@@ -200,7 +182,7 @@ class OnebitOptimizer(Optimizer):
             raise ValueError("Invalid overlap value with FSDP2-sharded parameters: True (FSDP overlaps its "
                              "reduce-scatter with backward itself; the exchange between replicas runs in step()); "
                              "use overlap=False")
-        if overlap and self.max_grad_norm is not None and any(w.formed for w in self._stages.wires):
+        if overlap and self.max_grad_norm is not None and any(s.wire.formed for s in self._stages.stages):
             raise ValueError(f"Invalid max_grad_norm value with overlap=True: {self.max_grad_norm!r} (the "
                              f"{type(self).__name__} step clips each rank's gradient over all parameters, which the "
                              "first bucket's exchange cannot wait for); use overlap=False to clip")
@@ -221,13 +203,9 @@ class OnebitOptimizer(Optimizer):
         """The exchange's compressed collectives, one per bucket (None where a bucket has none)."""
         return self._driver.collectives
 
-    def _reset_errors(self) -> None:
-        """The collectives' error-feedback buffers restart at zero (what they carry changes meaning)."""
-        self._driver.reset()
-
     def _plan_next(self) -> None:
         """Hand the driver what the next step sends (before its backward: buckets may leave during it)."""
-        wire, step = self._stages.wire, self._step_count + 1
+        wire, step = self._stages.current.wire, self._step_count + 1
         self._driver.plan(Plan(wire, step, functools.partial(self._write, wire, step),
                                functools.partial(self._landing, wire)))
 
@@ -305,6 +283,41 @@ class OnebitOptimizer(Optimizer):
                 self._form(i, at, to, grad, live[i], groups[i], step, rows, rows[0] if add else target, agreed)
                 if add:
                     target.add_(rows[0])
+
+    def _enter(self, stage: Stage) -> None:
+        """The math of entering ``stage``, its buffers already laid out (e.g. the variance made the
+        frozen preconditioner); called once, right after the step that ended the previous stage."""
+
+    # ------------------------------------------------------------------ stages
+    def _advance(self) -> None:
+        """After a step: the next step's stage. Entering one laid out otherwise: its state as it
+        declares it (:class:`~onebit.optim._stages.Stage`), then the optimizer's :meth:`_enter`."""
+        before = self._stages.current
+        self._stages.advance(self._step_count, self.flat.buffers)
+        stage = self._stages.current
+        if not stage.laid_out_as(before):
+            self._lay_out(stage)
+            if stage.resets_errors:
+                self._driver.reset()
+            self._enter(stage)
+
+    def _lay_out(self, stage: Stage) -> None:
+        """The flat state of ``stage``: its renamed buffers keep their values, the others missing
+        start at zero, those it lacks go; the averaged gradients' buffer where it averages them."""
+        buffers = self.flat.buffers
+        for old, new in stage.renames.items():
+            if old in buffers and new not in buffers:
+                self.flat.rename(old, new)
+        for name in stage.buffers:
+            if name not in buffers:
+                self.flat.new(name)
+        for name in [n for n in buffers if n not in stage.buffers]:
+            del buffers[name]
+        if not stage.averages:
+            self._grad = None
+        elif self._grad is None:
+            self._grad = self.flat.zeros()
+        self._link_state()
 
     # ------------------------------------------------------------------ helpers
     def _check_groups(self, defaults: Mapping[str, Any]) -> None:
@@ -391,7 +404,7 @@ class OnebitOptimizer(Optimizer):
         launched there."""
         return {
             "step": self._step_count,
-            "stage": self._last_stage or self._stages.wire.stage,
+            "stage": self._last_stage or self._stages.current.wire.stage,
             "bytes_sent": self._bytes_last,
             "bytes_sent_total": self._bytes_total,
             "freeze_step": self._stages.frozen_at,
@@ -444,7 +457,7 @@ class OnebitOptimizer(Optimizer):
                     self._driver.abandon()
                 else:
                     self._step_count += 1
-                    wire = self._stages.wire
+                    wire = self._stages.current.wire
                     self._last_stage = wire.stage
                     if wire.formed or not wire.exchanged:  # 3
                         self._clip_local_grads()
@@ -452,11 +465,12 @@ class OnebitOptimizer(Optimizer):
                     if average is not None and not wire.formed:
                         self._clip_grad_(average)
                     self._apply(wire, average)  # 5
+                    self._advance()  # 6
                     if self.check_replicas_every and self._step_count % self.check_replicas_every == 0:
                         self.check_replicas()
         finally:
             self._shards.release_grads()
-            self._plan_next()  # 6
+            self._plan_next()
         sent = meter.bytes_sent + self._driver.done()
         self._bytes_last = sent
         self._bytes_total += sent
@@ -483,10 +497,6 @@ class OnebitOptimizer(Optimizer):
     def _extra_state(self) -> dict[str, Any]:
         """What the subclass checkpoints beyond the flat buffers, stages and collectives."""
         return {}
-
-    def _layout_for(self, state: Mapping[str, Any]) -> None:
-        """Name the flat buffers as in the saved state (1-bit Adam's differ between its stages),
-        before they are checked and loaded."""
 
     def _load_extra_state(self, state: Mapping[str, Any], own_state: bool) -> None:
         """Restore :meth:`_extra_state`; ``own_state`` is False when the state was saved by another
@@ -523,8 +533,10 @@ class OnebitOptimizer(Optimizer):
                 f"incomplete {type(self).__name__} state_dict: missing {sorted(missing) or ['param_groups']} "
                 "(truncated, or saved by another version)"
             )
-        self._layout_for(extra)
         flat = extra["flat"]
+        saved = [s for s in self._stages.stages if set(s.buffers) == set(flat)]
+        if saved:  # the saved stage's layout (its values are loaded below)
+            self._lay_out(saved[0])
         if set(flat) != set(self.flat.buffers):
             raise ValueError(f"state_dict holds buffers {sorted(flat)}, expected {sorted(self.flat.buffers)}")
         for name, buf in flat.items():

@@ -17,9 +17,10 @@ from torch import Tensor
 from .. import comm
 from .._checks import check_beta, check_bool, check_nonneg, check_positive, check_seed
 from ..compress import StochasticSignCompressor
-from ._base import OneStage, OnebitOptimizer
+from ._base import OnebitOptimizer
 from ._driver import COMPRESSED_FORMED, EXACT_GRADIENT, Wire
 from ._functional import UpdateByChunks, ema_
+from ._stages import OneStage, Stage
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -108,10 +109,11 @@ def soft_sign_sgd(
     UpdateByChunks(params, offsets, lrs=lrs, weight_decays=weight_decays, active=active)(0, update.numel(), update)
 
 
-class _SoftSign(OnebitOptimizer):
-    """Argument checks and buffers shared by Birder and SoftSignSGD."""
+_MOMENTS = ("exp_avg", "exp_avg_abs")  # m and b
 
-    _flat_names = ("exp_avg", "exp_avg_abs")
+
+class _SoftSign(OnebitOptimizer):
+    """Argument checks shared by Birder and SoftSignSGD."""
 
     def _init_soft_sign(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], *, lr: float, beta: float,
                         eps: float, weight_decay: float, group: comm.Group, options: CommonOptions) -> None:
@@ -218,8 +220,8 @@ class Birder(_SoftSign):
         self.seed = seed
         self.threshold_step = threshold_step
         self._overlap = overlap
-        self._flat_names = ("exp_avg", "exp_avg_abs") + (("max_exp_avg_abs",) if threshold_step is not None else ())
-        self._stages = OneStage(COMPRESSED_FORMED)
+        self._stages = OneStage(Stage(COMPRESSED_FORMED, _MOMENTS + (("max_exp_avg_abs",) if threshold_step is not None
+                                                                     else ())))
         self._init_soft_sign(params, lr=lr, beta=beta, eps=eps, weight_decay=weight_decay, group=group,
                              options=options)
         # the buckets' collectives share the quantiser and its generator
@@ -314,10 +316,10 @@ class SoftSignSGD(_SoftSign):
         group: comm.Group = None,
         **options: Unpack[CommonOptions],
     ) -> None:
-        self._stages = OneStage(EXACT_GRADIENT)
+        # the averaged gradient, then m / (b + eps) in its place
+        self._stages = OneStage(Stage(EXACT_GRADIENT, _MOMENTS, averages=True))
         self._init_soft_sign(params, lr=lr, beta=beta, eps=eps, weight_decay=weight_decay, group=group,
                              options=options)
-        self._grad = self.flat.zeros()  # the averaged gradient, then m / (b + eps) in its place
         self._drive(None)
 
     def _landing(self, wire: Wire) -> Tensor:

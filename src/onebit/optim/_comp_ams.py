@@ -16,9 +16,10 @@ from torch import Tensor
 from .. import comm
 from .._checks import check_adam_args, check_bool
 from ..compress import BlockSignCompressor, Compressor, TopKCompressor, UniformCompressor
-from ._base import OneStage, OnebitOptimizer
+from ._base import OnebitOptimizer
 from ._driver import COMPRESSED_FORMED, COMPRESSED_GRADIENT, Wire
 from ._functional import apply_update_, ema_
+from ._stages import OneStage, Stage
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -93,7 +94,6 @@ class _GradientExchange(OnebitOptimizer):
                        options: CommonOptions) -> None:
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay}, group=group,
                          **options)
-        self._grad = self.flat.zeros()
 
     def _gathers(self, compressor: Callable[[int, int], Compressor] | None, error_feedback: bool,
                  overlap: bool = False) -> Callable[[int, int], comm.CompressedAllGather | None] | None:
@@ -177,8 +177,6 @@ class CompAMS(_GradientExchange):
         'compressed'
     """
 
-    _flat_names = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
@@ -211,8 +209,8 @@ class CompAMS(_GradientExchange):
             raise TypeError(f"Invalid bias_correction value: {bias_correction!r} (expected a bool)")
         self.eps = float(eps)
         self.bias_correction = bias_correction
-        self._stages = OneStage(COMPRESSED_GRADIENT if compressor != "none" else
-                                Wire("compressed", formed=False, exact=True))
+        wire = COMPRESSED_GRADIENT if compressor != "none" else Wire("compressed", formed=False, exact=True)
+        self._stages = OneStage(Stage(wire, ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"), averages=True))
         self._init_exchange(params, lr=lr, betas=betas, weight_decay=weight_decay, group=group, options=options)
         self._block = block if compressor == "block_sign" else None
         self._overlap = overlap
@@ -266,8 +264,6 @@ class QAdam(_GradientExchange):
         'compressed'
     """
 
-    _flat_names = ("exp_avg", "exp_avg_sq")
-
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
@@ -284,7 +280,7 @@ class QAdam(_GradientExchange):
         _check_common(lr, betas, eps, weight_decay, error_feedback)
         quantizer = UniformCompressor(bits)  # validates bits
         self.eps = float(eps)
-        self._stages = OneStage(COMPRESSED_FORMED)
+        self._stages = OneStage(Stage(COMPRESSED_FORMED, ("exp_avg", "exp_avg_sq"), averages=True))
         self._init_exchange(params, lr=lr, betas=betas, weight_decay=weight_decay, group=group, options=options)
         self._overlap = False
         self._drive(self._gathers(lambda start, end: quantizer, error_feedback), key="exchange")

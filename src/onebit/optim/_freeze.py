@@ -33,9 +33,8 @@ from torch import Tensor
 
 from .._checks import check_positive
 from ..ops import zero_where_equal_
-from ._driver import Wire
 
-__all__ = ["FreezeSchedule", "TwoStages", "count_unused", "freeze_schedule", "mask_unused_", "warn_early_freeze"]
+__all__ = ["FreezeSchedule", "count_unused", "freeze_schedule", "mask_unused_", "warn_early_freeze"]
 
 _log = logging.getLogger("onebit.optim")
 
@@ -101,37 +100,6 @@ class FreezeSchedule:
         self.history = deque((float(v) for v in state["history"]), maxlen=self.window + 1)
 
 
-class TwoStages:
-    """The stages of 1-bit Adam and 1-bit LAMB: ``warmup`` until :class:`FreezeSchedule` decides,
-    ``compressed`` from the next step on; ``frozen_at`` is the last warm-up step (None before)."""
-
-    def __init__(self, owner: str, warmup: Wire, compressed: Wire, schedule: FreezeSchedule) -> None:
-        self.owner = owner
-        self.wires = (warmup, compressed)
-        self.schedule = schedule
-        self.frozen_at: int | None = None
-
-    @property
-    def wire(self) -> Wire:
-        return self.wires[self.frozen_at is not None]
-
-    def observe(self, step: int, variance: Tensor) -> bool:
-        """After warm-up step ``step``: feed the criterion ``||v||_1``; True when the warm-up ends here."""
-        l1 = float(variance.sum()) if self.schedule.auto else None  # v >= 0: its sum is its l1 norm
-        if self.schedule.should_freeze(step, l1):
-            self.frozen_at = step
-            _log.info("%s: warm-up ended at step %d; compression stage starts", self.owner, step)
-            return True
-        return False
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"frozen_at": self.frozen_at, "freeze": self.schedule.state_dict()}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.schedule.load_state_dict(state["freeze"])
-        self.frozen_at = state["frozen_at"]
-
-
 def freeze_schedule(freeze_step: int | str, beta2: float, *, threshold: float, window: int | None, min_step: int,
                     max_step: int | None, corrected: bool) -> FreezeSchedule:
     """:class:`FreezeSchedule` with the window ``D`` unless given: ``round(0.1 / (1 - beta2))`` when
@@ -157,7 +125,7 @@ def warn_early_freeze(owner: str, frozen_at: int, beta2: float) -> None:
             f"when its EMA holds only {filled:.0%} of the second moment (1 - beta2^T); compressed steps will "
             f"be {1 / math.sqrt(filled):.1f}x Adam's. Use bias_correction=True (the default) or freeze after "
             f"step {math.ceil(math.log(0.5) / math.log(beta2))}.",
-            stacklevel=8,
+            stacklevel=7,  # warn_early_freeze, _enter, _advance, step, two torch.optim wrappers
         )
 
 

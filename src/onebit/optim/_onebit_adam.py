@@ -17,10 +17,11 @@ from torch import Tensor
 
 from .. import comm
 from .._checks import check_adam_args, check_bool, check_optional_positive
-from ._base import OneStage, OnebitOptimizer
+from ._base import OnebitOptimizer
 from ._driver import COMPRESSED_FORMED, COMPRESSED_GRADIENT, EXACT_GRADIENT, Wire
-from ._freeze import TwoStages, count_unused, freeze_schedule, mask_unused_, warn_early_freeze
+from ._freeze import count_unused, freeze_schedule, mask_unused_, warn_early_freeze
 from ._functional import adam_denominator, adam_denominators, apply_update_, clip_to_adam_step_, ema_
+from ._stages import OneStage, Stage, TwoStages
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -94,10 +95,14 @@ def onebit_adam(
         apply_update_(p, exp_avg[lo:hi], denom, lr=lrs[i], weight_decay=weight_decays[i], step_size=lrs[i] / bc1)
 
 
-class _AdamFamily(OnebitOptimizer):
-    """Argument checks, the averaged gradient's buffer and eq. (1) shared by the Adam variants."""
+# Adam's moments, and the gradients' average: the warm-up, and the naive control's every step
+_ADAM = ("exp_avg", "exp_avg_sq")
+# The compression stage: the variance becomes the frozen preconditioner in place (Algorithm 1 line 2)
+_FROZEN = Stage(COMPRESSED_FORMED, ("exp_avg", "frozen_denom"), renames={"exp_avg_sq": "frozen_denom"})
 
-    _flat_names = ("exp_avg", "exp_avg_sq")
+
+class _AdamFamily(OnebitOptimizer):
+    """Argument checks and eq. (1) shared by the Adam variants."""
 
     def _init_adam(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], *, lr: float,
                    betas: tuple[float, float], eps: float, weight_decay: float, bias_correction: bool,
@@ -106,9 +111,6 @@ class _AdamFamily(OnebitOptimizer):
         self.eps = float(eps)
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay}, group=group,
                          **options)
-        # The averaged gradient (the exchange needs one flat buffer); OnebitAdam drops it at the
-        # freeze, when each rank's momentum takes its own gradient where it lies.
-        self._grad: Tensor | None = self.flat.zeros()
 
     @property
     def allreduce(self) -> Any:
@@ -234,9 +236,11 @@ class OnebitAdam(_AdamFamily):
         self.clip_update = check_optional_positive("clip_update", clip_update)
         check_bool("overlap", overlap)
         beta2 = check_adam_args(lr, betas, eps, weight_decay)[1]
-        self._stages = TwoStages(type(self).__name__, EXACT_GRADIENT, COMPRESSED_FORMED, freeze_schedule(
-            freeze_step, beta2, threshold=freeze_threshold, window=freeze_window, min_step=min_freeze_step,
-            max_step=max_freeze_step, corrected=check_bool("bias_correction", bias_correction)))
+        self._stages = TwoStages(type(self).__name__, Stage(EXACT_GRADIENT, _ADAM, averages=True), _FROZEN,
+                                 freeze_schedule(freeze_step, beta2, threshold=freeze_threshold, window=freeze_window,
+                                                 min_step=min_freeze_step, max_step=max_freeze_step,
+                                                 corrected=check_bool("bias_correction", bias_correction)),
+                                 watch="exp_avg_sq")
         self._has_unused = False
         self._init_adam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, group=group, options=options)
@@ -259,8 +263,6 @@ class OnebitAdam(_AdamFamily):
     def _apply(self, wire: Wire, average: Tensor | None) -> None:
         if not wire.formed:
             self._adam(average)
-            if self._stages.observe(self._step_count, self.flat.buffers["exp_avg_sq"]):
-                self._freeze()
             return
         b = self.flat.buffers
         if self._has_unused:
@@ -271,39 +273,26 @@ class OnebitAdam(_AdamFamily):
                     bias_correction=self.bias_correction, clip_update=self.clip_update,
                     frozen_at=self._stages.frozen_at)
 
-    def _freeze(self) -> None:
-        """Algorithm 1 line 2: turn the variance, in place, into the frozen preconditioner
-        ``sqrt(v_T / (1 - beta2^T)) + eps`` (``1`` for ``1 - beta2^T`` without bias correction),
-        registered as ``"frozen_denom"``. The compression stage only ever divides by it, so it
-        takes ``v``'s buffer rather than a second model-sized one, and costs nothing per step."""
+    def _enter(self, stage: Stage) -> None:
+        """Algorithm 1 line 2: the variance, renamed ``"frozen_denom"``, becomes in place the frozen
+        preconditioner ``sqrt(v_T / (1 - beta2^T)) + eps`` (``1`` for ``1 - beta2^T`` without bias
+        correction). The compression stage only ever divides by it, so it takes ``v``'s buffer
+        rather than a second model-sized one, and costs nothing per step; it reads each rank's own
+        gradients where they lie (no averaged gradients' buffer)."""
         frozen_at = self._stages.frozen_at
-        v = self.flat.buffers["exp_avg_sq"]
+        d = self.flat.buffers["frozen_denom"]
         bc2 = [1.0 - beta2**frozen_at if self.bias_correction else 1.0 for _, beta2 in self._hyper("betas")]
-        adam_denominators(v, self.flat.offsets, eps=self.eps, bias_corrections2=bc2, out=v)
-        self._use_frozen_layout(True)
+        adam_denominators(d, self.flat.offsets, eps=self.eps, bias_corrections2=bc2, out=d)
         self._note_unused()
         if not self.bias_correction:
             warn_early_freeze(type(self).__name__, frozen_at, max(b for _, b in self._hyper("betas")))
-        self._grad = None  # the compression stage reads each rank's own gradients where they lie
 
     def _note_unused(self) -> None:
         # sqrt(v_hat) + eps == eps: no gradient through the warm-up (or one below eps's rounding)
         self._has_unused = count_unused(type(self).__name__, self.flat.buffers["frozen_denom"], self.eps)
 
-    def _use_frozen_layout(self, frozen: bool) -> None:
-        names = ("exp_avg_sq", "frozen_denom") if frozen else ("frozen_denom", "exp_avg_sq")
-        if names[0] in self.flat.buffers:
-            self.flat.rename(*names)
-            self._link_state()
-
-    def _layout_for(self, state: Mapping[str, Any]) -> None:
-        self._use_frozen_layout(state.get("frozen_at") is not None)
-
     def _load_extra_state(self, state: Mapping[str, Any], own_state: bool) -> None:
-        if self._stages.frozen_at is None:  # the warm-up averages the gradients in a flat buffer
-            self._grad = self._grad if self._grad is not None else self.flat.zeros()
-        else:
-            self._grad = None
+        if self._stages.frozen_at is not None:
             self._note_unused()
 
 
@@ -367,7 +356,7 @@ class OnebitAdamNaive(_AdamFamily):
     ) -> None:
         check_bool("overlap", overlap)
         check_adam_args(lr, betas, eps, weight_decay)
-        self._stages = OneStage(COMPRESSED_GRADIENT)
+        self._stages = OneStage(Stage(COMPRESSED_GRADIENT, _ADAM, averages=True))
         self._init_adam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, group=group, options=options)
         self._drive(self._allreduce(compressor, hierarchical=hierarchical, ranks_per_node=ranks_per_node,

@@ -15,8 +15,9 @@ from .._checks import check_adam_args, check_bool, check_nonneg, check_optional_
 from ..ops import max_ratio
 from ._base import OnebitOptimizer
 from ._driver import COMPRESSED_FORMED, EXACT_GRADIENT, Wire
-from ._freeze import TwoStages, count_unused, freeze_schedule, mask_unused_
+from ._freeze import count_unused, freeze_schedule, mask_unused_
 from ._functional import apply_update_, clip_to_adam_step_, ema_
+from ._stages import Stage, TwoStages
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -273,8 +274,6 @@ class OnebitLamb(OnebitOptimizer):
         2
     """
 
-    _flat_names = ("exp_avg", "exp_avg_sq", "frozen_exp_avg_sq", "last_exp_avg")
-
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
@@ -323,9 +322,12 @@ class OnebitLamb(OnebitOptimizer):
             raise ValueError(f"Invalid factor_threshold value: {factor_threshold!r} (must be in [0, 1))")
         if scaling_ratio not in ("norm", "max"):
             raise ValueError(f"Invalid scaling_ratio value: {scaling_ratio!r} (expected 'norm' or 'max')")
-        self._stages = TwoStages(type(self).__name__, EXACT_GRADIENT, COMPRESSED_FORMED, freeze_schedule(
-            freeze_step, beta2, threshold=freeze_threshold, window=freeze_window, min_step=min_freeze_step,
-            max_step=max_freeze_step, corrected=True))
+        buffers = ("exp_avg", "exp_avg_sq", "frozen_exp_avg_sq", "last_exp_avg")
+        self._stages = TwoStages(type(self).__name__, Stage(EXACT_GRADIENT, buffers, averages=True),
+                                 Stage(COMPRESSED_FORMED, buffers),
+                                 freeze_schedule(freeze_step, beta2, threshold=freeze_threshold, window=freeze_window,
+                                                 min_step=min_freeze_step, max_step=max_freeze_step, corrected=True),
+                                 watch="exp_avg_sq")
         self.eps = float(eps)
         self.options = {
             "clip_update": check_optional_positive("clip_update", clip_update),
@@ -345,9 +347,6 @@ class OnebitLamb(OnebitOptimizer):
         self.ratio = torch.ones(n, dtype=torch.float64, device=device)
         self.momentum_scale = torch.ones(n, dtype=torch.float64, device=device)
         self._coefficients: Tensor | None = None
-        # The averaged gradient of the warm-up (the fp32 all-reduce needs one flat buffer);
-        # dropped at the freeze, when each rank's momentum takes its own gradient where it lies.
-        self._grad: Tensor | None = self.flat.zeros()
         self._drive(self._allreduce(compressor, hierarchical=hierarchical, ranks_per_node=ranks_per_node,
                                     overlap=overlap, scales=scales), overlap=overlap, bucket_cap_mb=bucket_cap_mb)
 
@@ -385,8 +384,6 @@ class OnebitLamb(OnebitOptimizer):
                                       max_coeff=o["max_coeff"], min_coeff=o["min_coeff"],
                                       sum_per_param=self._shards.sum_per_param if self._shards.sharded else None,
                                       **common)
-            if self._stages.observe(self._step_count, b["exp_avg_sq"]):
-                self._freeze()
             return
         if self._has_unused:
             mask_unused_(b["exp_avg"], b["frozen_exp_avg_sq"], 0.0)
@@ -399,12 +396,12 @@ class OnebitLamb(OnebitOptimizer):
             max_per_param=self._shards.max_per_param if self._shards.sharded else None,
             sum_per_param=self._shards.sum_per_param if self._shards.sharded else None, **common)
 
-    def _freeze(self) -> None:
-        """Line 3 and A.5.2: store v_Tw (c_avg stops moving), derive the momentum scale coefficients."""
+    def _enter(self, stage: Stage) -> None:
+        """Line 3 and A.5.2: store v_Tw (c_avg stops moving), derive the momentum scale coefficients.
+        The compression stage reads each rank's own gradients where they lie."""
         b = self.flat.buffers
         b["frozen_exp_avg_sq"].copy_(b["exp_avg_sq"])
         self._note_unused()
-        self._grad = None  # the compression stage reads each rank's own gradients where they lie
         if self._shards.sharded:  # the whole parameters' norms, from their shards'
             squares = torch.stack([b["exp_avg"][lo:hi].double().square().sum() for lo, hi in self.flat.offsets])
             norms = self._shards.sum_per_param(squares).sqrt().tolist()
@@ -432,10 +429,7 @@ class OnebitLamb(OnebitOptimizer):
         }
 
     def _load_extra_state(self, state: Mapping[str, Any], own_state: bool) -> None:
-        if self._stages.frozen_at is None:  # the warm-up averages the gradients in a flat buffer
-            self._grad = self._grad if self._grad is not None else self.flat.zeros()
-        else:
-            self._grad = None
+        if self._stages.frozen_at is not None:
             self._note_unused()
         as_vector = {"dtype": torch.float64, "device": self.flat.device, "copy": True}
         self.coeff_avg = state["coeff_avg"].to(**as_vector)

@@ -37,6 +37,7 @@ from ._base import OnebitOptimizer, ReplicaDivergence
 from ._driver import COMPRESSED_FORMED, COMPRESSED_GRADIENT, LOCAL, Wire
 from ._freeze import count_unused, mask_unused_
 from ._functional import adam_denominator, adam_denominators, apply_update_, clip_to_adam_step_, ema_
+from ._stages import Stage, StepStages
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -47,6 +48,19 @@ __all__ = ["ZeroOneAdam", "ZeroOneSchedule", "local_step", "refresh_variance", "
 
 # A refresh step: the gradients' exact fp32 average (the variance needs it; so does nothing else).
 REFRESH = Wire("variance", formed=False, exact=True)
+
+# Up to var_freeze_step: the moments and the gradients' average (exact at a refresh, else 1-bit).
+_REFRESH = Stage(REFRESH, ("exp_avg", "exp_avg_sq"), averages=True)
+_GRADIENT = Stage(COMPRESSED_GRADIENT, ("exp_avg", "exp_avg_sq"), averages=True)
+# After it: the variance becomes the frozen preconditioner in place, and the 1-bit exchange sends
+# momentum instead of gradients, so its errors restart (DeepSpeed's reinitial_error_buffer).
+_MOMENTUM = Stage(COMPRESSED_FORMED, ("exp_avg", "frozen_denom"), renames={"exp_avg_sq": "frozen_denom"},
+                  resets_errors=True)
+# Once intervals of local steps begin: the anchor (the parameters of the last synchronisation)
+# and the interval's accumulated momentum, at synchronisations and local steps alike.
+_INTERVALS = ("exp_avg", "frozen_denom", "anchor", "accum")
+_SYNCHRONISE = Stage(COMPRESSED_FORMED, _INTERVALS)
+_LOCAL = Stage(LOCAL, _INTERVALS)
 
 
 class ZeroOneSchedule:
@@ -113,33 +127,6 @@ class ZeroOneSchedule:
     def synchronises(self, step: int) -> bool:
         """Whether ``step`` ends with a 1-bit synchronisation (``T_u``)."""
         return (step + self.offset) % self.interval(step) == 0
-
-
-class _Stages:
-    """The wire of each step, from the schedule and the steps taken (``done``)."""
-
-    wires = (REFRESH, COMPRESSED_GRADIENT, COMPRESSED_FORMED, LOCAL)
-
-    def __init__(self, schedule: ZeroOneSchedule) -> None:
-        self.schedule = schedule
-        self.done = 0
-
-    @property
-    def frozen_at(self) -> int | None:
-        return self.schedule.var_freeze_step if self.done >= self.schedule.var_freeze_step else None
-
-    @property
-    def wire(self) -> Wire:
-        step = self.done + 1
-        if step <= self.schedule.var_freeze_step:
-            return REFRESH if self.schedule.refreshes(step) else COMPRESSED_GRADIENT
-        return COMPRESSED_FORMED if self.schedule.synchronises(step) else LOCAL
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.done = int(state["step"])
 
 
 def refresh_variance(
@@ -314,8 +301,6 @@ class ZeroOneAdam(OnebitOptimizer):
         'variance'
     """
 
-    _flat_names = ("exp_avg", "exp_avg_sq")
-
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
@@ -344,14 +329,14 @@ class ZeroOneAdam(OnebitOptimizer):
         check_bool("overlap", overlap)
         check_adam_args(lr, betas, eps, weight_decay)
         self.eps = float(eps)
-        self._stages = _Stages(ZeroOneSchedule(var_freeze_step, var_update_scaler, local_step_scaler,
-                                               local_step_clipper))
+        schedule = ZeroOneSchedule(var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper)
+        self._stages = StepStages((_REFRESH, _GRADIENT, _MOMENTUM, _SYNCHRONISE, _LOCAL), self._stage_of, schedule,
+                                  freeze_step=schedule.var_freeze_step)
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay}, group=group,
                          **options)
         n = len(self.flat.params)
         # The interval of local steps so far, per parameter: sum(lr), sum(lr / bc1), any step taken.
         self._lr_sums, self._weight_sums, self._touched = [0.0] * n, [0.0] * n, [False] * n
-        self._grad: Tensor | None = self.flat.zeros()  # the gradients' average, up to the freeze
         self._has_unused = False
         self._drive(self._allreduce(compressor, hierarchical=hierarchical, ranks_per_node=ranks_per_node,
                                     overlap=overlap, scales=scales), overlap=overlap, bucket_cap_mb=bucket_cap_mb)
@@ -360,6 +345,16 @@ class ZeroOneAdam(OnebitOptimizer):
     def schedule(self) -> ZeroOneSchedule:
         """The refresh and synchronisation steps (:class:`ZeroOneSchedule`)."""
         return self._stages.schedule
+
+    def _stage_of(self, step: int) -> Stage:
+        """``T_v`` and ``T_u`` of :class:`ZeroOneSchedule`: a refresh or a 1-bit gradient step up to
+        ``var_freeze_step``; then a 1-bit synchronisation, or a local step inside an interval."""
+        schedule = self._stages.schedule
+        if step <= schedule.var_freeze_step:
+            return _REFRESH if schedule.refreshes(step) else _GRADIENT
+        if schedule.interval(step) == 1:
+            return _MOMENTUM
+        return _SYNCHRONISE if schedule.synchronises(step) else _LOCAL
 
     # ------------------------------------------------------------------ the contract
     def _form(self, i: int, lo: int, hi: int, grad: Tensor | None, live: bool, group: dict[str, Any], step: int,
@@ -388,18 +383,12 @@ class ZeroOneAdam(OnebitOptimizer):
         return self.flat.buffers["exp_avg"] if wire.formed else self._grad
 
     def _apply(self, wire: Wire, average: Tensor | None) -> None:
-        step = self._step_count
         if wire is REFRESH:
             self._refresh(average)
         elif wire is LOCAL:
             self._local()
         else:
             self._synchronise(None if wire.formed else average)
-        self._stages.done = step
-        if step == self.schedule.var_freeze_step:
-            self._freeze()
-        if self.schedule.interval(step + 1) > 1 and "anchor" not in self.flat.buffers:
-            self._start_local_steps()
 
     def _weight(self, group: dict[str, Any], step: int) -> float:
         """``lr / bc1`` of ``step``: what the step moves ``x`` by per unit of ``m / d``."""
@@ -492,27 +481,19 @@ class ZeroOneAdam(OnebitOptimizer):
                 bc2 = 1.0 if self.bias_correction else 1.0 - beta2**k
                 clip_to_adam_step_(m[lo:hi], denom[lo:hi], beta1, beta2, bc1[i], bc2, self.clip_update)
 
-    def _freeze(self) -> None:
-        """The variance becomes, in place, the preconditioner ``d`` (``frozen_denom``); the
-        gradients' average buffer goes; the errors of the 1-bit exchange restart at zero, as
-        what it sends changes from gradients to momentum (DeepSpeed's ``reinitial_error_buffer``)."""
-        self._reset_errors()
-        _, bc2 = self._corrections(self._step_count)
-        v = self.flat.buffers["exp_avg_sq"]
-        adam_denominators(v, self.flat.offsets, eps=self.eps, bias_corrections2=bc2, out=v)
-        self.flat.rename("exp_avg_sq", "frozen_denom")
-        self._link_state()
-        self._grad = None
-        self._has_unused = count_unused(type(self).__name__, self.flat.buffers["frozen_denom"], self.eps)
-
-    def _start_local_steps(self) -> None:
-        """The first interval of local steps begins: the anchor (the parameters of this, the last
-        synchronised, step) and the accumulated momentum."""
-        anchor = self.flat.new("anchor")
+    def _enter(self, stage: Stage) -> None:
+        """At the freeze, the variance (renamed ``frozen_denom``) becomes in place the
+        preconditioner ``d``. When the first interval of local steps begins, the anchor takes the
+        parameters of this, the last synchronised, step (the accumulated momentum starts at zero)."""
+        d = self.flat.buffers["frozen_denom"]
+        if stage is _MOMENTUM:
+            _, bc2 = self._corrections(self._step_count)
+            adam_denominators(d, self.flat.offsets, eps=self.eps, bias_corrections2=bc2, out=d)
+            self._has_unused = count_unused(type(self).__name__, d, self.eps)
+            return
+        anchor = self.flat.buffers["anchor"]
         for p, (lo, hi) in zip(self.flat.params, self.flat.offsets):
             anchor[lo:hi].copy_(p.detach().reshape(-1))
-        self.flat.new("accum")
-        self._link_state()
 
     # ------------------------------------------------------------------ replicas and checkpoints
     @property
@@ -535,23 +516,9 @@ class ZeroOneAdam(OnebitOptimizer):
         return {"interval": {"lr_sums": list(self._lr_sums), "weight_sums": list(self._weight_sums),
                              "touched": list(self._touched)}}
 
-    def _layout_for(self, state: Mapping[str, Any]) -> None:
-        saved = set(state.get("flat", {}))
-        b = self.flat.buffers
-        if "frozen_denom" in saved and "exp_avg_sq" in b:
-            self.flat.rename("exp_avg_sq", "frozen_denom")
-        elif "exp_avg_sq" in saved and "frozen_denom" in b:
-            self.flat.rename("frozen_denom", "exp_avg_sq")
-        for name in ("anchor", "accum"):
-            if name in saved and name not in b:
-                self.flat.new(name)
-            elif name not in saved and name in b:
-                del b[name]
-
     def _load_extra_state(self, state: Mapping[str, Any], own_state: bool) -> None:
         b = self.flat.buffers
         frozen = "frozen_denom" in b
-        self._grad = None if frozen else (self._grad if self._grad is not None else self.flat.zeros())
         self._has_unused = frozen and count_unused(type(self).__name__, b["frozen_denom"], self.eps)
         interval = state["interval"]
         self._lr_sums = [float(x) for x in interval["lr_sums"]]

@@ -1,0 +1,139 @@
+"""An optimizer's stages, declared in one place and carried out by the base class.
+
+A :class:`Stage` is what one step of an algorithm sends and how (its
+:class:`~onebit.optim._driver.Wire`) and the state it keeps: its flat buffers, whether it
+averages the gradients into a flat buffer of their own, and what entering it changes --
+buffers renamed (values kept: 1-bit Adam's variance becomes its frozen preconditioner in
+place), created (zeros), dropped, the collectives' errors restarted. An optimizer declares
+its stages and the policy that moves between them; the base lays the state out, on a stage
+change and when a checkpoint is loaded, and then calls the optimizer's ``_enter(stage)`` for
+the math of the change. The policies:
+
+* :class:`OneStage` -- one stage for every step (Birder, Comp-AMS, the controls);
+* :class:`TwoStages` -- a warm-up until a :class:`~onebit.optim.FreezeSchedule` watching a
+  buffer decides, then the compression stage (1-bit Adam, 1-bit LAMB);
+* :class:`StepStages` -- the stage of each step a function of its number (0/1 Adam's
+  variance refreshes, synchronisations and local steps; an outer loop's inner steps and
+  synchronisations fit the same way).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+
+from ._driver import Wire
+from ._freeze import FreezeSchedule
+
+__all__ = ["OneStage", "Stage", "StepStages", "TwoStages"]
+
+_log = logging.getLogger("onebit.optim")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage: ``wire`` (what its steps send, and how; ``wire.stage`` names it in
+    ``stats["stage"]``), ``buffers`` (its flat state, by checkpoint name) and ``averages`` (a flat
+    buffer of the averaged gradients, not checkpointed). Entering it from a stage laid out
+    otherwise: the buffers named in ``renames`` take their new names (``{old: new}``, values
+    kept), the others missing are created as zeros, those it lacks dropped, and with
+    ``resets_errors`` the collectives' error-feedback buffers restart at zero (what they carry
+    changes meaning)."""
+
+    wire: Wire
+    buffers: tuple[str, ...]
+    averages: bool = False
+    renames: Mapping[str, str] = field(default_factory=dict)
+    resets_errors: bool = False
+
+    def laid_out_as(self, other: Stage) -> bool:
+        """Whether the two stages keep the same state (no change between them)."""
+        return self.buffers == other.buffers and self.averages == other.averages
+
+
+class OneStage:
+    """One stage for every step (no warm-up)."""
+
+    frozen_at = None
+    schedule = None  # no warm-up to end
+
+    def __init__(self, stage: Stage) -> None:
+        self.current = stage
+        self.stages = (stage,)
+
+    def advance(self, step: int, buffers: Mapping[str, Tensor]) -> None:
+        """After step ``step``: nothing changes."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        pass
+
+
+class TwoStages:
+    """``warmup`` until ``schedule`` decides, from the buffer named ``watch`` (the variance:
+    its l1 norm for the automatic criterion), then ``compressed`` from the next step on;
+    ``frozen_at`` is the last warm-up step (None before). ``owner`` names the optimizer in
+    the log."""
+
+    def __init__(self, owner: str, warmup: Stage, compressed: Stage, schedule: FreezeSchedule, *,
+                 watch: str) -> None:
+        self.owner, self.watch = owner, watch
+        self.stages = (warmup, compressed)
+        self.schedule = schedule
+        self.frozen_at: int | None = None
+
+    @property
+    def current(self) -> Stage:
+        return self.stages[self.frozen_at is not None]
+
+    def advance(self, step: int, buffers: Mapping[str, Tensor]) -> None:
+        """After step ``step``: a warm-up step feeds the criterion ``||v||_1``; the warm-up ends
+        here when it says so."""
+        if self.frozen_at is not None:
+            return
+        l1 = float(buffers[self.watch].sum()) if self.schedule.auto else None  # v >= 0: its sum is its l1 norm
+        if self.schedule.should_freeze(step, l1):
+            self.frozen_at = step
+            _log.info("%s: warm-up ended at step %d; compression stage starts", self.owner, step)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"frozen_at": self.frozen_at, "freeze": self.schedule.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.schedule.load_state_dict(state["freeze"])
+        self.frozen_at = state["frozen_at"]
+
+
+class StepStages:
+    """The stage of step ``t`` is ``stage_of(t)``, from a ``schedule`` of step numbers (0/1
+    Adam's :class:`~onebit.optim.ZeroOneSchedule`); ``freeze_step``: the last step of the stages
+    before the freeze, for ``stats["freeze_step"]`` (None: none)."""
+
+    def __init__(self, stages: tuple[Stage, ...], stage_of: Callable[[int], Stage], schedule: Any, *,
+                 freeze_step: int | None = None) -> None:
+        self.stages, self.stage_of, self.schedule, self.freeze_step = stages, stage_of, schedule, freeze_step
+        self.done = 0
+
+    @property
+    def current(self) -> Stage:
+        return self.stage_of(self.done + 1)
+
+    @property
+    def frozen_at(self) -> int | None:
+        return self.freeze_step if self.freeze_step is not None and self.done >= self.freeze_step else None
+
+    def advance(self, step: int, buffers: Mapping[str, Tensor]) -> None:
+        """After step ``step``: the next stage is ``stage_of(step + 1)``."""
+        self.done = step
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.done = int(state["step"])
