@@ -26,15 +26,18 @@ import torch
 import onebit
 
 _ROOT = os.path.dirname(onebit.__file__)
+_COMPREHENSIONS = ("<listcomp>", "<genexpr>", "<dictcomp>", "<setcomp>")  # not steps of the walk
 
 
 def _walk(step: Callable[[], Any]) -> list[tuple[str, str]]:
-    """``(file relative to onebit, function)`` of every onebit function entered during ``step()``."""
+    """``(file relative to onebit, function)`` of every onebit function (not comprehension) entered
+    during ``step()``."""
     calls: list[tuple[str, str]] = []
 
     def profile(frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and frame.f_code.co_filename.startswith(_ROOT):
-            calls.append((os.path.relpath(frame.f_code.co_filename, _ROOT), frame.f_code.co_qualname))
+        name = frame.f_code.co_qualname
+        if event == "call" and frame.f_code.co_filename.startswith(_ROOT) and not name.endswith(_COMPREHENSIONS):
+            calls.append((os.path.relpath(frame.f_code.co_filename, _ROOT), name))
 
     sys.setprofile(profile)
     try:
@@ -89,13 +92,16 @@ def _seam() -> list[str]:
     private = sorted(n for n in names if n.startswith("_"))
     readers = []
     for f in sorted(os.listdir(optim)):
-        if f.endswith(".py") and f != "_driver.py" and "._driver." in open(os.path.join(optim, f)).read():
+        if f.endswith(".py") and f not in ("_driver.py", "_base.py") and any(
+                isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+                and node.value.attr == "_driver" for node in ast.walk(ast.parse(open(os.path.join(optim, f)).read()))):
             readers.append(f)
     return [f"the driver reads {len(names)} attributes of the optimizer, {len(private)} private: {private}",
-            f"optimizer files reading self._driver's attributes: {len(readers)} {readers}"]
+            f"optimizer files other than the base reading self._driver's attributes: {len(readers)} {readers}"]
 
 
 def main() -> None:
+    """Print the walks and the seam (``--calls``: every call of the 1-bit Adam step, in order)."""
     adam = _traced(lambda p: onebit.OnebitAdam(p, lr=1e-3, freeze_step=2), 3, "compressed")
     local = _traced(lambda p: onebit.ZeroOneAdam(p, lr=1e-3, var_freeze_step=2, var_update_scaler=1,
                                                  local_step_scaler=1, local_step_clipper=4), 4, "local")
@@ -104,6 +110,8 @@ def main() -> None:
         print(f"{' ' * len(label)}  end to end {_summary(calls, '')}")
     for line in _seam():
         print(line)
+    if "--calls" in sys.argv:
+        print("\n".join(f"{f}:{name}" for f, name in adam if f.startswith("optim")))
 
 
 if __name__ == "__main__":

@@ -87,10 +87,7 @@ class TwoStages:
         self.stages = (warmup, compressed)
         self.schedule = schedule
         self.frozen_at: int | None = None
-
-    @property
-    def current(self) -> Stage:
-        return self.stages[self.frozen_at is not None]
+        self.current = warmup
 
     def advance(self, step: int, buffers: Mapping[str, Tensor]) -> None:
         """After step ``step``: a warm-up step feeds the criterion ``||v||_1``; the warm-up ends
@@ -99,7 +96,7 @@ class TwoStages:
             return
         l1 = float(buffers[self.watch].sum()) if self.schedule.auto else None  # v >= 0: its sum is its l1 norm
         if self.schedule.should_freeze(step, l1):
-            self.frozen_at = step
+            self.frozen_at, self.current = step, self.stages[1]
             _log.info("%s: warm-up ended at step %d; compression stage starts", self.owner, step)
 
     def state_dict(self) -> dict[str, Any]:
@@ -108,32 +105,31 @@ class TwoStages:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.schedule.load_state_dict(state["freeze"])
         self.frozen_at = state["frozen_at"]
+        self.current = self.stages[self.frozen_at is not None]
 
 
 class StepStages:
-    """The stage of step ``t`` is ``stage_of(t)``, from a ``schedule`` of step numbers (0/1
-    Adam's :class:`~onebit.optim.ZeroOneSchedule`); ``freeze_step``: the last step of the stages
-    before the freeze, for ``stats["freeze_step"]`` (None: none)."""
+    """The stage of step ``t`` is ``stage_of(schedule, t)``, from a ``schedule`` of step numbers
+    (0/1 Adam's :class:`~onebit.optim.ZeroOneSchedule`); ``freeze_step``: the last step of the
+    stages before the freeze, for ``stats["freeze_step"]`` (None: none)."""
 
-    def __init__(self, stages: tuple[Stage, ...], stage_of: Callable[[int], Stage], schedule: Any, *,
+    def __init__(self, stages: tuple[Stage, ...], stage_of: Callable[[Any, int], Stage], schedule: Any, *,
                  freeze_step: int | None = None) -> None:
         self.stages, self.stage_of, self.schedule, self.freeze_step = stages, stage_of, schedule, freeze_step
         self.done = 0
-
-    @property
-    def current(self) -> Stage:
-        return self.stage_of(self.done + 1)
+        self.current = stage_of(schedule, 1)
 
     @property
     def frozen_at(self) -> int | None:
         return self.freeze_step if self.freeze_step is not None and self.done >= self.freeze_step else None
 
     def advance(self, step: int, buffers: Mapping[str, Tensor]) -> None:
-        """After step ``step``: the next stage is ``stage_of(step + 1)``."""
-        self.done = step
+        """After step ``step``: the next stage is ``stage_of(schedule, step + 1)``."""
+        self.done, self.current = step, self.stage_of(self.schedule, step + 1)
 
     def state_dict(self) -> dict[str, Any]:
         return {}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.done = int(state["step"])
+        self.current = self.stage_of(self.schedule, self.done + 1)

@@ -129,6 +129,16 @@ class ZeroOneSchedule:
         return (step + self.offset) % self.interval(step) == 0
 
 
+def _stage_of(schedule: ZeroOneSchedule, step: int) -> Stage:
+    """``T_v`` and ``T_u``: a refresh or a 1-bit gradient step up to ``var_freeze_step``; then a
+    1-bit synchronisation, or a local step inside an interval."""
+    if step <= schedule.var_freeze_step:
+        return _REFRESH if schedule.refreshes(step) else _GRADIENT
+    if schedule.interval(step) == 1:
+        return _MOMENTUM
+    return _SYNCHRONISE if schedule.synchronises(step) else _LOCAL
+
+
 def refresh_variance(
     params: Sequence[Tensor],
     offsets: Sequence[tuple[int, int]],
@@ -330,7 +340,7 @@ class ZeroOneAdam(OnebitOptimizer):
         check_adam_args(lr, betas, eps, weight_decay)
         self.eps = float(eps)
         schedule = ZeroOneSchedule(var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper)
-        self._stages = StepStages((_REFRESH, _GRADIENT, _MOMENTUM, _SYNCHRONISE, _LOCAL), self._stage_of, schedule,
+        self._stages = StepStages((_REFRESH, _GRADIENT, _MOMENTUM, _SYNCHRONISE, _LOCAL), _stage_of, schedule,
                                   freeze_step=schedule.var_freeze_step)
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay}, group=group,
                          **options)
@@ -345,16 +355,6 @@ class ZeroOneAdam(OnebitOptimizer):
     def schedule(self) -> ZeroOneSchedule:
         """The refresh and synchronisation steps (:class:`ZeroOneSchedule`)."""
         return self._stages.schedule
-
-    def _stage_of(self, step: int) -> Stage:
-        """``T_v`` and ``T_u`` of :class:`ZeroOneSchedule`: a refresh or a 1-bit gradient step up to
-        ``var_freeze_step``; then a 1-bit synchronisation, or a local step inside an interval."""
-        schedule = self._stages.schedule
-        if step <= schedule.var_freeze_step:
-            return _REFRESH if schedule.refreshes(step) else _GRADIENT
-        if schedule.interval(step) == 1:
-            return _MOMENTUM
-        return _SYNCHRONISE if schedule.synchronises(step) else _LOCAL
 
     # ------------------------------------------------------------------ the contract
     def _form(self, i: int, lo: int, hi: int, grad: Tensor | None, live: bool, group: dict[str, Any], step: int,
