@@ -118,13 +118,13 @@ def _added_vs_call(rank, world):
         whole = twin[0](x)
         pieces = torch.full_like(x, float("nan"))
         twin[1].input_buffer(x.numel(), x.device).add_(x)
-        twin[1].reduce_added(lambda lo, hi, values: pieces[lo:hi].copy_(values))
+        onebit.comm.run_stages(twin[1].stages(None, land=lambda: lambda lo, hi, values: pieces[lo:hi].copy_(values)))
         results.append((whole, pieces))
     return results, twin[0].worker_error.error, twin[1].worker_error.error
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_reduce_added_is_the_compressed_allreduce(world):
+def test_the_added_input_handed_out_by_chunks_is_the_compressed_allreduce(world):
     for results, e_call, e_added in run_ranks(_added_vs_call, world):
         for whole, pieces in results:
             assert torch.equal(whole, pieces)

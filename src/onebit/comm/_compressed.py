@@ -16,13 +16,16 @@ from ..compress import Compressor
 from ..feedback import ErrorFeedback
 from ..ops import max_abs
 from ._dist import (
-    Group, Pending, Stages, all_gather_bytes, all_to_all_bytes, check_world_size, get_rank, get_world_size, resolve_group,
+    Group, Stages, all_gather_bytes, all_to_all_bytes, check_world_size, get_rank, get_world_size, resolve_group,
     run_stages, to_timedelta,
 )
 from ._meter import phase
 from ._wire import read_payload, write_payload
 
 __all__ = ["CompressedAllGather", "CompressedAllReduce", "chunk_bounds", "chunk_codecs"]
+
+# consume(lo, hi, values): an average's flat values [lo, hi), handed over chunk by chunk (scratch)
+Consume = Callable[[int, int, Tensor], None]
 
 _log = logging.getLogger(__name__)
 
@@ -82,7 +85,7 @@ class _Sized:
 
     compressor: Compressor
     group: Group
-    # Capability: input_buffer() / reduce_added(), the exchange without model-sized input or output.
+    # Capability: input_buffer() and stages(None, ...), the exchange without a model-sized input.
     reduces_added_input: bool = False
 
     def __init__(
@@ -241,8 +244,6 @@ class CompressedAllReduce(_Sized):
         self.flag_nonfinite = flag_nonfinite
         self.nonfinite: Tensor | None = None
         self.server_error = ErrorFeedback("server")
-        self._flight: tuple[Stages, Pending] | None = None  # start_added()'s stages and what is in flight
-        self._gathering = False
 
     def _size(self, numel: int, device: torch.device) -> None:
         self._bounds = chunk_bounds(numel, self._world_size, self.compressor.alignment)
@@ -261,7 +262,8 @@ class CompressedAllReduce(_Sized):
         """Compressed average of ``tensor`` over the group; written to ``out`` when given."""
         return run_stages(self.stages(tensor, out))
 
-    def stages(self, tensor: Tensor, out: Tensor | None = None) -> Stages:
+    def stages(self, tensor: Tensor | None, out: Tensor | None = None, *,
+               land: Callable[[], Tensor | Consume] | None = None) -> Stages:
         """``self(tensor, out)`` as three stages, for a caller that overlaps them with other work.
 
         Each ``next()`` waits for the collective the previous stage left in flight, computes,
@@ -270,72 +272,40 @@ class CompressedAllReduce(_Sized):
         :func:`run_stages`). Several exchanges may interleave their stages, in the same order
         on every rank: that order is the order of their collectives. ``tensor`` and ``out``
         must stay untouched until the last stage.
+
+        Without a model-sized input or output (the optimizers' overlapped buckets):
+        ``tensor=None`` exchanges what the caller added into :meth:`input_buffer` (the worker
+        error ``e``, which then holds ``x + e``), and the average goes where ``land()``, asked
+        once it is gathered, says: a flat fp32 tensor, or ``consume(lo, hi, values)``, which
+        takes it one chunk ``[lo, hi)`` at a time, in chunk order (``values`` is scratch, valid
+        during the call only). The same bytes and arithmetic as ``self(x)``.
         """
-        tensor = self._prepare(tensor, out)
-        flat = tensor.detach().reshape(-1)
-        gathered = yield from self._stages(flat, self.worker_error.buffer(flat.numel(), flat.device))
+        if tensor is None:
+            flat, error = None, self._added_input()
+        else:
+            tensor = self._prepare(tensor, out)
+            flat = tensor.detach().reshape(-1)
+            error = self.worker_error.buffer(flat.numel(), flat.device)
+        gathered = yield from self._stages(flat, error)
         self._read_flags(gathered)
+        if flat is None:
+            target = land()
+            if isinstance(target, Tensor):
+                self._decode(gathered, target.view(-1))
+                return target
+            self._hand_out(gathered, target)
+            return None
         result = self._output(out, flat)
         self._decode(gathered, result)
         return self._finish(result, tensor, out)
 
     def input_buffer(self, numel: int, device: torch.device | str) -> Tensor:
         """The worker error ``e`` (flat fp32, ``numel`` values), for a caller that adds its input
-        ``x`` to it in place and then calls :meth:`reduce_added` -- no model-sized input buffer."""
+        ``x`` to it in place and then exchanges it with ``stages(None, ...)`` -- no model-sized
+        input buffer."""
         buffer = self.worker_error.buffer(numel, torch.device(device))
         self._prepare(buffer, None)
         return buffer
-
-    def reduce_added(self, consume: Callable[[int, int, Tensor], None]) -> None:
-        """The compressed average of the ``x`` a caller added into :meth:`input_buffer`, handed to
-        ``consume(lo, hi, values)`` one chunk ``[lo, hi)`` at a time, in chunk order, instead of
-        written to a model-sized output (``values`` is scratch: valid during the call only).
-
-        The same bytes and the same arithmetic as ``self(x)``."""
-        self._hand_out(run_stages(self._stages(None, self._added_input())), consume)
-
-    def start_added(self) -> None:
-        """Phase 1 on the ``x`` added into :meth:`input_buffer`, now, its all-to-all left in flight:
-        the overlapped exchange starts a bucket while backward computes earlier layers.
-        :meth:`finish_added` (or :meth:`abandon`) must follow, in the same order on every rank."""
-        if self._flight is not None:
-            raise RuntimeError(f"{type(self).__name__}: an exchange is already in flight")
-        stages = self._stages(None, self._added_input())
-        self._flight, self._gathering = (stages, next(stages)), False
-
-    def advance_added(self) -> None:
-        """Phase 2 of the exchange :meth:`start_added` began (wait for the all-to-all, average,
-        re-compress), its all-gather left in flight: several buckets then wait on their
-        all-gathers together instead of one after another."""
-        if self._flight is None or self._gathering:
-            raise RuntimeError(f"{type(self).__name__}: no all-to-all in flight")
-        stages = self._flight[0]
-        self._flight, self._gathering = (stages, next(stages)), True
-
-    def finish_added(self, out: Tensor) -> Tensor:
-        """The rest of the exchange :meth:`start_added` began, decoded into the flat fp32 ``out``."""
-        self._decode(self._land(), out.view(-1))
-        return out
-
-    def finish_added_by_chunks(self, consume: Callable[[int, int, Tensor], None]) -> None:
-        """The rest of the exchange :meth:`start_added` began, handed to ``consume`` chunk by chunk
-        as :meth:`reduce_added` does (no output buffer of the input's size)."""
-        self._hand_out(self._land(), consume)
-
-    def _land(self) -> Tensor:
-        """Run the rest of the exchange in flight; every chunk's gathered bytes."""
-        if self._flight is None:
-            raise RuntimeError(f"{type(self).__name__}: no exchange in flight")
-        (stages, _), self._flight = self._flight, None
-        return run_stages(stages)
-
-    def abandon(self) -> None:
-        """Wait for the collective in flight and drop it (every rank skips the step); the errors
-        it already updated are the caller's to restore or reset."""
-        if self._flight is not None:
-            (stages, inflight), self._flight = self._flight, None
-            inflight.wait()
-            stages.close()
 
     def _added_input(self) -> Tensor:
         error = self.worker_error.error
@@ -377,7 +347,7 @@ class CompressedAllReduce(_Sized):
         with phase("all_gather"):
             return inflight.wait()
 
-    def _hand_out(self, gathered: Tensor, consume: Callable[[int, int, Tensor], None]) -> None:
+    def _hand_out(self, gathered: Tensor, consume: Consume) -> None:
         """Decode the gathered chunks one at a time into scratch, each handed to ``consume``."""
         scratch = torch.empty(max(hi - lo for lo, hi in self._bounds), dtype=torch.float32, device=gathered.device)
         for j, (lo, hi) in enumerate(self._bounds):

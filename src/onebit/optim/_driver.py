@@ -264,7 +264,9 @@ class Driver:
         if overlap:
             self.buckets = Buckets(flat.params, self.bounds, self._launch_in_backward)
         self._plan: Plan | None = None
-        self._flights: list[Any] = [None] * len(self.bounds)  # a collective, or (stages, pending)
+        # Each bucket's exchange in flight: its stages, the collective they left pending, and
+        # whether its input was added into the collective's worker error (None: nothing sent).
+        self._flights: list[tuple[comm.Stages, comm.Pending, bool] | None] = [None] * len(self.bounds)
         self._compressed_in_flight = False
         self._land: Tensor | Consume | None = None
 
@@ -299,17 +301,12 @@ class Driver:
         if self.buckets is None:
             self._launch(0, live, agreed=True)
         land = self._landing()
-        for c in self._flights:  # every all-gather in flight before waiting on one
-            if c is not None and not isinstance(c, tuple):
-                c.advance_added()
-        for b, flight in enumerate(self._flights):
-            start, end = self.spans[b]
-            if isinstance(flight, tuple):
+        for b, flight in enumerate(self._flights):  # every added bucket's all-gather in flight first
+            if flight is not None and flight[2]:
+                self._flights[b] = (flight[0], next(flight[0]), True)
+        for flight in self._flights:
+            if flight is not None:
                 comm.run_stages(flight[0])
-            elif flight is not None and isinstance(land, Tensor):
-                flight.finish_added(land[start:end])
-            elif flight is not None:
-                flight.finish_added_by_chunks(lambda a, z, values, lo=start: land(lo + a, lo + z, values))
         self._end_step()
         return land if isinstance(land, Tensor) else None
 
@@ -318,11 +315,9 @@ class Driver:
         one took its values into the error-feedback buffers before any rank could know: they
         restart at zero."""
         for flight in self._flights:
-            if isinstance(flight, tuple):
+            if flight is not None:
                 flight[1].wait()
                 flight[0].close()
-            elif flight is not None:
-                flight.abandon()
         if self._compressed_in_flight:
             self.reset()
             _log.warning("%s: step skipped after the overlapped exchange had started: error-feedback buffers "
@@ -375,8 +370,9 @@ class Driver:
             self.buckets is not None or not isinstance(self._landing(), Tensor))
         if added:
             form(collective.input_buffer(end - start, self.flat.device), lo, members, live, agreed, True)
-            collective.start_added()
-            self._flights[b] = collective
+            # Where the average lands is asked once it is gathered, in step(): the ranks agreed then.
+            stages = collective.stages(None, land=lambda start=start, end=end: self._landed(start, end))
+            self._flights[b] = (stages, next(stages), True)
             return
         land = self._landing()
         form(land[lo:hi], lo, members, live, agreed, False)
@@ -386,7 +382,15 @@ class Driver:
             return
         else:
             stages = collective.stages(land[start:end], out=land[start:end])
-        self._flights[b] = (stages, next(stages))
+        self._flights[b] = (stages, next(stages), False)
+
+    def _landed(self, start: int, end: int) -> Tensor | Consume:
+        """Where the average of the flat values ``[start, end)`` lands: that span of the step's
+        buffer, or the step's ``consume`` shifted to it."""
+        land = self._landing()
+        if isinstance(land, Tensor):
+            return land[start:end]
+        return lambda a, z, values: land(start + a, start + z, values)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

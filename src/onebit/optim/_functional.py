@@ -103,7 +103,7 @@ def ema_(state: Tensor, value: Tensor | None, beta: float, out: Tensor | None = 
 class UpdateByChunks:
     """``x <- x (1 - lr wd) - lr u`` (:func:`apply_update_`, ``step_size=lr``) for every active
     parameter, ``u`` arriving as chunks ``[lo, hi)`` of the flat layout, in order (as
-    :meth:`onebit.comm.CompressedAllReduce.reduce_added` hands them out).
+    :meth:`onebit.comm.CompressedAllReduce.stages` hands them out to a ``consume``).
 
     An fp32 contiguous parameter takes each piece in place as it comes; any other (low
     precision, ``channels_last``) collects its pieces in an fp32 buffer of its own size and
