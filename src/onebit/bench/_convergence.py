@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -49,7 +49,7 @@ from torch import Tensor, nn
 
 from .. import comm
 from ..launch import spawn
-from ..optim import REGISTRY, ReplicaDivergence, make_optimizer
+from ..optim import COUNTERPARTS, REGISTRY, ReplicaDivergence, Spec, make_optimizer
 from ._analysis import mean_interval
 from ._tasks import ByteCorpus, ByteMLP, ByteTransformer, DigitsCNN, digits_split
 
@@ -64,60 +64,39 @@ DEFAULT_TASKS = ("gpt", "digits", "sparse_embed", "frozen_unused")
 FREEZE_FRACTIONS = (0.1, 0.2, 0.4)
 LEVELS = ("low", "high")
 
-# counterpart -> (its low and high learning rates, what is compared with it by default)
+
+
+def _compared(spec: Spec, extended: bool) -> tuple[str, ...]:
+    """The matrix's names of registry entry ``spec``: its controls and itself, or its extended variants."""
+    if spec.matrix is None:
+        return ()
+    names = tuple(f"{spec.matrix}_{suffix}" for suffix, v in spec.variants.items()
+                  if v.extended == extended and (extended or v.control))
+    return names if extended else names + (spec.matrix,)
+
+
+# From the registry: counterpart -> (its low and high learning rates, what is compared with it by default)
 FAMILIES: dict[str, tuple[tuple[float, float], tuple[str, ...]]] = {
-    "adamw": ((1e-3, 3e-3), ("onebit_adam_identity", "onebit_adam", "zero_one_adam_identity", "zero_one_adam")),
-    "lamb": ((3e-3, 1e-2), ("onebit_lamb_identity", "onebit_lamb")),
-    "amsgrad": ((1e-3, 3e-3), ("comp_ams_topk", "comp_ams_block_sign")),
-    "softsign_sgd": ((1e-3, 3e-3), ("birder_identity", "birder")),
-}
-# with extended=True: the overlapped exchanges (the same algorithm chunked per bucket), the
-# runs without error feedback, Top-k keeping 5% and 25% (Theorem 1's q^2 = 1 - k/d) and
-# Block-Sign with the paper's one block per layer
+    family: (c.lrs, tuple(n for s in REGISTRY.values() if s.counterpart == family for n in _compared(s, False)))
+    for family, c in COUNTERPARTS.items()}
+# with extended=True: the variants the registry marks extended (overlapped exchanges, runs
+# without error feedback, Top-k keeping 5% and 25%, Block-Sign with one block per layer)
 EXTENDED: dict[str, tuple[str, ...]] = {
-    "adamw": ("onebit_adam_overlap",),
-    "lamb": ("onebit_lamb_overlap",),
-    "amsgrad": ("comp_ams_topk_no_ef", "comp_ams_topk_5pct", "comp_ams_topk_25pct", "comp_ams_block_sign_no_ef",
-                "comp_ams_block_sign_layers", "comp_ams_block_sign_overlap"),
-    "softsign_sgd": ("birder_overlap",),
+    family: tuple(n for s in REGISTRY.values() if s.counterpart == family for n in _compared(s, True))
+    for family in COUNTERPARTS}
+# the matrix's optimizers -> (registry name, arguments beyond the defaults, a control)
+_VARIANTS: dict[str, tuple[str, Mapping[str, Any], bool]] = {
+    **{family: (c.entry, c.kwargs, False) for family, c in COUNTERPARTS.items()},
+    **{f"{s.matrix}_{suffix}": (name, v.kwargs, v.control) for name, s in REGISTRY.items() if s.matrix
+       for suffix, v in s.variants.items()},
+    **{s.matrix: (name, {}, False) for name, s in REGISTRY.items() if s.matrix},
 }
 # C1 (docs/design.md, "Targets"): the largest mean paired gap (% of held-out loss; points of digits' error rate)
-# each registry entry may show against its counterpart
-TARGETS = {"onebit_adam": 3.0, "onebit_lamb": 3.0, "zero_one_adam": 3.0, "comp_ams": 5.0,
-           "comp_ams_block_sign": 5.0, "birder": 5.0}
+# each registry entry may show against its counterpart, from the registry
+TARGETS = {name: s.target for name, s in REGISTRY.items() if s.target is not None}
 # C1: no run (seed, or its last-bit perturbation) more than this far behind its counterpart
 # (% of held-out loss; points of digits' error rate)
 BEHIND = 10.0
-_NEVER = 10**9  # a freeze step no run reaches: the two-stage optimizers' exact warm-up throughout
-# 0.5 MB buckets: every task's model is split into several, each compressed on its own
-_OVERLAP = {"overlap": True, "bucket_cap_mb": 0.5}
-_IDENTITY = {"compressor": "identity"}
-# the matrix's optimizers -> (registry name, arguments beyond the defaults)
-_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
-    "adamw": ("onebit_adam", {"freeze_step": _NEVER}),
-    "onebit_adam": ("onebit_adam", {}),
-    "onebit_adam_identity": ("onebit_adam", _IDENTITY),
-    "onebit_adam_overlap": ("onebit_adam", _OVERLAP),
-    "zero_one_adam": ("zero_one_adam", {}),
-    "zero_one_adam_identity": ("zero_one_adam", _IDENTITY),
-    "lamb": ("onebit_lamb", {"freeze_step": _NEVER}),
-    "onebit_lamb": ("onebit_lamb", {}),
-    "onebit_lamb_identity": ("onebit_lamb", _IDENTITY),
-    "onebit_lamb_overlap": ("onebit_lamb", _OVERLAP),
-    "amsgrad": ("comp_ams", {"compressor": "none"}),
-    "comp_ams_topk": ("comp_ams", {}),
-    "comp_ams_topk_no_ef": ("comp_ams", {"error_feedback": False}),
-    "comp_ams_topk_5pct": ("comp_ams", {"ratio": 0.05}),
-    "comp_ams_topk_25pct": ("comp_ams", {"ratio": 0.25}),
-    "comp_ams_block_sign": ("comp_ams_block_sign", {}),
-    "comp_ams_block_sign_overlap": ("comp_ams_block_sign", _OVERLAP),
-    "comp_ams_block_sign_no_ef": ("comp_ams_block_sign", {"error_feedback": False}),
-    "comp_ams_block_sign_layers": ("comp_ams_block_sign", {"block": "tensor"}),
-    "softsign_sgd": ("softsign_sgd", {}),
-    "birder": ("birder", {}),
-    "birder_identity": ("birder", _IDENTITY),
-    "birder_overlap": ("birder", _OVERLAP),
-}
 
 
 @dataclass(frozen=True)
@@ -151,7 +130,7 @@ def convergence_cells(tasks: tuple[str, ...], families: tuple[str, ...], *, leve
         for family in families:
             lrs, compared = FAMILIES[family]
             names = tuple(n for n in compared + (EXTENDED[family] if extended else ())
-                          if controls or _VARIANTS[n][1] is not _IDENTITY)
+                          if controls or not _VARIANTS[n][2])
             for level in levels:
                 lr = lrs[LEVELS.index(level)]
                 cells.append(Cell(task, family, family, lr))
@@ -273,7 +252,7 @@ def build_optimizer(cell: Cell, params: list[nn.Parameter], steps: int, seed: in
                     max_grad_norm: float | None = None) -> torch.optim.Optimizer:
     """The optimizer of ``cell`` with its default arguments (only ``lr``, the freeze step where
     the cell fixes one and, when given, ``max_grad_norm`` set)."""
-    entry, extra = _VARIANTS[cell.optimizer]
+    entry, extra, _ = _VARIANTS[cell.optimizer]
     spec = REGISTRY[entry]
     fixed = {} if cell.freeze_fraction is None or spec.freeze is None else \
         spec.freeze(max(1, round(cell.freeze_fraction * steps)))
@@ -484,7 +463,7 @@ def aggregate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             gaps = [_gap(r, b) for r, b in pairs]
             finite = [g for g in gaps if g is not None]
             mean, half = mean_interval(finite) if finite else (None, None)
-            target = None if name.endswith("_identity") else TARGETS.get(_VARIANTS[name][0])
+            target = None if _VARIANTS[name][2] else TARGETS.get(_VARIANTS[name][0])
             worst = max(range(len(gaps)), key=lambda k: math.inf if gaps[k] is None else gaps[k]) if gaps else None
             reached = [_steps_to(r["losses"], b["final_loss"]) if r["first_nonfinite_step"] is None else None
                        for r, b in pairs]

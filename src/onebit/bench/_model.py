@@ -28,6 +28,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..optim import REGISTRY
+
 __all__ = ["COLLECTIVES", "ModelInput", "Prediction", "collective_cost", "predict", "rank_bytes"]
 
 
@@ -163,25 +165,14 @@ def predict(m: ModelInput) -> list[Prediction]:
     """Per-step predictions for each optimizer, against Adam on a ring all-reduce of the full gradient."""
     kernels = 3 * 4 * m.params / (m.kernel_gbps * 1e9)
     full = f"ring all-reduce fp{8 * m.value_bytes}"
-    rows = [
-        # name (as `onebit train --optimizer`), collective, cost-model kind, kernel time, uncompressed and
-        # local-step fractions
-        ("adam", full, "allreduce_full", 0.0, 0.0, 0.0),
-        ("lamb", full, "allreduce_full", 0.0, 0.0, 0.0),
-        ("amsgrad", full, "allreduce_full", 0.0, 0.0, 0.0),
-        ("softsign_sgd", full, "allreduce_full", 0.0, 0.0, 0.0),
-        ("ddp_allreduce", full, "allreduce_full", 0.0, 0.0, 0.0),
-        ("ddp_fp16", "ring all-reduce fp16", "allreduce_fp16", 0.0, 0.0, 0.0),
-        ("onebit_adam", "1-bit compressed all-reduce", "onebit", kernels, m.warmup_fraction, 0.0),
-        ("onebit_adam_naive", "1-bit compressed all-reduce", "onebit", kernels, 0.0, 0.0),
-        ("onebit_lamb", "1-bit compressed all-reduce", "onebit", kernels, m.warmup_fraction, 0.0),
-        ("zero_one_adam", "1-bit compressed all-reduce", "onebit", kernels, m.refresh_fraction, m.local_fraction),
-        ("birder", "1-bit compressed all-reduce", "onebit", kernels, 0.0, 0.0),
-        ("birder_hierarchical", "Hierarchical-1-bit-All-Reduce", "onebit_hierarchical", kernels, 0.0, 0.0),
-        ("comp_ams", "all-gather of top-k values+indices", "allgather_topk", kernels / 3, 0.0, 0.0),
-        ("comp_ams_block_sign", "all-gather of signs+scales", "allgather_sign", kernels, 0.0, 0.0),
-        ("qadam", "all-gather of signs+scale", "allgather_sign", kernels, 0.0, 0.0),
-    ]
+    # name (as `onebit train --optimizer`), collective, cost-model kind, kernel time, uncompressed and
+    # local-step fractions: the uncompressed references, then the registry's rows
+    exact = {None: (0.0, 0.0), "warmup": (m.warmup_fraction, 0.0), "refresh": (m.refresh_fraction, m.local_fraction)}
+    rows = [(name, full, "allreduce_full", 0.0, 0.0, 0.0)
+            for name in ("adam", "lamb", "amsgrad", "softsign_sgd", "ddp_allreduce")]
+    rows.append(("ddp_fp16", "ring all-reduce fp16", "allreduce_fp16", 0.0, 0.0, 0.0))
+    rows += [(name, c.label, c.collective, c.kernels * kernels, *exact[c.exact])
+             for spec in REGISTRY.values() for name, c in spec.costs.items()]
     base_step = m.compute + collective_cost("allreduce_full", m)[1]
     base_volume = rank_bytes("allreduce_full", m)
     out = []

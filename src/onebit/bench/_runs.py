@@ -10,7 +10,6 @@ around the hooks that add each bucket's bytes to the meter before delegating.
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -176,11 +175,8 @@ def _registry_optimizer(name: str, params, cfg, exchange: dict[str, Any]) -> tor
         kw.update(spec.freeze(cfg.freeze_step))
     if spec.seeded:
         kw["seed"] = cfg.seed
-    # what some constructors take: Adam's bias correction, Top-k's ratio, QAdam's bits, 0/1 Adam's local steps
-    takes = inspect.signature(spec.cls).parameters
-    options = {"bias_correction": cfg.bias_correction, "ratio": cfg.topk_ratio, "bits": cfg.qadam_bits,
-               **({"local_step_scaler": cfg.local_step_scaler} if cfg.local_step_scaler is not None else {})}
-    kw.update({k: v for k, v in options.items() if k in takes})
+    # the training options it takes (the registry's): Adam's bias correction, Top-k's ratio, QAdam's bits, ...
+    kw.update({arg: getattr(cfg, option) for option, arg in spec.options.items() if getattr(cfg, option) is not None})
     return make_optimizer(name.removesuffix("_overlap"), params, **kw)
 
 
