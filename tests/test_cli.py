@@ -60,7 +60,6 @@ def test_argument_errors(argv, msg, capsys):
     ("comm", ["--sizes", "--backend", "--nodes"], ["--tasks", "--threads", "--world-sizes"]),
     ("convergence", ["--tasks", "--families", "--seeds", "--report-only"], ["--numel", "--nodes", "--world-sizes"]),
     ("memory", ["--world-sizes", "--optimizers", "--size"], ["--tasks", "--numel", "--nodes"]),
-    ("report", ["--results", "--check"], ["--tasks", "--numel", "--nodes"]),
 ])
 def test_each_bench_shows_only_its_own_options(what, own, foreign, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -401,32 +401,6 @@ def _bench_memory(args: argparse.Namespace) -> int:
     return 0 if not over else 1
 
 
-def _bench_report(args: argparse.Namespace) -> int:
-    from .bench._reports import expected_reports, plot_convergence_summaries, stale_reports
-
-    root = Path.cwd()
-    results = Path(args.results)
-    if not (root / results).is_dir():
-        raise ValueError(f"--results {args.results!r}: no such directory under {root} (run from the repository's root)")
-    expected = expected_reports(root, results, [Path(p) for p in args.docs])
-    stale = stale_reports(expected)
-    if args.check:
-        for path in stale:
-            print(f"stale: {path.relative_to(root)}")
-        print(f"{len(expected)} reports, {len(stale)} stale" + (": run `onebit bench report`" if stale else ""))
-        return 1 if stale else 0
-    for path in stale:
-        path.write_text(expected[path])
-        print(f"wrote {path.relative_to(root)}")
-    try:
-        plots = plot_convergence_summaries(root, results)
-        print(f"{len(plots)} loss plots redrawn")
-    except ImportError as exc:
-        print(f"no loss plots: {exc}")
-    print(f"{len(expected)} reports, {len(stale)} rewritten")
-    return 0
-
-
 def _cmd_cluster(args: argparse.Namespace) -> int:
     from .bench._cluster import cluster_unavailable, existing_namespaces
     from .bench._comm import link_check
@@ -498,9 +472,8 @@ def build_parser() -> argparse.ArgumentParser:
     _training_flags(compare, 300, "runs/compare")
     compare.set_defaults(func=_cmd_compare)
 
-    bench = sub.add_parser("bench", help="benchmarks: bit kernels, collectives, the convergence matrix, memory, "
-                                         "and the reports of committed results")
-    what = bench.add_subparsers(dest="what", required=True, metavar="{kernels,comm,convergence,memory,report}")
+    bench = sub.add_parser("bench", help="benchmarks: bit kernels, collectives, the convergence matrix, memory")
+    what = bench.add_subparsers(dest="what", required=True, metavar="{kernels,comm,convergence,memory}")
 
     kernels = what.add_parser("kernels", help="the bit kernels' throughput against a plain copy")
     kernels.add_argument("--numel", type=_positive_int, default=10_500_000, help="fp32 values (default 10.5M)")
@@ -574,16 +547,6 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--device", default="cpu", help="device (default cpu)")
     mem.add_argument("--out", default="runs/memory", help="output directory (default runs/memory)")
     mem.set_defaults(func=_bench_memory)
-
-    report = what.add_parser("report", help="regenerate every benchmark report from the committed results")
-    report.add_argument("--results", default="benchmarks/results",
-                        help="the results directory (default benchmarks/results)")
-    report.add_argument("--docs", nargs="*", default=["docs", "benchmarks/README.md", "README.md"],
-                        help="Markdown files or directories whose generated blocks are reports too "
-                             "(default: docs benchmarks/README.md README.md)")
-    report.add_argument("--check", action="store_true",
-                        help="write nothing; exit 1 if a committed report differs from what the results give")
-    report.set_defaults(func=_bench_report)
 
     cluster = sub.add_parser("cluster", help="build an emulated cluster, check its links, remove it")
     cluster.add_argument("--ranks-per-node", type=_positive_int, default=1)

@@ -1,43 +1,25 @@
-"""``onebit bench report``: every benchmark report, regenerated from the results it reads.
+"""The reports a benchmark writes beside its results: where the run came from (command, machine,
+date) and its tables (:func:`report_files`).
 
-A report is never edited by hand. Three kinds exist, all found by walking the results
-directory and the documentation:
-
-* a convergence matrix's ``summary.json`` (``onebit bench convergence``) gives ``table.md``
-  and ``table.txt`` beside it (and ``loss.png`` when writing);
-* a memory, kernel or collective benchmark's ``summary.json`` (``onebit bench memory``,
-  ``kernels --out``, ``comm --out``) gives ``table.txt``;
-* a generated block of a Markdown file: the lines between ``<!-- report: COMMAND -->`` and
-  ``<!-- /report -->`` are what ``COMMAND`` prints -- a benchmark script's ``--report`` over
-  its JSON-lines results, ``python benchmarks/SCRIPT.py --report FILE``, or the cost model,
-  ``onebit model ...`` -- run from the repository's root. Prose around the blocks is the
-  author's; the figures are the data's.
-
-Each JSON result carries the command, machine and date it came from, and the reports print them.
+A convergence matrix's ``summary.json`` (``onebit bench convergence``) gives ``table.md`` and
+``table.txt``; a memory, kernel or collective benchmark's (``onebit bench memory``, ``kernels
+--out``, ``comm --out``) gives ``table.txt``. Regenerating every committed report from its
+results (and the documentation's generated blocks) needs a checkout:
+``python benchmarks/report.py`` there.
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
-import json
 import os
 import platform
-import runpy
-import shlex
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from ._analysis import fmt, text_table
 
-__all__ = ["BLOCK_END", "BLOCK_START", "comm_tables", "convergence_rows", "expected_reports", "kernel_rows",
-           "memory_rows", "plot_convergence_summaries", "provenance", "report_files", "stale_reports"]
-
-BLOCK_START = "<!-- report: "
-BLOCK_END = "<!-- /report -->"
+__all__ = ["comm_tables", "convergence_rows", "is_convergence", "kernel_rows", "memory_rows", "provenance",
+           "report_files"]
 
 
 def provenance(command: str) -> dict[str, str]:
@@ -129,7 +111,7 @@ def _provenance(summary: dict[str, Any]) -> str:
     return f"`{p['command']}`; {p['machine']}, {p['date']}."
 
 
-def _is_convergence(summary: dict[str, Any]) -> bool:
+def is_convergence(summary: dict[str, Any]) -> bool:
     return "runs" in summary and "aggregate" in summary
 
 
@@ -137,7 +119,7 @@ def report_files(summary: dict[str, Any]) -> dict[str, str]:
     """The reports a benchmark's ``summary.json`` gives (file name: content, each table followed
     by the result's command, machine and date); ``{}`` for one run's summary (``onebit compare``,
     ``train``), whose table is what the run printed."""
-    if _is_convergence(summary):
+    if is_convergence(summary):
         from ._convergence import aggregate, markdown_table
 
         rows = aggregate(summary["runs"])
@@ -156,94 +138,3 @@ def report_files(summary: dict[str, Any]) -> dict[str, str]:
         return {}
     note = _provenance(summary)
     return {name: f"{table}\n\n{note}\n" for name, table in tables.items()}
-
-
-def _run(command: str, root: Path) -> str:
-    """What ``command`` prints, run from ``root`` in this process: a benchmark script's
-    ``--report`` (``python benchmarks/SCRIPT.py ...``, which only reads JSON) as it is, or an
-    ``onebit`` command that computes without running ranks (``onebit model ...``) as a code block."""
-    argv = shlex.split(command)
-    script = root / argv[1] if len(argv) > 1 and argv[0] == "python" and argv[1].startswith("benchmarks/") else None
-    if script is None and argv[:2] != ["onebit", "model"]:
-        raise ValueError("a report block runs a benchmark script's report (python benchmarks/...) or "
-                         f"onebit model, got {command!r}")
-    saved = sys.argv, sys.path[:], Path.cwd()
-    out = io.StringIO()
-    try:
-        os.chdir(root)
-        with contextlib.redirect_stdout(out):
-            if script is None:
-                from ..cli import main
-
-                code = main(argv[1:])
-            else:
-                sys.argv, sys.path[:0] = argv[1:], [str(script.parent)]
-                runpy.run_path(str(script), run_name="__main__")
-                code = 0
-    except SystemExit as exc:
-        code = exc.code
-    finally:
-        sys.argv, sys.path[:] = saved[0], saved[1]
-        os.chdir(saved[2])
-    if code:
-        raise RuntimeError(f"{command!r} exited with {code}")
-    text = out.getvalue().rstrip("\n")
-    return text if script is not None else f"```text\n{text}\n```"
-
-
-def _blocks(text: str, root: Path) -> str:
-    """``text`` with every generated block's lines replaced by what its command prints now."""
-    out: list[str] = []
-    lines = iter(text.split("\n"))
-    for line in lines:
-        out.append(line)
-        if not line.startswith(BLOCK_START):
-            continue
-        command = line[len(BLOCK_START):].removesuffix("-->").strip()
-        for rest in lines:
-            if rest == BLOCK_END:
-                break
-        else:
-            raise ValueError(f"report block {command!r} has no {BLOCK_END} line")
-        out += [_run(command, root), BLOCK_END]
-    return "\n".join(out)
-
-
-def _markdown(root: Path, results: Path, docs: list[Path]) -> Iterator[Path]:
-    for where in [results, *docs]:
-        where = root / where
-        if where.is_file():
-            yield where
-        elif where.is_dir():
-            yield from sorted(where.rglob("*.md"))
-
-
-def expected_reports(root: Path, results: Path, docs: list[Path]) -> dict[Path, str]:
-    """Every report under ``results`` and in the Markdown of ``docs`` (paths relative to the
-    repository's ``root``), with the content its results give."""
-    expected: dict[Path, str] = {}
-    for summary_path in sorted((root / results).rglob("summary.json")):
-        made = report_files(json.loads(summary_path.read_text()))
-        expected.update({summary_path.parent / name: text for name, text in made.items()})
-    for path in _markdown(root, results, docs):
-        text = path.read_text()
-        if BLOCK_START in text:
-            expected[path] = _blocks(text, root)
-    return expected
-
-
-def stale_reports(expected: dict[Path, str]) -> list[Path]:
-    """The reports whose file differs from what their results give."""
-    return [p for p, text in expected.items() if not p.exists() or p.read_text() != text]
-
-
-def plot_convergence_summaries(root: Path, results: Path) -> list[Path]:
-    """Redraw every convergence matrix's ``loss.png`` (needs matplotlib)."""
-    from ._plot import plot_convergence
-
-    drawn = []
-    for summary_path in sorted((root / results).rglob("summary.json")):
-        summary = json.loads(summary_path.read_text())
-        if _is_convergence(summary):
-            drawn.append(plot_convergence(summary["runs"], summary_path.parent / "loss.png"))
-    return drawn
