@@ -183,9 +183,9 @@ class DigitsCNN(nn.Module):
 
 @dataclass(frozen=True)
 class TaskSpec:
-    """Model size options shared by the tasks (each task reads the ones it needs)."""
+    """The task and its model's size options (each task reads the ones it needs)."""
 
-    name: str = "mlp"
+    task: str = "mlp"
     context: int = 16
     hidden: int = 512
     d_model: int = 128
@@ -197,35 +197,35 @@ class Task:
     """A model, its training batches and its held-out loss."""
 
     def __init__(self, spec: TaskSpec) -> None:
-        if spec.name not in TASKS:
-            raise ValueError(f"unknown task {spec.name!r}; available: {', '.join(TASKS)}")
+        if spec.task not in TASKS:
+            raise ValueError(f"unknown task {spec.task!r}; available: {', '.join(TASKS)}")
         self.spec = spec
         self.loss_fn = nn.CrossEntropyLoss()
-        if spec.name == "digits":
+        if spec.task == "digits":
             self.train_xy, self.heldout_xy = digits_split()
         else:
             self.corpus = ByteCorpus()
 
     def model(self) -> nn.Module:
         s = self.spec
-        if s.name == "mlp":
+        if s.task == "mlp":
             return ByteMLP(context=s.context, hidden=s.hidden)
-        if s.name == "digits":
+        if s.task == "digits":
             return DigitsCNN()
         if s.d_model % s.heads:
             raise ValueError(f"d_model={s.d_model} must be a multiple of heads={s.heads}")
-        return ByteTransformer(s.context, s.d_model, s.layers, s.heads, causal=s.name == "gpt")
+        return ByteTransformer(s.context, s.d_model, s.layers, s.heads, causal=s.task == "gpt")
 
     def batch(self, size: int, generator: torch.Generator, heldout: bool = False) -> tuple[Tensor, Tensor]:
         """Inputs and targets, in the shapes :meth:`loss` expects."""
         s = self.spec
-        if s.name == "digits":
+        if s.task == "digits":
             x, y = self.heldout_xy if heldout else self.train_xy
             idx = torch.randint(0, len(y), (size,), generator=generator)
             return x[idx], y[idx]
-        if s.name == "mlp":
+        if s.task == "mlp":
             return self.corpus.batch(s.context, size, generator, heldout)
-        if s.name == "gpt":
+        if s.task == "gpt":
             w = self.corpus.windows(s.context + 1, size, generator, heldout)
             return w[:, :-1], w[:, 1:]
         # BERT-style masking: 15% of positions are predicted; of those 80% [MASK], 10% random, 10% kept.

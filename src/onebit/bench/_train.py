@@ -8,7 +8,7 @@ import math
 import pickle
 import statistics
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +25,10 @@ SCHEDULES = ("constant", "linear", "cosine")
 
 
 @dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(TaskSpec):
+    """A training run: the task and its sizes (:class:`TaskSpec`), the optimizer and its options."""
+
     optimizer: str = "onebit_adam"
-    task: str = "mlp"
     world_size: int = 2
     steps: int = 300
     batch_size: int = 32  # per rank
@@ -46,12 +47,6 @@ class TrainConfig:
     hierarchical: bool = False
     # "torch": spawned gloo ranks; "mpi": this process is one rank of an mpirun job
     backend: str = "torch"
-    # task sizes
-    context: int = 16
-    hidden: int = 512
-    d_model: int = 128
-    layers: int = 2
-    heads: int = 4
     # checkpoints
     checkpoint_every: int = 0
     resume: bool = False
@@ -78,11 +73,6 @@ class TrainConfig:
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr must be a positive number, got {self.lr!r}")
 
-    @property
-    def spec(self) -> TaskSpec:
-        names = {f.name for f in fields(TaskSpec)} - {"name"}
-        return TaskSpec(name=self.task, **{n: getattr(self, n) for n in names})
-
 
 def lr_factor(cfg: TrainConfig, step: int) -> float:
     """Multiplier of ``cfg.lr`` at ``step`` (0-based): linear warm-up, then the schedule down to 0."""
@@ -103,7 +93,7 @@ def _checkpoint_path(out: Path, rank: int) -> Path:
 def _rank_main(rank: int, world: int, cfg: TrainConfig, out: Path, per_node: int | None,
                progress: bool) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
-    task = Task(cfg.spec)
+    task = Task(cfg)
     model = task.model()
     run = build_run(cfg.optimizer, model, cfg, per_node)
     opt = run.optimizer
