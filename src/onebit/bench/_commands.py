@@ -1,0 +1,339 @@
+"""What the ``onebit`` commands do, each handed its parsed arguments (``onebit.cli`` only parses
+and dispatches): the training runs (demo, train, compare), the benchmarks (kernels, comm,
+convergence, memory), the emulated cluster and the cost model."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import shlex
+import sys
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from ._analysis import compare_rows, demo_verdict, fmt, text_table as _table
+
+__all__ = ["cluster", "comm_bench", "compare", "convergence", "demo", "kernels", "memory", "model", "train_command"]
+
+
+def _report(summaries: dict[str, dict], baseline: str | None = "adam") -> str:
+    base_bytes = summaries.get(baseline, {}).get("bytes_sent_per_rank") if baseline else None
+    rows = [["optimizer", "final loss", "eval loss", "samples/s warmup", "samples/s compressed",
+             "MB sent/rank", "reduction", "freeze step"]]
+    for name, s in summaries.items():
+        rates = s["samples_per_s"]
+        sent = s["bytes_sent_per_rank"]
+        rows.append([
+            name,
+            f"{s['final_loss']:.4f}",
+            f"{s['eval_loss']:.4f}",
+            fmt(rates.get("warmup"), ".0f"),
+            fmt(rates.get("compressed"), ".0f"),
+            f"{sent / 1e6:.2f}",
+            f"{base_bytes / sent:.1f}x" if base_bytes and sent else "-",
+            str(s["freeze_step"]) if s["freeze_step"] is not None else "-",
+        ])
+    return _table(rows)
+
+
+@contextlib.contextmanager
+def _cluster(args: argparse.Namespace) -> Iterator[Any]:
+    """The emulated cluster asked for by ``--nodes`` (None: loopback), removed on exit."""
+    if not getattr(args, "nodes", None):
+        yield None
+        return
+    from ._cluster import ClusterSpec, EmulatedCluster, cluster_unavailable
+
+    spec = ClusterSpec(args.nodes, args.bandwidth, args.latency)
+    reason = cluster_unavailable()
+    if reason:
+        print(f"onebit: no emulated cluster ({reason}); running unshaped on loopback", file=sys.stderr)
+        yield None
+        return
+    with EmulatedCluster(spec) as cluster:
+        print(f"emulated cluster {cluster.tag}: {spec.nodes} nodes, {spec.bandwidth / 1e9:g} Gbit/s per node egress, "
+              f"{spec.latency * 1e3:g} ms latency")
+        if cluster.latency_note:
+            print(f"onebit: {cluster.latency_note}", file=sys.stderr)
+        yield cluster
+
+
+def _config(args: argparse.Namespace, optimizer: str):
+    from ._train import TrainConfig
+
+    if args.nodes and args.world_size % args.nodes:
+        raise SystemExit(f"onebit: --world-size {args.world_size} is not a multiple of --nodes {args.nodes}")
+    if args.hierarchical and not args.nodes:
+        raise SystemExit("onebit: --hierarchical needs --nodes (ranks per node = world size / nodes)")
+    return TrainConfig(
+        optimizer=optimizer, task=args.task, world_size=args.world_size, steps=args.steps,
+        batch_size=args.batch_size, lr=args.lr, schedule=args.schedule, warmup_steps=args.warmup_steps,
+        freeze_step=args.freeze_step if args.freeze_step is not None else max(1, args.steps // 5),
+        seed=args.seed, topk_ratio=min(args.topk_ratio, 1.0), qadam_bits=args.qadam_bits,
+        local_step_scaler=args.local_step_scaler, powersgd_rank=args.powersgd_rank, hierarchical=args.hierarchical,
+        context=args.context,
+        hidden=args.hidden, d_model=args.d_model, layers=args.layers, heads=args.heads,
+        checkpoint_every=args.checkpoint_every, resume=args.resume, backend=getattr(args, "backend", "torch"),
+    )
+
+
+def _run_all(args: argparse.Namespace, names: list[str]) -> dict[str, dict]:
+    from ._train import train
+
+    out = Path(args.out)
+    summaries = {}
+    with _cluster(args) as cluster:
+        for name in names:
+            summaries[name] = train(_config(args, name), out / name, progress=not args.quiet, cluster=cluster)
+    return summaries
+
+
+def _plot(out: Path, names: list[str], title: str) -> None:
+    from ._plot import plot_losses
+
+    runs = {}
+    for name in names:
+        with open(out / name / "metrics.jsonl") as f:
+            runs[name] = [json.loads(line) for line in f]
+    try:
+        print(f"loss plot: {plot_losses(runs, out / 'loss.png', title)}")
+    except ImportError as exc:
+        print(f"no loss plot: {exc}")
+
+
+def _demo_link(args: argparse.Namespace) -> str:
+    """Where the demo runs: the cluster asked for, else an emulated one where it can be built
+    (sets ``args.nodes``), else loopback; returns the sentence that says so."""
+    from ._cluster import cluster_unavailable
+
+    if args.nodes:
+        return f"on the emulated cluster asked for ({args.nodes} nodes, {args.bandwidth / 1e6:g} Mbit/s per node)"
+    if args.loopback:
+        return "on loopback (--loopback)"
+    reason = cluster_unavailable()
+    if reason:
+        return f"on loopback: no emulated cluster can be built here ({reason})"
+    args.nodes = args.world_size
+    return (f"on an emulated cluster of {args.nodes} nodes x 1 rank, {args.bandwidth / 1e6:g} Mbit/s per node "
+            "(network namespaces, tc-shaped links): a link on which Adam's fp32 all-reduce takes most of a step. "
+            "--bandwidth changes it, --loopback runs without it")
+
+
+def demo(args: argparse.Namespace) -> int:
+    names = ["adam", "onebit_adam"]
+    link = _demo_link(args)
+    print(f"onebit demo: {args.task} on the Python standard library, {args.world_size} gloo ranks, "
+          f"{args.steps} steps, batch {args.batch_size}/rank, {link}")
+    summaries = _run_all(args, names)
+    print(_report(summaries))
+    for line in demo_verdict(summaries, nodes=args.nodes, world_size=args.world_size, steps=args.steps):
+        print(line)
+    out = Path(args.out)
+    with open(out / "summary.json", "w") as f:
+        json.dump(summaries, f, indent=2)
+    _plot(out, names, "Adam vs 1-bit Adam")
+    print(f"metrics: {out}/<optimizer>/metrics.jsonl, summaries: {out}/summary.json")
+    return 0
+
+
+def train_command(args: argparse.Namespace) -> int:
+    if args.backend == "mpi":
+        from .. import comm
+
+        # Under mpirun the job decides the ranks; --world-size would only repeat it.
+        args.world_size = comm.get_world_size("mpi")
+    summaries = _run_all(args, [args.optimizer])
+    if summaries[args.optimizer] is None:  # an MPI rank other than 0: rank 0 reports
+        return 0
+    print(_report(summaries, baseline=None))
+    print(f"metrics: {args.out}/{args.optimizer}/metrics.jsonl, summary: {args.out}/{args.optimizer}/summary.json")
+    return 0
+
+
+def compare(args: argparse.Namespace) -> int:
+    from ._model import ModelInput
+    from ._train import OPTIMIZERS
+
+    names = list(_names(args.optimizers, OPTIMIZERS, "--optimizers"))
+    if args.baseline not in names:
+        names.insert(0, args.baseline)
+    summaries = _run_all(args, names)
+    out = Path(args.out)
+    runs = {}
+    for name in summaries:
+        with open(out / name / "metrics.jsonl") as f:
+            runs[name] = [json.loads(line) for line in f]
+    model = None
+    if args.nodes:  # the cost model for the emulated cluster (compute: the baseline's, set by compare_rows)
+        freeze = summaries[args.baseline]["config"]["freeze_step"]
+        warm = freeze / args.steps if isinstance(freeze, int) else 0.15
+        model = ModelInput(params=summaries[args.baseline]["parameters"], world_size=args.world_size,
+                           nodes=args.nodes, bandwidth=args.bandwidth, latency=args.latency, compute=0.0,
+                           warmup_fraction=min(1.0, warm), topk_ratio=min(args.topk_ratio, 1.0))
+    rows, note = compare_rows(summaries, runs, args.baseline, model, hierarchical=args.hierarchical)
+    text = _table(rows)
+    print(note)
+    print(text)
+    (out / "table.txt").write_text(note + "\n" + text + "\n")
+    with open(out / "summary.json", "w") as f:
+        json.dump(summaries, f, indent=2)
+    _plot(out, names, f"{args.task}: " + ", ".join(names))
+    return 0
+
+
+def _write_bench(args: argparse.Namespace, summary: dict[str, Any]) -> None:
+    """Print the benchmark's tables, with its command, machine and date; with ``--out``, also
+    write them and ``summary.json`` there."""
+    from ._reports import provenance, report_files
+
+    summary = {**summary, "provenance": provenance(shlex.join(["onebit", *args.argv]))}
+    text = report_files(summary)["table.txt"]
+    print(text, end="")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        (out / "table.txt").write_text(text)
+        print(f"summary: {out}/summary.json, table: {out}/table.txt")
+
+
+def kernels(args: argparse.Namespace) -> int:
+    import torch
+
+    from ._kernels import bench_kernels
+
+    torch.set_num_threads(args.threads)
+    results = bench_kernels(args.numel, args.repeat, args.device)
+    device = torch.device(args.device)
+    gpu = {"device_name": torch.cuda.get_device_name(device)} if device.type == "cuda" else {}
+    _write_bench(args, {"benchmark": "kernels", "settings": {
+        "numel": args.numel, "repeat": args.repeat, "device": args.device, **gpu, "threads": args.threads,
+        "torch": torch.__version__}, "results": [asdict(r) for r in results]})
+    return 0
+
+
+def comm_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from ._comm import bench_comm
+
+    results = []
+    with _cluster(args) as cluster:
+        for numel in args.numel_list or [args.numel]:
+            made = bench_comm(numel, args.world_size, args.repeat, cluster=cluster, backend=args.backend)
+            if made is None:  # an MPI rank other than 0: rank 0 reports
+                return 0
+            results += [asdict(r) for r in made]
+    _write_bench(args, {"benchmark": "comm", "settings": {
+        "world_size": args.world_size, "repeat": args.repeat, "backend": args.backend, "nodes": args.nodes,
+        "bandwidth": args.bandwidth if args.nodes else None, "torch": torch.__version__}, "results": results})
+    return 0
+
+
+def _names(text: str, known: tuple[str, ...], flag: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise SystemExit(f"onebit: {flag}: unknown {unknown or names}; available: {', '.join(known)}")
+    return names
+
+
+def convergence(args: argparse.Namespace) -> int:
+    from ._convergence import CONVERGENCE_TASKS, FAMILIES, LEVELS, run_convergence
+    from ._plot import plot_convergence
+    from ._reports import provenance, report_files
+
+    out = Path(args.out)
+    if args.report_only:
+        summary = json.loads((out / "summary.json").read_text())
+    else:
+        tasks = _names(args.tasks, CONVERGENCE_TASKS, "--tasks")
+        families = _names(args.families, tuple(FAMILIES), "--families")
+        levels = LEVELS if args.lr == "both" else (args.lr,)
+        seeds = tuple(range(args.seeds))
+        print(f"onebit bench convergence: {len(tasks)} tasks x {len(families)} optimizer families x {len(seeds)} "
+              f"seeds x {1 + args.perturb} initial weights, {args.world_size} gloo ranks, {args.steps} steps, "
+              f"batch {args.batch_size}/rank")
+        summary = run_convergence(out, tasks, families, steps=args.steps, batch=args.batch_size,
+                                  world=args.world_size, seeds=seeds, perturbations=args.perturb, levels=levels,
+                                  freeze_fractions=tuple(args.freeze), extended=args.extended,
+                                  controls=not args.no_controls, jobs=args.jobs,
+                                  schedule=args.schedule, iid=args.iid, progress=not args.quiet,
+                                  max_grad_norm=args.max_grad_norm,
+                                  provenance=provenance(shlex.join(["onebit", *args.argv])))
+    for name, text in report_files(summary).items():
+        (out / name).write_text(text)
+    print((out / "table.txt").read_text(), end="")
+    try:
+        print(f"loss plot: {plot_convergence(summary['runs'], out / 'loss.png')}")
+    except ImportError as exc:
+        print(f"no loss plot: {exc}")
+    print(f"summary: {out}/summary.json, tables: {out}/table.txt, {out}/table.md")
+    return 0
+
+
+def memory(args: argparse.Namespace) -> int:
+    import torch
+
+    from ._memory import FOOTPRINTS, WIRE_ALLOWANCE, bench_memory
+
+    names = _names(args.optimizers or ",".join(FOOTPRINTS), tuple(FOOTPRINTS), "--optimizers")
+    worlds = args.world_sizes
+    print(f"onebit bench memory: nn.Linear({args.size}, {args.size}) on {args.device}, world sizes "
+          f"{','.join(map(str, worlds))}, {args.steps} steps (1-bit Adam/LAMB freeze after step 2); "
+          + ("figures in fp32 model sizes" if args.shards == 1 else
+             f"sharded by FSDP2 over {args.shards} ranks of each node, figures in fp32 shard sizes"))
+    results = bench_memory(names, worlds, size=args.size, steps=args.steps, device=args.device, shards=args.shards)
+    meta = {"device": args.device, "size": args.size, "steps": args.steps, "shards": args.shards,
+            "torch": torch.__version__}
+    _write_bench(args, {"meta": meta, "results": [asdict(r) for r in results]})
+    over = [r for r in results if r.held > r.footprint + WIRE_ALLOWANCE]
+    print(f"held above footprint + {WIRE_ALLOWANCE} (packed wire buffers): "
+          + (", ".join(f"{r.optimizer} w={r.world_size} {r.stage}" for r in over) or "none"))
+    return 0 if not over else 1
+
+
+def cluster(args: argparse.Namespace) -> int:
+    from ._cluster import cluster_unavailable, existing_namespaces
+    from ._comm import link_check
+
+    reason = cluster_unavailable()
+    if reason:
+        print(f"onebit cluster: cannot build an emulated cluster here: {reason}")
+        return 1
+    with _cluster(args) as cluster:
+        rows = [["node", "namespace", "address", "ranks"]]
+        for k in range(args.nodes):
+            ranks = range(k * args.ranks_per_node, (k + 1) * args.ranks_per_node)
+            rows.append([str(k), cluster.node(k), cluster.address(k), ",".join(map(str, ranks))])
+        print(_table(rows))
+        if args.nodes > 1:
+            gbit, seconds = link_check(cluster, args.check_mb)
+            print(f"link check: {args.check_mb} MB between node 0 and node 1 in {seconds * 1e3:.1f} ms "
+                  f"= {gbit:.3f} Gbit/s ({100 * gbit * 1e9 / args.bandwidth:.0f}% of the shaped rate)")
+        tag = cluster.tag
+    left = existing_namespaces(tag)
+    print(f"removed namespaces of {tag}: {'ok' if not left else 'LEFT BEHIND: ' + ', '.join(left)}")
+    return 0 if not left else 1
+
+
+def model(args: argparse.Namespace) -> int:
+    from ._model import ModelInput, predict
+
+    for bandwidth in args.bandwidth:
+        m = ModelInput(params=args.params, world_size=args.world_size, nodes=args.nodes, bandwidth=bandwidth,
+                       latency=args.latency, compute=args.compute_ms / 1e3, kernel_gbps=args.kernel_gbps,
+                       warmup_fraction=args.warmup_fraction, refresh_fraction=args.refresh_fraction,
+                       local_fraction=args.local_fraction, topk_ratio=args.topk_ratio, value_bytes=args.value_bytes)
+        print(f"onebit model: {m.params} parameters, {m.world_size} ranks on {m.nodes} nodes, "
+              f"{bandwidth / 1e9:g} Gbit/s, {m.latency * 1e3:g} ms latency, compute {args.compute_ms:g} ms/step")
+        rows = [["optimizer", "collective", "MB out of the busiest node", "comm ms", "step ms", "stage speedup",
+                 "uncompressed", "end-to-end", "volume reduction"]]
+        rows += [[p.optimizer, p.collective, f"{p.bytes_per_node / 1e6:.2f}", f"{p.comm_seconds * 1e3:.1f}",
+                  f"{p.step_seconds * 1e3:.1f}", f"{p.stage_speedup:.2f}x", f"{p.warmup_fraction:.0%}",
+                  f"{p.end_to_end_speedup:.2f}x", f"{p.volume_reduction:.1f}x"] for p in predict(m)]
+        print(_table(rows))
+    return 0
