@@ -27,6 +27,7 @@ from ._dist import (
 )
 from ._mpi import MPIGroup
 from ._meter import Meter, measure, record
+from ._nonfinite import agree, nonfinite
 
 __all__ = [
     "BACKENDS",
@@ -40,6 +41,7 @@ __all__ = [
     "Meter",
     "Pending",
     "Stages",
+    "agree",
     "all_gather_object_sizes",
     "all_reduce_max",
     "all_reduce_sum",
@@ -55,6 +57,7 @@ __all__ = [
     "get_world_size",
     "is_distributed",
     "measure",
+    "nonfinite",
     "record",
     "resolve_group",
     "run_stages",

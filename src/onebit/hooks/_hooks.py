@@ -64,7 +64,8 @@ class _HookState:
     different orders).
 
     Non-finite gradients (an fp16 overflow, say) are flagged in the compressed exchange's own
-    payload (``flag_nonfinite``), so no bucket waits for an agreement of its own. The last
+    payload (``flag_nonfinite``), so no bucket waits for an agreement of its own: the skipped
+    step's one mechanism, the optimizers' too (:mod:`onebit.comm._nonfinite`). The last
     call reads, once per iteration, which buckets any rank flagged: those come back as NaN on
     every rank, so every rank's GradScaler skips the step, and restart their errors (and
     Birder's moments) at zero on every rank -- some took in the values before any rank could

@@ -10,7 +10,6 @@ import torch
 from torch import Tensor
 
 from .. import comm
-from ..ops import max_abs
 
 if TYPE_CHECKING:
     from ._base import OnebitOptimizer
@@ -22,9 +21,10 @@ _log = logging.getLogger("onebit.optim")
 
 def agree_nonfinite(opt: OnebitOptimizer) -> tuple[bool, list[bool]]:
     """Unscale (GradScaler), then one tiny all-reduce(max) of "some gradient here is not finite"
-    and of "parameter i has a gradient here"; returns whether every rank skips the step and
-    which parameters have a gradient on some rank. Raises ``FloatingPointError`` instead of
-    skipping with ``on_nonfinite="raise"``."""
+    and of "parameter i has a gradient here" (:func:`onebit.comm.nonfinite`,
+    :func:`onebit.comm.agree`: the skipped step's one mechanism, the DDP hooks' too); returns
+    whether every rank skips the step and which parameters have a gradient on some rank. Raises
+    ``FloatingPointError`` instead of skipping with ``on_nonfinite="raise"``."""
     params = opt.flat.params
     grads = [p.grad for p in params if p.grad is not None]
     if any(g.is_sparse for g in grads):
@@ -34,9 +34,7 @@ def agree_nonfinite(opt: OnebitOptimizer) -> tuple[bool, list[bool]]:
         torch._foreach_mul_(grads, scale.double().reciprocal().float().to(grads[0].device))
     # flag[0]: some gradient here is not finite; flag[1 + i]: parameter i has a gradient here.
     flag = torch.zeros(1 + len(params), dtype=torch.float32, device=opt.flat.device)
-    if grads:
-        peaks = torch.stack([max_abs(g.detach()).float() if g.numel() else flag[0] for g in grads])
-        flag[0] = (~torch.isfinite(peaks)).any()
+    flag[0] = comm.nonfinite(grads, opt.flat.device)
     if len(grads) == len(params):
         flag[1:] = 1.0  # the common case, without a host-to-device copy
     else:
@@ -45,8 +43,7 @@ def agree_nonfinite(opt: OnebitOptimizer) -> tuple[bool, list[bool]]:
     if found_inf is not None:
         flag[0] = torch.maximum(flag[0], found_inf.reshape(()).to(flag))
     # Over the whole job where the parameters are FSDP2 shards: every shard takes the same steps.
-    comm.all_reduce_max(flag, opt._shards.agreement_group, opt.timeout)
-    values = flag.tolist()
+    values = comm.agree(flag, opt._shards.agreement_group, opt.timeout)
     active = [v > 0 for v in values[1:]]
     if not values[0]:
         return False, active
