@@ -295,7 +295,7 @@ class OnebitOptimizer(Optimizer):
         before = self._stages.current
         self._stages.advance(self._step_count, self.flat.buffers)
         stage = self._stages.current
-        if not stage.laid_out_as(before):
+        if stage is not before and not stage.laid_out_as(before):
             self._lay_out(stage)
             if stage.resets_errors:
                 self._driver.reset()
@@ -445,12 +445,8 @@ class OnebitOptimizer(Optimizer):
         self._shards.bind_grads()
         try:
             with comm.measure() as meter:
-                if self._driver.overlapped and (getattr(self, "grad_scale", None) is not None
-                                                or getattr(self, "found_inf", None) is not None):
-                    raise ValueError(
-                        f"{type(self).__name__}(overlap=True) exchanged the gradients during backward, before "
-                        "GradScaler could unscale them or find infs: use overlap=False with GradScaler")
-                self._driver.flush()  # 1
+                self._driver.flush(scaled=getattr(self, "grad_scale", None) is not None
+                                   or getattr(self, "found_inf", None) is not None)  # 1
                 nonfinite, self._active = agree_nonfinite(self)  # 2
                 if nonfinite:
                     self._skipped += 1

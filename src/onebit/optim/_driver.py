@@ -288,11 +288,17 @@ class Driver:
         """What the next step sends (before its backward: its buckets may leave during it)."""
         self._plan = plan
 
-    def flush(self) -> None:
+    def flush(self, *, scaled: bool = False) -> None:
         """The start of ``step()``, before the non-finite agreement: launch, in order, every
-        bucket backward did not (every rank then issues the same sequence)."""
-        if self.buckets is not None:
-            self.buckets.flush()
+        bucket backward did not (every rank then issues the same sequence). ``scaled``: a
+        GradScaler handed the step gradients still scaled, which buckets sent during backward
+        could not wait for."""
+        if self.buckets is None:
+            return
+        if scaled:
+            raise ValueError(f"{self.owner}(overlap=True) exchanged the gradients during backward, before "
+                             "GradScaler could unscale them or find infs: use overlap=False with GradScaler")
+        self.buckets.flush()
 
     def run(self, live: Sequence[bool]) -> Tensor | None:
         """The planned step, which every rank agreed to take (``live[i]``: parameter ``i`` has a
