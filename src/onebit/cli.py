@@ -115,6 +115,9 @@ def _training_flags(p: argparse.ArgumentParser, steps: int, out: str, bandwidth:
     p.add_argument("--out", default=out, help=f"output directory (default {out})")
     p.add_argument("--checkpoint-every", type=_nonneg_int, default=0, help="save every K steps (0: never)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
+    p.add_argument("--trace", type=_positive_int, default=None, metavar="STEP",
+                   help="record step STEP on every rank: when each bucket's gradients were ready and each phase "
+                        "of its exchange ran (trace.json for ui.perfetto.dev, timeline.png)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     _cluster_flags(p, bandwidth)
 

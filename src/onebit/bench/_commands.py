@@ -77,6 +77,7 @@ def _config(args: argparse.Namespace, optimizer: str):
         context=args.context,
         hidden=args.hidden, d_model=args.d_model, layers=args.layers, heads=args.heads,
         checkpoint_every=args.checkpoint_every, resume=args.resume, backend=getattr(args, "backend", "torch"),
+        trace_step=args.trace,
     )
 
 
@@ -88,7 +89,21 @@ def _run_all(args: argparse.Namespace, names: list[str]) -> dict[str, dict]:
     with _cluster(args) as cluster:
         for name in names:
             summaries[name] = train(_config(args, name), out / name, progress=not args.quiet, cluster=cluster)
+            if args.trace and summaries[name] is not None:
+                _timeline(out / name)
     return summaries
+
+
+def _timeline(run: Path) -> None:
+    """Draw ``timeline.png`` from the run's ``trace.json``."""
+    from ._plot import plot_trace
+
+    events = json.loads((run / "trace.json").read_text())["traceEvents"]
+    try:
+        print(f"timeline: {run / 'trace.json'} (ui.perfetto.dev, chrome://tracing), "
+              f"{plot_trace(events, run / 'timeline.png')}")
+    except ImportError as exc:
+        print(f"timeline: {run / 'trace.json'} (ui.perfetto.dev, chrome://tracing); no picture: {exc}")
 
 
 def _plot(out: Path, names: list[str], title: str) -> None:

@@ -108,3 +108,49 @@ def plot_losses(runs: dict[str, list[dict[str, Any]]], path: Path, title: str = 
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+_LANES = ("step", "backward", "compute", "wire")
+
+
+def plot_trace(events: list[dict[str, Any]], path: Path) -> Path:
+    """Write ``path``: a traced step (:func:`onebit.comm.trace`, Chrome's event format) as one row
+    per rank and lane -- the optimizer's steps, the buckets ready and launched during backward,
+    the compressed collectives' arithmetic and their collectives in flight -- each span coloured
+    by what it is and labelled with its bucket; a bucket's gradients ready are ticks."""
+    plt = _pyplot()
+    rows = sorted({(e["pid"], e["tid"]) for e in events}, key=lambda r: (r[0], _LANES.index(r[1])
+                                                                           if r[1] in _LANES else len(_LANES)))
+    names = sorted({e["name"] for e in events if e["ph"] == "X"})
+    colours = {n: plt.get_cmap("tab20")(i % 20) for i, n in enumerate(names)}
+    fig, ax = plt.subplots(figsize=(14, 0.5 + 0.45 * len(rows)))
+    end = max((e["ts"] + e.get("dur", 0.0)) / 1e3 for e in events)
+    for y, (rank, lane) in enumerate(rows):
+        spans = sorted((e for e in events if (e["pid"], e["tid"]) == (rank, lane)), key=lambda e: -e.get("dur", 0))
+        for k, e in enumerate(spans):  # the longest first: a span inside another drawn over it, thinner
+            start = e["ts"] / 1e3
+            bucket = e["args"].get("bucket")
+            if e["ph"] != "X":
+                ax.plot([start, start], [y - 0.4, y + 0.4], color="black", lw=1.0)
+                continue
+            width = e["dur"] / 1e3
+            depth = sum(o["ph"] == "X" and o["ts"] <= e["ts"] and o["ts"] + o["dur"] >= e["ts"] + e["dur"]
+                        for o in spans[:k])
+            height = 0.7 * 0.6**depth
+            ax.broken_barh([(start, width)], (y - height / 2, height), facecolors=colours[e["name"]],
+                           edgecolor="white", linewidth=0.3)
+            label = e["name"] if bucket is None else f"{e['name']} {bucket}"
+            inner = any(o is not e and o["ph"] == "X" and e["ts"] <= o["ts"]
+                        and o["ts"] + o["dur"] <= e["ts"] + e["dur"] for o in spans)
+            if width > end / 60:  # a span holding others is labelled at its top left, the others in their middle
+                ax.text(start if inner else start + width / 2, y - height / 2 + 0.02 if inner else y, label,
+                        ha="left" if inner else "center", va="top" if inner else "center", fontsize=6, clip_on=True)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([f"rank {rank} {lane}" for rank, lane in rows])
+    ax.invert_yaxis()
+    ax.set_xlim(0, end)
+    ax.set_xlabel("ms from the start of the traced step (ticks: a bucket's gradients ready)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

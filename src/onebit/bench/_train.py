@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -50,6 +51,8 @@ class TrainConfig(TaskSpec):
     # checkpoints
     checkpoint_every: int = 0
     resume: bool = False
+    # record a timeline of this step on every rank (trace.json)
+    trace_step: int | None = None
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -70,6 +73,9 @@ class TrainConfig(TaskSpec):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if self.trace_step is not None and (isinstance(self.trace_step, bool) or not isinstance(self.trace_step, int)
+                                            or not 1 <= self.trace_step <= self.steps):
+            raise ValueError(f"trace_step must be a step of the run (1 to {self.steps}), got {self.trace_step!r}")
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr must be a positive number, got {self.lr!r}")
 
@@ -120,15 +126,21 @@ def _rank_main(rank: int, world: int, cfg: TrainConfig, out: Path, per_node: int
 
         bar = tqdm(total=cfg.steps, initial=first - 1, desc=cfg.optimizer, unit="step", leave=False)
     start = time.perf_counter() - (records[-1]["time"] if records else 0.0)
+    timeline = None
     for step in range(first, cfg.steps + 1):
         t0 = time.perf_counter()
-        x, y = task.batch(cfg.batch_size, gen)
-        loss = task.loss(run.module, x, y)
-        opt.zero_grad(set_to_none=True)
-        # DDP exchanges during backward, onebit's optimizers inside step: meter both.
-        with comm.measure() as meter:
-            loss.backward()
-            opt.step()
+        with comm.trace(rank) if step == cfg.trace_step else contextlib.nullcontext() as traced:
+            x, y = task.batch(cfg.batch_size, gen)
+            with comm.span("forward", "step"):
+                loss = task.loss(run.module, x, y)
+            opt.zero_grad(set_to_none=True)
+            # DDP exchanges during backward, onebit's optimizers inside step: meter both.
+            with comm.measure() as meter:
+                with comm.span("backward", "step"):
+                    loss.backward()
+                with comm.span("step()", "step"):
+                    opt.step()
+        timeline = traced.to_json() if traced is not None else timeline
         schedule.step()
         step_time = time.perf_counter() - t0
         # The logged loss is the average over ranks (a tiny extra all-reduce, outside the meter and the timing).
@@ -166,7 +178,7 @@ def _rank_main(rank: int, world: int, cfg: TrainConfig, out: Path, per_node: int
     if in_interval:
         opt.check_replicas()
     return {"records": records, "eval_loss": sum(losses) / len(losses), "digest": digest.hexdigest(),
-            "in_interval": in_interval, "finite": finite,
+            "in_interval": in_interval, "finite": finite, "trace": timeline,
             "freeze_step": run.freeze_step(), "parameters": sum(p.numel() for p in model.parameters())}
 
 
@@ -222,6 +234,12 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True, cluster=None) -> d
     if synchronised and len({r["digest"] for r in results}) != 1:
         raise RuntimeError(f"replicas differ at the end: parameter digests {[r['digest'][:12] for r in results]}")
     records = results[0]["records"]
+    traces = [r["trace"] for r in results if r["trace"] is not None]
+    if traces:  # every rank's events on one clock (perf_counter is the host's monotonic clock)
+        origin = min(t["otherData"]["start"] for t in traces)
+        events = [{**e, "ts": round(e["ts"] + (t["otherData"]["start"] - origin) * 1e6, 1)}
+                  for t in traces for e in t["traceEvents"]]
+        (out / "trace.json").write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
     with open(out / "metrics.jsonl", "w") as f:
         for rec in records:
             f.write(json.dumps(rec) + "\n")

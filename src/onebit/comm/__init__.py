@@ -28,6 +28,7 @@ from ._dist import (
 from ._mpi import MPIGroup
 from ._meter import Meter, measure, record
 from ._nonfinite import agree, nonfinite
+from ._trace import Trace, instant, labelled, span, trace
 
 __all__ = [
     "BACKENDS",
@@ -41,6 +42,7 @@ __all__ = [
     "Meter",
     "Pending",
     "Stages",
+    "Trace",
     "agree",
     "all_gather_object_sizes",
     "all_reduce_max",
@@ -55,11 +57,15 @@ __all__ = [
     "compressed_allreduce",
     "get_rank",
     "get_world_size",
+    "instant",
     "is_distributed",
+    "labelled",
     "measure",
     "nonfinite",
     "record",
     "resolve_group",
     "run_stages",
+    "span",
     "to_timedelta",
+    "trace",
 ]

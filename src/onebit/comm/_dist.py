@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ._meter import record, record_time
+from ._trace import traced
 
 __all__ = [
     "BACKENDS",
@@ -247,7 +248,11 @@ class Pending:
                 raise CollectiveError(f"{self._where} {status} (timeout {self._limit.total_seconds():g}s): {exc}") from exc
             if not completed:
                 raise CollectiveError(f"{self._where} timed out (timeout {self._limit.total_seconds():g}s)")
-            record_time(time.perf_counter() - self._start)
+            end = time.perf_counter()
+            record_time(end - self._start)
+            trace = traced()
+            if trace is not None:  # in flight from its launch to the wait that returned it
+                trace.add(self._where.split(" on ")[0], "wire", self._start, end)
             if self._then is not None:
                 self._result = self._then(self._result)
         return self._result

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ._trace import span, traced
+
 __all__ = ["Meter", "measure", "phase", "record", "record_time"]
 
 _local = threading.local()
@@ -81,10 +83,12 @@ def _synchronize() -> None:
 @contextlib.contextmanager
 def phase(name: str) -> Iterator[None]:
     """Add the block's wall time to ``phases[name]`` of every active meter that times phases
-    (free when none does; on CUDA the device is synchronised at both ends)."""
+    (free when none does; on CUDA the device is synchronised at both ends), and record it on
+    the ``compute`` lane of a :func:`~onebit.comm.trace` being recorded."""
     timed = [m for m in _stack() if m.phases is not None]
     if not timed:
-        yield
+        with span(name, "compute"):
+            yield
         return
     _synchronize()
     start = time.perf_counter()
@@ -92,6 +96,9 @@ def phase(name: str) -> Iterator[None]:
         yield
     finally:
         _synchronize()
-        elapsed = time.perf_counter() - start
+        end = time.perf_counter()
         for meter in timed:
-            meter.phases[name] += elapsed
+            meter.phases[name] += end - start
+        trace = traced()
+        if trace is not None:
+            trace.add(name, "compute", start, end)

@@ -445,9 +445,11 @@ class OnebitOptimizer(Optimizer):
         self._shards.bind_grads()
         try:
             with comm.measure() as meter:
-                self._driver.flush(scaled=getattr(self, "grad_scale", None) is not None
-                                   or getattr(self, "found_inf", None) is not None)  # 1
-                nonfinite, self._active = agree_nonfinite(self)  # 2
+                with comm.span("flush", "step"):  # 1
+                    self._driver.flush(scaled=getattr(self, "grad_scale", None) is not None
+                                       or getattr(self, "found_inf", None) is not None)
+                with comm.span("agree", "step"):  # 2
+                    nonfinite, self._active = agree_nonfinite(self)
                 if nonfinite:
                     self._skipped += 1
                     self._driver.abandon()
@@ -457,10 +459,12 @@ class OnebitOptimizer(Optimizer):
                     self._last_stage = wire.stage
                     if wire.formed or not wire.exchanged:  # 3
                         self._clip_local_grads()
-                    average = self._driver.run(self._active) if wire.exchanged else None  # 4
-                    if average is not None and not wire.formed:
-                        self._clip_grad_(average)
-                    self._apply(wire, average)  # 5
+                    with comm.span("exchange", "step"):  # 4
+                        average = self._driver.run(self._active) if wire.exchanged else None
+                        if average is not None and not wire.formed:
+                            self._clip_grad_(average)
+                    with comm.span("apply", "step"):  # 5
+                        self._apply(wire, average)
                     self._advance()  # 6
                     if self.check_replicas_every and self._step_count % self.check_replicas_every == 0:
                         self.check_replicas()

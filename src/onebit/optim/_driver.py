@@ -147,6 +147,8 @@ class Buckets:
         self._seen[i] = True
         b = self._bucket_of[i]
         self._waiting[b] -= 1
+        if not self._waiting[b]:
+            comm.instant("ready", "backward", bucket=b)
         while self._next < len(self.bounds) and self._waiting[self._next] <= 0:
             with comm.measure() as meter:  # outside step(), whose meter counts the rest
                 self._start(self._next)
@@ -156,7 +158,7 @@ class Buckets:
     def _start(self, b: int) -> None:
         if self._first_launch is None:
             self._first_launch = time.perf_counter()
-        with torch.no_grad():
+        with torch.no_grad(), comm.labelled(bucket=b), comm.span("launch", "backward"):
             self._launch(b)
         self._next = b + 1
 
@@ -305,14 +307,17 @@ class Driver:
         gradient on some rank): launch the one-shot exchange, land every bucket's average;
         returns it (None where it was handed out chunk by chunk)."""
         if self.buckets is None:
-            self._launch(0, live, agreed=True)
+            with comm.labelled(bucket=0):
+                self._launch(0, live, agreed=True)
         land = self._landing()
         for b, flight in enumerate(self._flights):  # every added bucket's all-gather in flight first
             if flight is not None and flight[2]:
-                self._flights[b] = (flight[0], next(flight[0]), True)
-        for flight in self._flights:
+                with comm.labelled(bucket=b):
+                    self._flights[b] = (flight[0], next(flight[0]), True)
+        for b, flight in enumerate(self._flights):
             if flight is not None:
-                comm.run_stages(flight[0])
+                with comm.labelled(bucket=b):
+                    comm.run_stages(flight[0])
         self._end_step()
         return land if isinstance(land, Tensor) else None
 

@@ -1,0 +1,77 @@
+"""``onebit.comm.trace``: the timeline of a traced step on real gloo ranks, and ``onebit train --trace``."""
+
+import json
+
+import pytest
+import torch
+
+import onebit
+from _harness import run_ranks
+from onebit import comm
+from onebit.cli import main
+
+
+def _traced_step(rank, world):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(),
+                                torch.nn.Linear(64, 4))
+    opt = onebit.OnebitAdam(model.parameters(), lr=1e-3, freeze_step=2, overlap=True, bucket_cap_mb=0.01)
+    gen = torch.Generator().manual_seed(rank)
+    untraced = []
+    for step in range(1, 5):
+        opt.zero_grad()
+        x = torch.randn(8, 64, generator=gen)
+        if step < 4:
+            model(x).square().mean().backward()
+            opt.step()
+            untraced.append(comm._trace.traced())
+            continue
+        with comm.trace(rank) as timeline:
+            model(x).square().mean().backward()
+            opt.step()
+            with pytest.raises(RuntimeError, match="already"):
+                with comm.trace(rank):
+                    pass
+    return timeline.to_json(), len(opt._driver.bounds), untraced
+
+
+def test_a_traced_step_shows_each_bucket_ready_launched_and_exchanged():
+    for rank, (trace, buckets, untraced) in enumerate(run_ranks(_traced_step, 2)):
+        assert untraced == [None, None, None] and buckets >= 3
+        events = json.loads(json.dumps(trace))["traceEvents"]  # plain JSON
+        assert {e["pid"] for e in events} == {rank}
+
+        def named(name, lane):
+            return [e for e in events if e["name"] == name and e["tid"] == lane]
+
+        # Backward: every bucket's gradients ready, then its launch, in bucket order.
+        ready, launch = named("ready", "backward"), named("launch", "backward")
+        assert [e["args"]["bucket"] for e in ready] == [e["args"]["bucket"] for e in launch] == list(range(buckets))
+        assert all(r["ts"] <= lnch["ts"] for r, lnch in zip(ready, launch))
+        # The wire: each bucket's all-to-all left during backward, before step() began; its all-gather after.
+        step_lane = [e["name"] for e in sorted((e for e in events if e["tid"] == "step"), key=lambda e: e["ts"])]
+        assert step_lane == ["flush", "agree", "exchange", "apply"]
+        flush = named("flush", "step")[0]["ts"]
+        to_all, gathers = named("all_to_all", "wire"), named("all_gather", "wire")
+        assert [e["args"]["bucket"] for e in to_all] == [e["args"]["bucket"] for e in gathers] == list(range(buckets))
+        assert all(a["ts"] < flush < g["ts"] for a, g in zip(to_all, gathers))
+        assert named("all_reduce(max)", "wire")  # the step's agreement
+        for phase in ("compress", "server", "decode"):
+            assert [e["args"]["bucket"] for e in named(phase, "compute")] == list(range(buckets)), phase
+
+
+def test_train_records_every_rank_on_one_clock(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "runs"
+    assert main(["train", "--optimizer", "onebit_adam_overlap", "--steps", "5", "--freeze-step", "2", "--trace",
+                 "4", "--quiet", "--context", "8", "--hidden", "64", "--out", str(out)]) == 0
+    run = out / "onebit_adam_overlap"
+    events = json.loads((run / "trace.json").read_text())["traceEvents"]
+    assert {e["pid"] for e in events} == {0, 1}
+    for rank in (0, 1):
+        names = {e["name"] for e in events if e["pid"] == rank}
+        assert {"forward", "backward", "step()", "all_to_all", "all_gather", "compress", "ready"} <= names
+    assert min(e["ts"] for e in events) >= 0 and (run / "timeline.png").stat().st_size > 0
+    assert "timeline:" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["train", "--steps", "3", "--trace", "4", "--out", str(out)])
