@@ -1,6 +1,6 @@
 """Collectives: the only package that calls ``torch.distributed`` (and mpi4py, for ``group="mpi"``)."""
 
-from ._compressed import CompressedAllGather, CompressedAllReduce, chunk_bounds
+from ._compressed import CompressedAllGather, CompressedAllReduce, Consume, chunk_bounds
 from ._hierarchical import HierarchicalAllReduce, compressed_allreduce
 from ._dist import (
     BACKENDS,
@@ -36,6 +36,7 @@ __all__ = [
     "CollectiveError",
     "CompressedAllGather",
     "CompressedAllReduce",
+    "Consume",
     "Group",
     "HierarchicalAllReduce",
     "MPIGroup",

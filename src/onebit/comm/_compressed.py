@@ -22,7 +22,7 @@ from ._meter import phase
 from ._nonfinite import nonfinite
 from ._wire import read_payload, write_payload
 
-__all__ = ["CompressedAllGather", "CompressedAllReduce", "chunk_bounds", "chunk_codecs"]
+__all__ = ["CompressedAllGather", "CompressedAllReduce", "Consume", "chunk_bounds", "chunk_codecs"]
 
 # consume(lo, hi, values): an average's flat values [lo, hi), handed over chunk by chunk (scratch)
 Consume = Callable[[int, int, Tensor], None]

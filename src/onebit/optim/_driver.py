@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from .. import comm, compress
+from ..comm import Consume
 from .._checks import check_scales
 
 if TYPE_CHECKING:
@@ -205,9 +206,6 @@ COMPRESSED_GRADIENT = Wire("compressed", formed=False, exact=False)
 COMPRESSED_FORMED = Wire("compressed", formed=True, exact=False)
 LOCAL = Wire("local", formed=True, exact=False, exchanged=False)
 
-# consume(lo, hi, values): the average's flat values [lo, hi), handed over chunk by chunk (scratch)
-Consume = Callable[[int, int, Tensor], None]
-
 
 @dataclass(frozen=True)
 class Plan:
@@ -273,10 +271,6 @@ class Driver:
         self._land: Tensor | Consume | None = None
 
     # ------------------------------------------------------------------ the step
-    @property
-    def overlapped(self) -> bool:
-        return self.buckets is not None
-
     def stats(self) -> dict[str, Any]:
         """``overlap`` and ``buckets_in_backward`` of the last step (overlapped only)."""
         if self.buckets is None:
