@@ -228,11 +228,13 @@ class Pending:
     """A collective in flight (``async_op=True``): :meth:`wait` blocks until it completes, or
     raises :class:`CollectiveError` after the timeout, and returns its result."""
 
-    __slots__ = ("_where", "_work", "_limit", "_result", "_then", "_start", "_tensors")
+    __slots__ = ("_op", "_where", "_work", "_limit", "_result", "_then", "_start", "_tensors")
 
     def __init__(self, where: str, work: _Work | None, limit: timedelta, result: Tensor,
-                 then: Callable[[Tensor], Tensor] | None = None, inputs: tuple[Tensor, ...] = ()) -> None:
+                 then: Callable[[Tensor], Tensor] | None = None, inputs: tuple[Tensor, ...] = (),
+                 op: str = "") -> None:
         self._where, self._work, self._limit, self._result, self._then = where, work, limit, result, then
+        self._op = op
         self._tensors = (result, *inputs)
         self._start = time.perf_counter()
 
@@ -252,7 +254,7 @@ class Pending:
             record_time(end - self._start)
             trace = traced()
             if trace is not None:  # in flight from its launch to the wait that returned it
-                trace.add(self._where.split(" on ")[0], "wire", self._start, end)
+                trace.add(self._op, "wire", self._start, end)
             if self._then is not None:
                 self._result = self._then(self._result)
         return self._result
@@ -280,7 +282,7 @@ def _start(op: str, transport: Transport, timeout: float | timedelta | None, lau
         work = launch()
     except RuntimeError as exc:
         raise CollectiveError(f"{where} failed: {exc}") from exc
-    return Pending(where, work, limit, result, then, inputs)
+    return Pending(where, work, limit, result, then, inputs, op)
 
 
 def _finish(result: Tensor | Pending, async_op: bool) -> Tensor | Pending:

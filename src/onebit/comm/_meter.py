@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._trace import span, traced
+from ._trace import span
 
 __all__ = ["Meter", "measure", "phase", "record", "record_time"]
 
@@ -86,19 +86,16 @@ def phase(name: str) -> Iterator[None]:
     (free when none does; on CUDA the device is synchronised at both ends), and record it on
     the ``compute`` lane of a :func:`~onebit.comm.trace` being recorded."""
     timed = [m for m in _stack() if m.phases is not None]
-    if not timed:
-        with span(name, "compute"):
+    with span(name, "compute"):
+        if not timed:
             yield
-        return
-    _synchronize()
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
+            return
         _synchronize()
-        end = time.perf_counter()
-        for meter in timed:
-            meter.phases[name] += end - start
-        trace = traced()
-        if trace is not None:
-            trace.add(name, "compute", start, end)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            _synchronize()
+            elapsed = time.perf_counter() - start
+            for meter in timed:
+                meter.phases[name] += elapsed

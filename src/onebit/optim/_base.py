@@ -432,7 +432,8 @@ class OnebitOptimizer(Optimizer):
         4. **Exchange**: the stage's wire -- the exact mean, the compressed collective, or
            nothing -- into where the average lands; clipped where it is the gradients'.
         5. **Apply**: the algorithm's step on it, the only place the state moves.
-        6. **Advance**: hand the driver the next step's stage.
+        6. **Advance**: the next step's stage (its state laid out where it changes), handed to the
+           driver as its plan.
         """
         loss = None
         if closure is not None:
