@@ -161,6 +161,35 @@ def test_stages_interleave_and_carry_the_nonfinite_flag_world_3():
         assert r["unflagged"] is None
 
 
+def _pipelined_worker(rank, world):
+    sizes = (10_001, 64, 3_000)
+    plain = [comm.CompressedAllReduce("sign") for _ in sizes]
+    piped = [comm.CompressedAllReduce("sign") for _ in sizes]
+    same = []
+    for step in range(2):
+        xs = [_inputs(world, n, 10 * step + k)[rank] for k, n in enumerate(sizes)]
+        expect = [c(x) for c, x in zip(plain, xs)]
+        exact = xs[1].clone()
+        with comm.trace(rank) as timeline:
+            got = comm.run_pipelined([*(c.stages(x) for c, x in zip(piped, xs)),
+                                      comm.all_reduce_mean_stages(exact, None, None)])
+        same.append([_digest(g) == _digest(e) for g, e in zip(got, expect)])
+        same[-1].append(torch.allclose(got[3], sum(_inputs(world, 64, 10 * step + 1)) / world))
+    wire = sorted((e for e in timeline.to_json()["traceEvents"] if e["tid"] == "wire"), key=lambda e: e["ts"])
+    return same, [e["name"] for e in wire]
+
+
+def test_pipelined_exchanges_overlap_their_phases_and_keep_the_bits():
+    """``run_pipelined``: each exchange's all-to-all leaves before the previous one's all-gather
+    (the link holds the next piece while one is averaged), in the same order on every rank, and
+    every exchange gives the bits of a plain call; a one-stage exchange (an exact all-reduce) fits."""
+    world = 2
+    for same, order in run_ranks(_pipelined_worker, world):
+        assert same == [[True] * 4] * 2
+        assert order == ["all_to_all", "all_to_all", "all_gather", "all_to_all", "all_gather", "all_reduce",
+                         "all_gather"]
+
+
 def _gather_worker(rank, world, name, kwargs, ef):
     exch = comm.CompressedAllGather(name, error_feedback=ef, **kwargs)
     outs = []

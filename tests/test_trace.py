@@ -48,14 +48,19 @@ def test_a_traced_step_shows_each_bucket_ready_launched_and_exchanged():
         ready, launch = named("ready", "backward"), named("launch", "backward")
         assert [e["args"]["bucket"] for e in ready] == [e["args"]["bucket"] for e in launch] == list(range(buckets))
         assert all(r["ts"] <= lnch["ts"] for r, lnch in zip(ready, launch))
-        # The wire: each bucket's all-to-all left during backward, before step() began; its all-gather after.
+        # The wire: a bucket's all-gather leaves right after the next bucket's all-to-all, all during
+        # backward but the last bucket's, which leaves at the start of step(), before the agreement.
         step_lane = [e["name"] for e in sorted((e for e in events if e["tid"] == "step"), key=lambda e: e["ts"])]
         assert step_lane == ["flush", "agree", "exchange", "apply"]
         flush = named("flush", "step")[0]["ts"]
-        to_all, gathers = named("all_to_all", "wire"), named("all_gather", "wire")
-        assert [e["args"]["bucket"] for e in to_all] == [e["args"]["bucket"] for e in gathers] == list(range(buckets))
-        assert all(a["ts"] < flush < g["ts"] for a, g in zip(to_all, gathers))
-        assert named("all_reduce(max)", "wire")  # the step's agreement
+        wire = sorted((e for e in events if e["tid"] == "wire"), key=lambda e: e["ts"])
+        order = [(e["name"], e["args"].get("bucket")) for e in wire]
+        expected = [("all_to_all", 0)]
+        for b in range(1, buckets):
+            expected += [("all_to_all", b), ("all_gather", b - 1)]
+        expected += [("all_gather", buckets - 1), ("all_reduce(max)", None)]  # then the step's agreement
+        assert order == expected
+        assert all(e["ts"] < flush for e in wire[:-2]) and wire[-2]["ts"] >= flush
         for phase in ("compress", "server", "decode"):
             assert [e["args"]["bucket"] for e in named(phase, "compute")] == list(range(buckets)), phase
 

@@ -71,6 +71,13 @@ def _rank_bench(rank: int, world: int, numel: int, repeat: int, per_node: int | 
                                                                                 ranks_per_node=per_node)
     for name, op in collectives.items():
         cases[name] = lambda op=op: op(x, out=out_buf)
+    # The same exchange in 4 pieces whose phases overlap (comm.run_pipelined): a piece's all-to-all
+    # is on the link while the one before is averaged, as the overlapped optimizers' buckets.
+    starts = transformer_starts(numel)
+    cuts = [numel * i // _PIECES for i in range(_PIECES + 1)]
+    pieces = [(comm.CompressedAllReduce("sign", group, segments=[s - lo for s in starts if lo <= s < hi]), lo, hi)
+              for lo, hi in zip(cuts, cuts[1:])]
+    cases[_PIPELINED] = lambda: comm.run_pipelined([op.stages(x[lo:hi], out_buf[lo:hi]) for op, lo, hi in pieces])
     out = {}
     for name, call in cases.items():
         with comm.measure(phases=True) as meter:
@@ -99,8 +106,11 @@ def _this_mpi_rank(numel: int, repeat: int) -> list[dict[str, Any]] | None:
     return [{name: (float(t), sent, inter, phases) for (name, (_, sent, inter, phases)), t in zip(mine.items(), slowest)}]
 
 
+_PIECES = 4
+_PIPELINED = f"compressed_allreduce sign per-tensor, {_PIECES} pieces pipelined"
 # Which cost-model collective each benchmark case runs.
 _KINDS = {
+    _PIPELINED: "onebit",
     "all_reduce fp32": "allreduce_fp32",
     "all_reduce fp16": "allreduce_fp16",
     "compressed_allreduce sign": "onebit",

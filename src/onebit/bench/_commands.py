@@ -74,7 +74,7 @@ def _config(args: argparse.Namespace, optimizer: str):
         freeze_step=args.freeze_step if args.freeze_step is not None else max(1, args.steps // 5),
         seed=args.seed, topk_ratio=min(args.topk_ratio, 1.0), qadam_bits=args.qadam_bits,
         local_step_scaler=args.local_step_scaler, powersgd_rank=args.powersgd_rank, hierarchical=args.hierarchical,
-        context=args.context,
+        bucket_cap_mb=args.bucket_cap_mb, context=args.context,
         hidden=args.hidden, d_model=args.d_model, layers=args.layers, heads=args.heads,
         checkpoint_every=args.checkpoint_every, resume=args.resume, backend=getattr(args, "backend", "torch"),
         trace_step=args.trace,
@@ -189,6 +189,9 @@ def compare(args: argparse.Namespace) -> int:
                            nodes=args.nodes, bandwidth=args.bandwidth, latency=args.latency, compute=0.0,
                            warmup_fraction=min(1.0, warm), topk_ratio=min(args.topk_ratio, 1.0))
     rows, note = compare_rows(summaries, runs, args.baseline, model, hierarchical=args.hierarchical)
+    skipped = [f"{name} {s['skipped_steps']}" for name, s in summaries.items() if s.get("skipped_steps")]
+    if skipped:  # a skipped step sends 4 bytes and looks fast
+        note += "\nsteps skipped for a non-finite gradient (their runs' speed does not count): " + ", ".join(skipped)
     text = _table(rows)
     print(note)
     print(text)

@@ -40,7 +40,10 @@ def _cpu() -> str:
     flags = set(fields.get("flags", "").split())
     isa = next((name for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("sse4_2", "SSE4.2"))
                 if flag in flags), "")
-    return "".join(f", {part}" for part in (fields.get("model name", ""), isa) if part)
+    # Kernels built for a narrower CPU than this one (a run standing in for an older machine):
+    # numba's target CPU, torch's dispatch level.
+    narrowed = [f"{var}={os.environ[var]}" for var in ("NUMBA_CPU_NAME", "ATEN_CPU_CAPABILITY") if os.environ.get(var)]
+    return "".join(f", {part}" for part in (fields.get("model name", ""), isa, " ".join(narrowed)) if part)
 
 
 def convergence_rows(rows: list[dict[str, Any]]) -> list[list[str]]:

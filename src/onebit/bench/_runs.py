@@ -124,7 +124,7 @@ def _metered(hook, count, op: str):
 
 
 def _ddp_run(name: str, model: nn.Module, cfg, per_node: int | None) -> Run:
-    ddp = DistributedDataParallel(model)
+    ddp = DistributedDataParallel(model, **({} if cfg.bucket_cap_mb is None else {"bucket_cap_mb": cfg.bucket_cap_mb}))
     exchange = {"hierarchical": cfg.hierarchical, "ranks_per_node": per_node}
     state: Any = None
     if name == "ddp_allreduce":
@@ -171,6 +171,8 @@ def _registry_optimizer(name: str, params, cfg, exchange: dict[str, Any]) -> tor
         kw.update(exchange)
     if spec.overlap:
         kw["overlap"] = overlap
+        if overlap and cfg.bucket_cap_mb is not None:
+            kw["bucket_cap_mb"] = cfg.bucket_cap_mb
     if spec.freeze is not None:
         kw.update(spec.freeze(cfg.freeze_step))
     if spec.seeded:

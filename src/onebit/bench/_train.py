@@ -46,6 +46,8 @@ class TrainConfig(TaskSpec):
     local_step_scaler: int | None = None  # 0/1 Adam's (None: the registry's, a quarter of freeze_step)
     powersgd_rank: int = 1
     hierarchical: bool = False
+    # the overlapped exchange's (and DDP's) bucket size, MB of fp32 values (None: the default, 25)
+    bucket_cap_mb: float | None = None
     # "torch": spawned gloo ranks; "mpi": this process is one rank of an mpirun job
     backend: str = "torch"
     # checkpoints
@@ -179,6 +181,8 @@ def _rank_main(rank: int, world: int, cfg: TrainConfig, out: Path, per_node: int
         opt.check_replicas()
     return {"records": records, "eval_loss": sum(losses) / len(losses), "digest": digest.hexdigest(),
             "in_interval": in_interval, "finite": finite, "trace": timeline,
+            # steps every rank skipped for a non-finite gradient (None: an optimizer that never skips)
+            "skipped_steps": getattr(opt, "stats", {}).get("skipped_steps"),
             "freeze_step": run.freeze_step(), "parameters": sum(p.numel() for p in model.parameters())}
 
 
@@ -251,6 +255,7 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True, cluster=None) -> d
         "parameters": results[0]["parameters"],
         "cluster": None if cluster is None else {**asdict(cluster.spec), "latency_note": cluster.latency_note},
         "finite": results[0]["finite"],
+        "skipped_steps": results[0]["skipped_steps"],
         "final_loss": sum(r["loss"] for r in records[-10:]) / min(10, len(records)),
         "eval_loss": results[0]["eval_loss"],
         "freeze_step": results[0]["freeze_step"],

@@ -22,6 +22,7 @@ from ._dist import (
     get_world_size,
     is_distributed,
     resolve_group,
+    run_pipelined,
     run_stages,
     to_timedelta,
 )
@@ -65,6 +66,7 @@ __all__ = [
     "nonfinite",
     "record",
     "resolve_group",
+    "run_pipelined",
     "run_stages",
     "span",
     "to_timedelta",

@@ -18,7 +18,14 @@ earlier layers. No optimizer knows about buckets.
 
 Collectives must be issued in the same order on every rank, so buckets are launched
 strictly in bucket order: a bucket whose gradients are complete waits for every bucket
-before it. A bucket that never completes during backward (a parameter unused on this rank,
+before it. A compressed bucket's second phase (the server average and its all-gather) is
+started when the next bucket's all-to-all has been launched, the last one's by
+:meth:`Driver.flush`: the order is then ``a2a(0), a2a(1), ag(0), a2a(2), ag(1), ..., ag(n-1)``
+and the step's agreement on every rank, whatever its timing, and the link always holds the
+next bucket's bytes while one is averaged; the all-gathers leave during backward instead of
+queueing behind ``step()``. Waiting there for the previous bucket's
+all-to-all holds backward only while the link is busy with the one before: where the link is
+the bottleneck that is what it costs anyway. A bucket that never completes during backward (a parameter unused on this rank,
 or trainable only here) is launched by :meth:`Driver.flush` at the start of ``step()``,
 still in order and before the step's non-finite agreement, so every rank issues the same
 sequence whatever its own timing.
@@ -181,6 +188,23 @@ class Buckets:
         return sent
 
 
+@dataclass
+class _Flight:
+    """A bucket's exchange in flight: its stages, the collective they left pending, whether its
+    input was added into the collective's worker error, and whether its second phase started."""
+
+    stages: comm.Stages
+    pending: comm.Pending
+    added: bool
+    gathering: bool = False
+
+    def gather(self) -> None:
+        """An added bucket's second phase: wait for its all-to-all, average, launch the all-gather."""
+        if self.added and not self.gathering:
+            self.pending = next(self.stages)
+            self.gathering = True
+
+
 @dataclass(frozen=True)
 class Wire:
     """What a stage sends, as an optimizer declares it.
@@ -264,9 +288,7 @@ class Driver:
         if overlap:
             self.buckets = Buckets(flat.params, self.bounds, self._launch_in_backward)
         self._plan: Plan | None = None
-        # Each bucket's exchange in flight: its stages, the collective they left pending, and
-        # whether its input was added into the collective's worker error (None: nothing sent).
-        self._flights: list[tuple[comm.Stages, comm.Pending, bool] | None] = [None] * len(self.bounds)
+        self._flights: list[_Flight | None] = [None] * len(self.bounds)  # None: nothing sent
         self._compressed_in_flight = False
         self._land: Tensor | Consume | None = None
 
@@ -295,6 +317,9 @@ class Driver:
             raise ValueError(f"{self.owner}(overlap=True) exchanged the gradients during backward, before "
                              "GradScaler could unscale them or find infs: use overlap=False with GradScaler")
         self.buckets.flush()
+        # The last all-gathers leave before the agreement, which would otherwise hold them while
+        # it queues behind the bytes already on the link.
+        self._gather(len(self._flights))
 
     def run(self, live: Sequence[bool]) -> Tensor | None:
         """The planned step, which every rank agreed to take (``live[i]``: parameter ``i`` has a
@@ -304,14 +329,11 @@ class Driver:
             with comm.labelled(bucket=0):
                 self._launch(0, live, agreed=True)
         land = self._landing()
-        for b, flight in enumerate(self._flights):  # every added bucket's all-gather in flight first
-            if flight is not None and flight[2]:
-                with comm.labelled(bucket=b):
-                    self._flights[b] = (flight[0], next(flight[0]), True)
+        self._gather(len(self._flights))  # every added bucket's all-gather in flight first
         for b, flight in enumerate(self._flights):
             if flight is not None:
                 with comm.labelled(bucket=b):
-                    comm.run_stages(flight[0])
+                    comm.run_stages(flight.stages)
         self._end_step()
         return land if isinstance(land, Tensor) else None
 
@@ -321,8 +343,8 @@ class Driver:
         restart at zero."""
         for flight in self._flights:
             if flight is not None:
-                flight[1].wait()
-                flight[0].close()
+                flight.pending.wait()
+                flight.stages.close()
         if self._compressed_in_flight:
             self.reset()
             _log.warning("%s: step skipped after the overlapped exchange had started: error-feedback buffers "
@@ -355,6 +377,15 @@ class Driver:
         if not self._plan.wire.exchanged:
             return
         self._launch(b, [p.requires_grad or p.grad is not None for p in self.flat.params], agreed=False)
+        self._gather(b)
+
+    def _gather(self, upto: int) -> None:
+        """Start the second phase of every added bucket before bucket ``upto`` (see the module
+        docstring: in bucket order, right after the next bucket's first)."""
+        for b, flight in enumerate(self._flights[:upto]):
+            if flight is not None:
+                with comm.labelled(bucket=b):
+                    flight.gather()
 
     def _launch(self, b: int, live: Sequence[bool], *, agreed: bool) -> None:
         """Form bucket ``b``'s input for the planned step and start its exchange. ``live[i]``:
@@ -377,7 +408,7 @@ class Driver:
             form(collective.input_buffer(end - start, self.flat.device), lo, members, live, agreed, True)
             # Where the average lands is asked once it is gathered, in step(): the ranks agreed then.
             stages = collective.stages(None, land=lambda start=start, end=end: self._landed(start, end))
-            self._flights[b] = (stages, next(stages), True)
+            self._flights[b] = _Flight(stages, next(stages), added=True)
             return
         land = self._landing()
         form(land[lo:hi], lo, members, live, agreed, False)
@@ -387,7 +418,7 @@ class Driver:
             return
         else:
             stages = collective.stages(land[start:end], out=land[start:end])
-        self._flights[b] = (stages, next(stages), False)
+        self._flights[b] = _Flight(stages, next(stages), added=False)
 
     def _landed(self, start: int, end: int) -> Tensor | Consume:
         """Where the average of the flat values ``[start, end)`` lands: that span of the step's
