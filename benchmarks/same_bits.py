@@ -212,7 +212,11 @@ def compare(before: str, after: str) -> int:
         a, b = torch.load(os.path.join(before, f), weights_only=False), \
             torch.load(os.path.join(after, f), weights_only=False)
         for config in sorted(set(a) | set(b)):
-            diffs = _differences(a.get(config), b.get(config), config)
+            if (config in a) != (config in b):  # an optimizer or configuration added or removed
+                bad += 1
+                print(f"{f} {config}: only in {'before' if config in a else 'after'}")
+                continue
+            diffs = _differences(a[config], b[config], config)
             if diffs:
                 bad += 1
                 print(f"{f} {config}: {len(diffs)} differences, first {diffs[:3]}")

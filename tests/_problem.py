@@ -13,6 +13,13 @@ DIM, BATCH = 37, 16
 # Every optimizer of the registry, by its registry name, with settings that reach its compressed
 # stage within a few steps: the shared contract tables iterate over these rows.
 OPTIMIZERS = [(name, {**spec.kwargs, **spec.test_kwargs}) for name, spec in REGISTRY.items()]
+# stats["stage"] once the row's settings reached that stage: SoftSignSGD has no compression
+# stage, DiLoCo's are its inner steps ("local") and synchronisations ("outer", every step here)
+_LAST_STAGE = {"softsign_sgd": "warmup", "diloco": "outer"}
+
+
+def last_stage(name: str) -> str:
+    return _LAST_STAGE.get(name, "compressed")
 
 
 def optimizer_class(name: str) -> type:

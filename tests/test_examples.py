@@ -55,3 +55,11 @@ def test_accelerate():
 def test_lightning():
     pytest.importorskip("lightning")
     _check(_torchrun("lightning_train.py", "--steps", "20", "--freeze-step", "8"), 20)
+
+
+def test_diloco_torchrun_sends_only_at_synchronisations():
+    result = _torchrun("diloco_torchrun.py", "--steps", "32", "--sync-every", "8")
+    stats = result["stats"]
+    assert stats["step"] == 32 and stats["skipped_steps"] == 0 and stats["stage"] == "outer"
+    assert 0 < stats["bytes_sent"] < 100_000  # a 1-bit exchange of the 0.2M-parameter model
+    assert math.isfinite(result["loss"]) and result["loss"] < math.log(256)

@@ -1,17 +1,19 @@
 """onebit: communication-compressed distributed optimizers for PyTorch.
 
-1-bit Adam, 1-bit LAMB, 0/1 Adam, Comp-AMS and Birder, the compressed collectives they need
+1-bit Adam, 1-bit LAMB, 0/1 Adam, Comp-AMS and Birder, DiLoCo with 1-bit outer gradients, the
+compressed collectives they need
 (``onebit.comm``), their compressors (``onebit.compress``) and bit kernels (``onebit.ops``).
 """
 
 from . import comm, compress, hooks, ops, optim
 from .feedback import ErrorFeedback
-from .optim import (Birder, CompAMS, OnebitAdam, OnebitAdamNaive, OnebitLamb, QAdam, ReplicaDivergence, SoftSignSGD,
-                    ZeroOneAdam, attach, from_deepspeed_config)
+from .optim import (Birder, CompAMS, DiLoCo, OnebitAdam, OnebitAdamNaive, OnebitLamb, QAdam, ReplicaDivergence,
+                    SoftSignSGD, ZeroOneAdam, attach, from_deepspeed_config)
 
 __all__ = [
     "Birder",
     "CompAMS",
+    "DiLoCo",
     "ErrorFeedback",
     "OnebitAdam",
     "OnebitAdamNaive",

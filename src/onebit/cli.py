@@ -104,6 +104,8 @@ def _training_flags(p: argparse.ArgumentParser, steps: int, out: str, bandwidth:
                    help="0/1 Adam: steps per doubling of the local-step interval (default: a quarter of "
                         "--freeze-step; larger than --steps: no local steps)")
     p.add_argument("--powersgd-rank", type=_positive_int, default=1, help="ddp_powersgd's matrix rank")
+    p.add_argument("--sync-every", type=_positive_int, default=None,
+                   help="diloco: inner steps per synchronisation (default 500)")
     p.add_argument("--bucket-cap-mb", type=_positive_float, default=None,
                    help="bucket size of the *_overlap optimizers and of DDP, MB of fp32 values (default 25)")
     p.add_argument("--hierarchical", action="store_true",

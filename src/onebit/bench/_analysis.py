@@ -113,10 +113,15 @@ def compare_rows(summaries: dict[str, dict], runs: dict[str, list[dict[str, Any]
         return next((p for p in predict(replace(model, compute=compute, **shares)) if p.optimizer == key), None)
 
     # What users run (DDP's overlapped fp32 all-reduce) and the compute floor (no communication),
-    # when they ran in the same comparison: each optimizer's last stage against them.
+    # when they ran in the same comparison: each optimizer's last stage against them; for one
+    # whose steps alternate without a last stage (DiLoCo's inner steps and synchronisations), its
+    # mean step, the synchronisations amortised.
     def step_of(name: str) -> float | None:
-        steps = summaries[name]["step_time_s"] if name in summaries else {}
-        return steps.get("compressed") or steps.get("warmup")
+        if name not in summaries:
+            return None
+        steps = summaries[name]["step_time_s"]
+        times = [r["step_time"] for r in runs[name][1:]]
+        return steps.get("compressed") or steps.get("warmup") or (sum(times) / len(times) if times else None)
 
     ddp, floor = step_of("ddp_allreduce"), step_of(NO_COMMUNICATION)
     rows = [["optimizer", "eval loss", "gap", "ms/step warmup", "ms/step compressed", "stage speedup",
@@ -126,7 +131,7 @@ def compare_rows(summaries: dict[str, dict], runs: dict[str, list[dict[str, Any]
     for name, s in summaries.items():
         reach = time_to_loss(runs[name], target)
         steps = s["step_time_s"]
-        stage_time = steps.get("compressed") or steps.get("warmup")
+        stage_time = step_of(name)
         pred = prediction(name)
         sent = s["bytes_sent_per_rank"]
         overlap = s.get("overlap", {})

@@ -48,6 +48,7 @@ class TrainConfig(TaskSpec):
     hierarchical: bool = False
     # the overlapped exchange's (and DDP's) bucket size, MB of fp32 values (None: the default, 25)
     bucket_cap_mb: float | None = None
+    sync_every: int | None = None  # DiLoCo's inner steps per synchronisation (None: its default, 500)
     # "torch": spawned gloo ranks; "mpi": this process is one rank of an mpirun job
     backend: str = "torch"
     # checkpoints

@@ -39,7 +39,7 @@ from .. import comm
 from .._checks import COMMON_OPTIONS, check_betas, check_nonneg, check_optional_positive
 from ._agreement import agree_nonfinite, check_replicas
 from ._ddp import attach_ddp, check_ddp
-from ._driver import Driver, Plan, Wire, allreduce_factory
+from ._driver import LOCAL, Driver, Plan, Wire, allreduce_factory
 from ._flat import FlatState
 from ._functional import _BLOCK
 from ._shards import Shards
@@ -182,6 +182,9 @@ class OnebitOptimizer(Optimizer):
             raise ValueError("Invalid overlap value with FSDP2-sharded parameters: True (FSDP overlaps its "
                              "reduce-scatter with backward itself; the exchange between replicas runs in step()); "
                              "use overlap=False")
+        if overlap and any(s.wire.local_first for s in self._stages.stages):
+            raise ValueError(f"Invalid overlap value for {type(self).__name__}: True (what it sends is formed after "
+                             "its own step, in step(), never during backward)")
         if overlap and self.max_grad_norm is not None and any(s.wire.formed for s in self._stages.stages):
             raise ValueError(f"Invalid max_grad_norm value with overlap=True: {self.max_grad_norm!r} (the "
                              f"{type(self).__name__} step clips each rank's gradient over all parameters, which the "
@@ -430,7 +433,8 @@ class OnebitOptimizer(Optimizer):
         3. **Clip** (``max_grad_norm``): each rank's own gradients, where the stage never forms
            their average.
         4. **Exchange**: the stage's wire -- the exact mean, the compressed collective, or
-           nothing -- into where the average lands; clipped where it is the gradients'.
+           nothing -- into where the average lands; clipped where it is the gradients'. A wire
+           that is ``local_first`` has each rank take its own step before it forms what it sends.
         5. **Apply**: the algorithm's step on it, the only place the state moves.
         6. **Advance**: the next step's stage (its state laid out where it changes), handed to the
            driver as its plan.
@@ -460,6 +464,9 @@ class OnebitOptimizer(Optimizer):
                     self._last_stage = wire.stage
                     if wire.formed or not wire.exchanged:  # 3
                         self._clip_local_grads()
+                    if wire.local_first:
+                        with comm.span("local", "step"):
+                            self._apply(LOCAL, None)
                     with comm.span("exchange", "step"):  # 4
                         average = self._driver.run(self._active) if wire.exchanged else None
                         if average is not None and not wire.formed:

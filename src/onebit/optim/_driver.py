@@ -217,12 +217,16 @@ class Wire:
     ``exact``: the exact fp32 mean (an all-reduce); else the optimizer's compressed collectives.
     ``exchanged``: False for a step each rank takes on its own (0/1 Adam's local steps): nothing
     is sent, ``_apply`` gets no average and reads the local gradients itself.
+    ``local_first``: each rank first takes its own step (``_apply`` with :data:`LOCAL`) and what
+    it sends is formed from where that got it (DiLoCo's outer synchronisation, after the last
+    inner step); never during backward.
     """
 
     stage: str
     formed: bool
     exact: bool
     exchanged: bool = True
+    local_first: bool = False
 
 
 EXACT_GRADIENT = Wire("warmup", formed=False, exact=True)

@@ -19,6 +19,7 @@ from typing import Any
 from ._base import OnebitOptimizer
 from ._birder import Birder, SoftSignSGD
 from ._comp_ams import CompAMS, QAdam
+from ._diloco import DiLoCo
 from ._onebit_adam import OnebitAdam, OnebitAdamNaive
 from ._onebit_lamb import OnebitLamb
 from ._zero_one_adam import ZeroOneAdam
@@ -67,8 +68,10 @@ class Spec:
     ``counterpart``: the uncompressed optimizer its convergence is compared with (None: it is
     one); ``footprint(w)``: the state the algorithm itself keeps, in fp32 model sizes at world
     size ``w`` (``onebit bench memory`` holds it to this, after ``freeze``); ``overlap`` /
-    ``hierarchical``: it takes ``overlap=True`` / ``hierarchical=``; ``freeze``: for an
-    optimizer with a warm-up, the arguments that end it after step ``T`` (None: one stage);
+    ``hierarchical``: it takes ``overlap=True`` / ``hierarchical=``; ``freeze``: the arguments
+    that make its schedule act within a run whose warm-up would end after step ``T`` -- the end
+    of the warm-up (1-bit Adam, 1-bit LAMB, 0/1 Adam), DiLoCo's synchronisation every ``T``
+    steps (None: one stage);
     ``seeded``: it takes ``seed``; ``test_kwargs``: small settings that reach the compressed
     stage within a few steps, for the contract tests, with replicas identical after every step.
 
@@ -160,6 +163,11 @@ REGISTRY: dict[str, Spec] = {
                    variants={"identity": _IDENTITY, "overlap": _OVERLAP}, target=5.0,
                    costs={"birder": Cost("onebit", _ONEBIT),
                           "birder_hierarchical": Cost("onebit_hierarchical", "Hierarchical-1-bit-All-Reduce")}),
+    # the inner AdamW's m and v, the anchor, the outer momentum, worker error, server error (n/w);
+    # sync_every=1 in the contract tests: every step synchronises, so replicas match after each
+    "diloco": Spec(DiLoCo, "adamw", lambda w: 5.0 + 1.0 / w, freeze=lambda t: {"sync_every": t},
+                   test_kwargs={"lr": 0.01, "sync_every": 1},
+                   options={"sync_every": "sync_every"}),
 }
 
 # The uncompressed optimizers the convergence matrix compares with, by the name its tables use

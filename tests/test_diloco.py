@@ -1,0 +1,156 @@
+"""DiLoCo against Algorithm 1 of arXiv 2311.08105 written plainly here, on real gloo ranks."""
+
+import io
+
+import pytest
+import torch
+
+import onebit
+from _harness import run_ranks
+from _oracle import SimulatedCompressedAllReduce
+
+H = 3  # inner steps per synchronisation
+STEPS = 2 * H + 2  # two synchronisations, then two steps into the third interval
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def _batch(rank, step):
+    gen = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(5, 6, generator=gen), torch.randn(5, 3, generator=gen)
+
+
+def _inner_step(model, inner, rank, step):
+    inner.zero_grad()
+    x, y = _batch(rank, step)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+
+
+def _flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _oracle(world, compressor, error_feedback):
+    """Every worker's parameters after every step: H AdamW steps on its own batches, then
+    delta_i = anchor - x_i averaged (exactly, or by the two-sided 1-bit all-reduce with one
+    scale per tensor piece), b <- mu b + delta, anchor <- anchor - lr (delta + mu b), x_i <- anchor."""
+    models = [_model() for _ in range(world)]
+    inners = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    anchor = _flat(models[0]).clone()
+    momentum = torch.zeros_like(anchor)
+    starts = [0]
+    for p in models[0].parameters():
+        starts.append(starts[-1] + p.numel())
+    exchange = SimulatedCompressedAllReduce(world, anchor.numel(), segments=starts[:-1])
+    history = []
+    for step in range(1, STEPS + 1):
+        for rank in range(world):
+            _inner_step(models[rank], inners[rank], rank, step)
+            inners[rank].step()
+        if step % H == 0:
+            deltas = [anchor - _flat(m) for m in models]
+            if compressor == "identity":
+                delta = sum(deltas) / world
+            else:
+                delta = exchange(deltas)
+                if not error_feedback:
+                    exchange.worker_err = [torch.zeros_like(e) for e in exchange.worker_err]
+                    exchange.server_err = [torch.zeros_like(e) for e in exchange.server_err]
+            momentum = OUTER_MOMENTUM * momentum + delta
+            anchor = anchor - OUTER_LR * (delta + OUTER_MOMENTUM * momentum)
+            for m in models:
+                with torch.no_grad():
+                    for p, value in zip(m.parameters(), anchor.split([p.numel() for p in m.parameters()])):
+                        p.copy_(value.view_as(p))
+        history.append([_flat(m).clone() for m in models])
+    return history
+
+
+def _ours(rank, world, compressor, error_feedback):
+    torch.set_num_threads(1)
+    model = _model()
+    opt = onebit.DiLoCo(torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=H, outer_lr=OUTER_LR,
+                        outer_momentum=OUTER_MOMENTUM, compressor=compressor, error_feedback=error_feedback)
+    history, stages = [], []
+    for step in range(1, STEPS + 1):
+        _inner_step(model, opt, rank, step)
+        opt.step()
+        history.append(_flat(model).clone())
+        stages.append(opt.stats["stage"])
+    opt.check_replicas()  # inside an interval: the anchors
+    return history, stages
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("compressor,error_feedback", [("identity", True), ("sign", True), ("sign", False)])
+def test_matches_the_algorithm_written_plainly(world, compressor, error_feedback):
+    oracle = _oracle(world, compressor, error_feedback)
+    results = run_ranks(_ours, world, compressor, error_feedback)
+    for rank, (history, stages) in enumerate(results):
+        assert stages == ["outer" if s % H == 0 else "local" for s in range(1, STEPS + 1)]
+        for step, (ours, expected) in enumerate(zip(history, oracle), start=1):
+            assert torch.allclose(ours, expected[rank], rtol=1e-5, atol=1e-6), (rank, step)
+    for step in range(H, STEPS + 1, H):  # after each synchronisation every rank holds the same bits
+        assert all(torch.equal(r[0][step - 1], results[0][0][step - 1]) for r in results)
+    assert not torch.equal(results[0][0][-1], results[1][0][-1])  # inside an interval they differ
+
+
+def _resumed(rank, world):
+    torch.set_num_threads(1)
+
+    def build():
+        model = _model()
+        return model, onebit.DiLoCo(torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=H)
+
+    model, opt = build()
+    for step in range(1, STEPS + 1):
+        _inner_step(model, opt, rank, step)
+        if step == 2 and rank == 1:
+            next(model.parameters()).grad[0, 0] = float("nan")
+        opt.step()
+        if step == H + 1:  # inside the second interval: the inner state, anchor, momentum, errors
+            buffer = io.BytesIO()
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buffer)
+    straight, skipped = _flat(model).clone(), opt.stats["skipped_steps"]
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    model, opt = build()
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    scheduled = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)  # on DiLoCo: schedules the inner steps
+    for step in range(H + 2, STEPS + 1):
+        _inner_step(model, opt, rank, step)
+        opt.step()
+        scheduled.step()
+    return straight, _flat(model), skipped, opt.inner.param_groups is opt.param_groups
+
+
+def test_skips_together_and_resumes_inside_an_interval_bit_for_bit():
+    for straight, resumed, skipped, shared in run_ranks(_resumed, 2):
+        assert torch.equal(straight, resumed)
+        assert skipped == 1  # a NaN on rank 1 at step 2: every rank skipped it
+        assert shared
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"inner": "adamw"}, TypeError, "also inner="),
+    ({"params": [torch.zeros(2, requires_grad=True)], "inner": "adamw"}, TypeError, "Invalid inner value: 'adamw'"),
+    ({"params": [torch.zeros(2, requires_grad=True)], "lr": -1.0}, ValueError, "Invalid lr value: -1.0"),
+    ({"sync_every": 0}, ValueError, "Invalid sync_every value: 0"),
+    ({"outer_lr": -1.0}, ValueError, "Invalid outer_lr value: -1.0"),
+    ({"outer_momentum": 1.0}, ValueError, "Invalid outer_momentum value: 1.0"),
+    ({"compressor": "topk"}, ValueError, "Invalid compressor value: 'topk'"),
+    ({"error_feedback": 1}, TypeError, "Invalid error_feedback value: 1"),
+    ({"overlap": True}, TypeError, "unexpected keyword argument 'overlap'"),
+])
+def test_bad_arguments_are_named(kwargs, error, match):
+    model = _model()
+    kwargs = {"params": torch.optim.AdamW(model.parameters()), **kwargs}
+    with pytest.raises(error, match=match):
+        onebit.DiLoCo(**kwargs)
+    with pytest.raises(TypeError, match="exchanges itself"):
+        onebit.DiLoCo(onebit.OnebitAdam(model.parameters()))
