@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import onebit
 from _bytes import CONTEXT, byte_windows
+from _teardown import destroy_process_group
 
 
 class ByteModel(L.LightningModule):
@@ -61,6 +62,10 @@ def main() -> None:
     if trainer.is_global_zero:
         print(json.dumps({"loss": float(trainer.callback_metrics["loss"]), "stats": opt.stats,
                           "ddp_hook": model.ddp_hook}))
+    # Lightning leaves the process group open: free its DDP model, then destroy the group (a
+    # gloo worker still releasing the last collective's tensors at exit aborted one run).
+    del trainer, opt
+    destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -58,8 +58,8 @@ class DiLoCo(OnebitOptimizer):
 
     ``params`` is the inner optimizer itself (any ``torch.optim`` optimizer, built on every rank
     over the same parameters), or parameters (or param groups) for ``inner(params, lr=lr)``,
-    AdamW by default. ``step()`` is the inner optimizer's step on this rank's own gradients; every ``sync_every``
-    steps it is followed by the synchronisation: ``delta_i = anchor - x_i`` is averaged over
+    AdamW by default. ``step()`` is the inner optimizer's step on this rank's own gradients;
+    every ``sync_every`` steps it is followed by the synchronisation: ``delta_i = anchor - x_i`` is averaged over
     the group (``compressor="sign"``: 1 bit per value, one scale per tensor piece, with worker
     and server error feedback; ``"identity"``: the exact fp32 mean, DiLoCo as published) and
     :func:`outer_step` moves the anchor, which every rank's parameters then take, bit for bit.

@@ -18,17 +18,17 @@ earlier layers. No optimizer knows about buckets.
 
 Collectives must be issued in the same order on every rank, so buckets are launched
 strictly in bucket order: a bucket whose gradients are complete waits for every bucket
-before it. A compressed bucket's second phase (the server average and its all-gather) is
-started when the next bucket's all-to-all has been launched, the last one's by
-:meth:`Driver.flush`: the order is then ``a2a(0), a2a(1), ag(0), a2a(2), ag(1), ..., ag(n-1)``
-and the step's agreement on every rank, whatever its timing, and the link always holds the
-next bucket's bytes while one is averaged; the all-gathers leave during backward instead of
-queueing behind ``step()``. Waiting there for the previous bucket's
-all-to-all holds backward only while the link is busy with the one before: where the link is
-the bottleneck that is what it costs anyway. A bucket that never completes during backward (a parameter unused on this rank,
+before it. A bucket that never completes during backward (a parameter unused on this rank,
 or trainable only here) is launched by :meth:`Driver.flush` at the start of ``step()``,
 still in order and before the step's non-finite agreement, so every rank issues the same
 sequence whatever its own timing.
+
+A compressed bucket's second phase (the server average and its all-gather) starts when the
+next bucket's all-to-all has been launched, the last one's in :meth:`Driver.flush`: the order
+is ``a2a(0), a2a(1), ag(0), a2a(2), ag(1), ..., ag(n-1)``, then the step's agreement, on every
+rank whatever its timing, and the link always holds the next bucket's bytes while one is
+averaged. Waiting there for the previous bucket's all-to-all holds backward only while the
+link is busy with the bucket before: where the link is the bottleneck, that costs nothing.
 """
 
 from __future__ import annotations
@@ -199,7 +199,8 @@ class _Flight:
     gathering: bool = False
 
     def gather(self) -> None:
-        """An added bucket's second phase: wait for its all-to-all, average, launch the all-gather."""
+        """An added bucket's second phase: wait for its all-to-all, average, launch the all-gather
+        (the others -- one collective, or the one-shot exchange -- run to their end in ``step()``)."""
         if self.added and not self.gathering:
             self.pending = next(self.stages)
             self.gathering = True
