@@ -1,4 +1,4 @@
-"""Training data for the examples: next-byte prediction on a file every Python install has."""
+"""The examples' task: next-byte prediction on a file every Python install has, and its model."""
 
 from __future__ import annotations
 
@@ -18,3 +18,11 @@ def byte_windows(rank: int, world: int, count: int, seed: int = 0) -> torch.Tens
     gen = torch.Generator().manual_seed(seed + rank)
     start = torch.randint(0, len(data) - CONTEXT - 1, (count,), generator=gen)
     return data[start.unsqueeze(1) + torch.arange(CONTEXT + 1)]
+
+
+def byte_model() -> torch.nn.Module:
+    """The examples' model: an embedding of the ``CONTEXT`` previous bytes, an MLP, the next byte's logits."""
+    return torch.nn.Sequential(
+        torch.nn.Embedding(256, 16), torch.nn.Flatten(),
+        torch.nn.Linear(16 * CONTEXT, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
+    )

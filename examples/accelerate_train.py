@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 
 import onebit
-from _bytes import CONTEXT, byte_windows
+from _bytes import CONTEXT, byte_model, byte_windows
 from _teardown import destroy_process_group
 
 
@@ -27,10 +27,7 @@ def main() -> None:
     torch.set_num_threads(1)
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.accumulate)  # initialises the group
     torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Embedding(256, 16), torch.nn.Flatten(),
-        torch.nn.Linear(16 * CONTEXT, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
-    )
+    model = byte_model()
     opt = onebit.OnebitAdam(model.parameters(), lr=3e-3, freeze_step=args.freeze_step, max_grad_norm=1.0)
     windows = byte_windows(accelerator.process_index, accelerator.num_processes, args.steps * args.accumulate * 16)
     loader = torch.utils.data.DataLoader(windows, batch_size=16)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import onebit
-from _bytes import CONTEXT, byte_windows
+from _bytes import CONTEXT, byte_model, byte_windows
 from _teardown import destroy_process_group
 
 
@@ -34,10 +34,7 @@ def main() -> None:
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Embedding(256, 16), torch.nn.Flatten(),
-        torch.nn.Linear(16 * CONTEXT, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
-    )
+    model = byte_model()
     inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
     opt = onebit.DiLoCo(inner, sync_every=args.sync_every, compressor=args.compressor)
     data = byte_windows(rank, world, args.steps * args.batch_size)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import onebit
-from _bytes import CONTEXT, byte_windows
+from _bytes import CONTEXT, byte_model, byte_windows
 from _teardown import destroy_process_group
 
 
@@ -24,10 +24,7 @@ class ByteModel(L.LightningModule):
         super().__init__()
         self.freeze_step = freeze_step
         self.ddp_hook: str | None = None
-        self.net = torch.nn.Sequential(
-            torch.nn.Embedding(256, 16), torch.nn.Flatten(),
-            torch.nn.Linear(16 * CONTEXT, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
-        )
+        self.net = byte_model()
 
     def training_step(self, window: torch.Tensor, index: int) -> torch.Tensor:
         loss = F.cross_entropy(self.net(window[:, :CONTEXT]), window[:, CONTEXT])

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import onebit
-from _bytes import CONTEXT, byte_windows
+from _bytes import CONTEXT, byte_model, byte_windows
 from _teardown import destroy_process_group
 
 
@@ -38,10 +38,7 @@ def main() -> None:
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Embedding(256, 16), torch.nn.Flatten(),
-        torch.nn.Linear(16 * CONTEXT, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
-    )
+    model = byte_model()
     net = DistributedDataParallel(model) if args.ddp else model
     opt = onebit.OnebitAdam(model.parameters(), lr=3e-3, freeze_step=args.freeze_step,
                             max_grad_norm=args.max_grad_norm)

@@ -53,6 +53,7 @@ def _rank_bench(rank: int, world: int, numel: int, repeat: int, per_node: int | 
     x = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
     out_buf = torch.empty_like(x)
     half = x.half()
+    starts = transformer_starts(numel)
     # Every case works in place or into a reused buffer, as an optimizer step does.
     cases = {
         "all_reduce fp32": lambda: comm.all_reduce_mean(x, group),
@@ -61,8 +62,7 @@ def _rank_bench(rank: int, world: int, numel: int, repeat: int, per_node: int | 
     collectives = {
         "compressed_allreduce sign": comm.CompressedAllReduce("sign", group),
         # the optimizers' default: one scale per tensor piece of each chunk
-        "compressed_allreduce sign per-tensor": comm.CompressedAllReduce("sign", group,
-                                                                         segments=transformer_starts(numel)),
+        "compressed_allreduce sign per-tensor": comm.CompressedAllReduce("sign", group, segments=starts),
         "allgather block_sign": comm.CompressedAllGather("block_sign", group),
         "allgather topk 1%": comm.CompressedAllGather("topk", group, ratio=0.01),
     }
@@ -73,7 +73,6 @@ def _rank_bench(rank: int, world: int, numel: int, repeat: int, per_node: int | 
         cases[name] = lambda op=op: op(x, out=out_buf)
     # The same exchange in 4 pieces whose phases overlap (comm.run_pipelined): a piece's all-to-all
     # is on the link while the one before is averaged, as the overlapped optimizers' buckets.
-    starts = transformer_starts(numel)
     cuts = [numel * i // _PIECES for i in range(_PIECES + 1)]
     pieces = [(comm.CompressedAllReduce("sign", group, segments=[s - lo for s in starts if lo <= s < hi]), lo, hi)
               for lo, hi in zip(cuts, cuts[1:])]

@@ -182,9 +182,6 @@ class OnebitOptimizer(Optimizer):
             raise ValueError("Invalid overlap value with FSDP2-sharded parameters: True (FSDP overlaps its "
                              "reduce-scatter with backward itself; the exchange between replicas runs in step()); "
                              "use overlap=False")
-        if overlap and any(s.wire.local_first for s in self._stages.stages):
-            raise ValueError(f"Invalid overlap value for {type(self).__name__}: True (what it sends is formed after "
-                             "its own step, in step(), never during backward)")
         if overlap and self.max_grad_norm is not None and any(s.wire.formed for s in self._stages.stages):
             raise ValueError(f"Invalid max_grad_norm value with overlap=True: {self.max_grad_norm!r} (the "
                              f"{type(self).__name__} step clips each rank's gradient over all parameters, which the "
@@ -226,7 +223,8 @@ class OnebitOptimizer(Optimizer):
     @property
     def synchronised(self) -> bool:
         """Whether the replicas are meant to be bit-identical now (False only inside an interval
-        of 0/1 Adam's local steps)."""
+        of local steps: 0/1 Adam's, DiLoCo's inner steps, where the parameters of the last
+        synchronisation are kept in the flat buffer ``anchor``)."""
         return True
 
     @property
@@ -496,10 +494,13 @@ class OnebitOptimizer(Optimizer):
 
         Cheap: each parameter's bits, read as integers, are summed on its device, and the
         sums (8 bytes per parameter) are all-gathered -- any single-value difference shows.
+        Inside an interval of local steps (not :attr:`synchronised`) the ranks' parameters differ
+        by design, and the anchors (the parameters of the last synchronisation) are compared.
         """
-        message = check_replicas(self)
+        inside = not self.synchronised
+        message = check_replicas(self, self.flat.views("anchor") if inside else None)
         if message:
-            raise ReplicaDivergence(message)
+            raise ReplicaDivergence(message + (" (the anchors, inside an interval of local steps)" if inside else ""))
 
     # ------------------------------------------------------------------ checkpoints
     def _extra_state(self) -> dict[str, Any]:

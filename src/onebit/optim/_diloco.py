@@ -21,8 +21,7 @@ from torch.optim import Optimizer
 
 from .. import comm
 from .._checks import check_bool, check_nonneg, check_positive, check_positive_int, check_scales
-from ._agreement import check_replicas
-from ._base import OnebitOptimizer, ReplicaDivergence
+from ._base import OnebitOptimizer
 from ._driver import LOCAL, Wire
 from ._stages import Stage, StepStages
 
@@ -59,10 +58,11 @@ class DiLoCo(OnebitOptimizer):
     ``params`` is the inner optimizer itself (any ``torch.optim`` optimizer, built on every rank
     over the same parameters), or parameters (or param groups) for ``inner(params, lr=lr)``,
     AdamW by default. ``step()`` is the inner optimizer's step on this rank's own gradients;
-    every ``sync_every`` steps it is followed by the synchronisation: ``delta_i = anchor - x_i`` is averaged over
-    the group (``compressor="sign"``: 1 bit per value, one scale per tensor piece, with worker
-    and server error feedback; ``"identity"``: the exact fp32 mean, DiLoCo as published) and
-    :func:`outer_step` moves the anchor, which every rank's parameters then take, bit for bit.
+    every ``sync_every`` steps it is followed by the synchronisation: ``delta_i = anchor - x_i``
+    is averaged over the group (``compressor="sign"``: 1 bit per value, one scale per tensor
+    piece, with worker and server error feedback; ``"identity"``: the exact fp32 mean, DiLoCo as
+    published) and :func:`outer_step` moves the anchor, which every rank's parameters then take,
+    bit for bit; :meth:`check_replicas` compares the anchors between synchronisations.
     The inner optimizer's state is never averaged or reset. Its param groups are this
     optimizer's: a learning-rate scheduler built on either schedules the inner steps.
 
@@ -159,15 +159,6 @@ class DiLoCo(OnebitOptimizer):
         """Whether the last step was a synchronisation (inside an interval of inner steps the
         ranks' parameters differ by design)."""
         return self._step_count % self.sync_every == 0
-
-    @torch.no_grad()
-    def check_replicas(self) -> None:
-        """As :meth:`OnebitOptimizer.check_replicas`; between synchronisations the anchors are
-        compared instead of the parameters."""
-        inside = not self.synchronised
-        message = check_replicas(self, self.flat.views("anchor") if inside else None)
-        if message:
-            raise ReplicaDivergence(message + (" (the anchors, between synchronisations)" if inside else ""))
 
     # ------------------------------------------------------------------ the contract
     def _form(self, i: int, lo: int, hi: int, grad: Tensor | None, live: bool, group: dict[str, Any], step: int,

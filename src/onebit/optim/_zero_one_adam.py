@@ -32,8 +32,7 @@ from torch import Tensor
 from .. import comm
 from .._checks import check_adam_args, check_bool, check_optional_positive, check_positive_int
 from ..ops import zero_where_equal_
-from ._agreement import check_replicas
-from ._base import OnebitOptimizer, ReplicaDivergence
+from ._base import OnebitOptimizer
 from ._driver import COMPRESSED_FORMED, COMPRESSED_GRADIENT, LOCAL, Wire
 from ._freeze import count_unused, mask_unused_
 from ._functional import adam_denominator, adam_denominators, apply_update_, clip_to_adam_step_, ema_
@@ -500,17 +499,6 @@ class ZeroOneAdam(OnebitOptimizer):
     def synchronised(self) -> bool:
         """False inside an interval of local steps, where the ranks' parameters differ by design."""
         return not any(self._touched)
-
-    @torch.no_grad()
-    def check_replicas(self) -> None:
-        """As :meth:`OnebitOptimizer.check_replicas`; during an interval of local steps the
-        ranks' parameters differ by design, and the anchors (the parameters of the last
-        synchronisation) are compared instead."""
-        inside = not self.synchronised
-        tensors = self.flat.views("anchor") if inside else None
-        message = check_replicas(self, tensors)
-        if message:
-            raise ReplicaDivergence(message + (" (the anchors of the interval of local steps)" if inside else ""))
 
     def _extra_state(self) -> dict[str, Any]:
         return {"interval": {"lr_sums": list(self._lr_sums), "weight_sums": list(self._weight_sums),
