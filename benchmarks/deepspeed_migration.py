@@ -14,8 +14,9 @@ DeepSpeed's first ``step()`` only initialises its buffers, so its runs make one 
 ``--skip-first-step`` makes onebit's run do the same, for a step-by-step comparison (0/1 Adam's
 schedule then counts the skipped step too, as DeepSpeed's counter does: ``offset=1``).
 One JSON object per run is printed and appended to ``--out``; ``--report FILE`` prints, per
-config, task and set of overrides, onebit's held-out loss against DeepSpeed's on the same seeds:
-the mean paired gap with its 95% interval.
+config, task and set of overrides, onebit's held-out score against DeepSpeed's on the same seeds
+(``digits``: the error rate, a gap in points; the other tasks: the loss, a gap in %): the mean
+paired gap with its 95% interval.
 """
 
 from __future__ import annotations
@@ -64,16 +65,22 @@ def report(rows: list[dict]) -> str:
                 and (key, r.get("seed", 0)) in theirs]
         if not mine:
             continue
-        pairs = [(theirs[(key, r.get("seed", 0))]["heldout_loss"], r["heldout_loss"]) for r in mine]
-        gaps = [100 * (b / a - 1) for a, b in pairs]
+        # digits is scored by its held-out error rate (a gap in points), the others by held-out loss (in %)
+        error = all("heldout_error" in r for r in mine)
+        metric = "heldout_error" if error else "heldout_loss"
+        pairs = [(theirs[(key, r.get("seed", 0))][metric], r[metric]) for r in mine]
+        gaps = [b - a if error else 100 * (b / a - 1) for a, b in pairs]
         mean, half = mean_interval(gaps)
         worst = max(range(len(gaps)), key=gaps.__getitem__)
         config, task, steps, freeze, lr = key
+        unit, digits, score = (" pt", 2, lambda v: f"{v:.2f}% error") if error else ("%", 1, lambda v: f"{v:.4f}")
         lines.append(f"| {config} | `{task}` | {steps}, {freeze}, {'config' if lr is None else f'{lr:g}'} "
                      f"| {overrides if overrides != '{}' else '—'} "
-                     f"| {mean:+.1f}% ± {half:.1f} | {gaps[worst]:+.1f} (seed {mine[worst].get('seed', 0)}) "
-                     f"| {len(pairs)} | {sum(a for a, _ in pairs) / len(pairs):.4f} "
-                     f"| {sum(b for _, b in pairs) / len(pairs):.4f} | {', '.join(f'{g:+.1f}' for g in gaps)} |")
+                     f"| {mean:+.{digits}f}{unit} ± {half:.{digits}f} "
+                     f"| {gaps[worst]:+.{digits}f} (seed {mine[worst].get('seed', 0)}) "
+                     f"| {len(pairs)} | {score(sum(a for a, _ in pairs) / len(pairs))} "
+                     f"| {score(sum(b for _, b in pairs) / len(pairs))} "
+                     f"| {', '.join(f'{g:+.{digits}f}' for g in gaps)} |")
     return "\n".join(lines) + "\n\n" + provenance_note(rows)
 
 

@@ -1,17 +1,21 @@
 """MkDocs hooks: the reference of the ``onebit`` command, generated from its argparse parser
-(``onebit.cli.build_parser``) where a page says ``<!-- onebit-cli-reference -->``; and the
-benchmarks' plots (``benchmarks/results/**/*.png``), served at their paths in the repository."""
+(``onebit.cli.build_parser``) where a page says ``<!-- onebit-cli-reference -->``; the
+benchmarks' plain-text tables (a ``text`` block holding only ``--8<-- ".../table.txt"``) shown
+as Markdown tables, which a page of any width can show; and the benchmarks' plots
+(``benchmarks/results/**/*.png``), served at their paths in the repository."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 from mkdocs.structure.files import File, Files
 
 MARKER = "<!-- onebit-cli-reference -->"
+TEXT_TABLE = re.compile(r'```text\n--8<-- "(?P<path>[^"]+/table\.txt)"\n```')
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -28,12 +32,39 @@ def _sections(parser: argparse.ArgumentParser, level: int) -> list[str]:
     return out
 
 
-def on_page_markdown(markdown: str, page: Any, **kwargs: Any) -> str:
+def markdown_table(text: str) -> str:
+    """A benchmark's ``table.txt`` (:func:`onebit.bench._analysis.text_table`'s columns under a
+    rule of dashes, and notes before and after) as a Markdown table, each note a paragraph."""
+    lines, out, i = text.splitlines(), [], 0
+    while i < len(lines):
+        rule = lines[i + 1] if i + 1 < len(lines) else ""
+        if lines[i].strip() and rule.strip() and set(rule) <= {"-", " "}:
+            starts = [m.start() for m in re.finditer(r"-+", rule)]
+            bounds = list(zip(starts, [*starts[1:], None]))
+
+            def cells(line: str) -> str:
+                return "| " + " | ".join(line[a:b].strip().replace("|", "\\|") for a, b in bounds) + " |"
+
+            out += [cells(lines[i]), "|" + "---|" * len(starts)]
+            i += 2
+            while i < len(lines) and lines[i].strip():
+                out.append(cells(lines[i]))
+                i += 1
+            out.append("")
+        else:
+            out += [lines[i], ""]
+            i += 1
+    return "\n".join(out)
+
+
+def on_page_markdown(markdown: str, page: Any, config: Any, **kwargs: Any) -> str:
+    root = Path(config["config_file_path"]).parent
+    markdown = TEXT_TABLE.sub(lambda m: markdown_table((root / m["path"]).read_text()), markdown)
     if MARKER not in markdown:
         return markdown
     from onebit.cli import build_parser
 
-    os.environ["COLUMNS"] = "88"  # argparse wraps its help to the terminal's width: the same on every machine
+    os.environ["COLUMNS"] = "80"  # argparse wraps its help to the terminal's width: the same on every machine
     parser = build_parser()
     reference = []
     for child in _subparsers(parser).values():

@@ -177,6 +177,17 @@ def test_model_prints_every_optimizer(capsys):
         assert f"\n{name} " in text
 
 
+def test_version_and_help_without_a_command(capsys):
+    import onebit
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out == f"onebit {onebit.__version__}\n"
+    for argv, usage in (([], "usage: onebit [-h]"), (["bench"], "usage: onebit bench [-h]")):
+        assert main(argv) == 0
+        assert capsys.readouterr().out.startswith(usage)
+
+
 def test_truncated_checkpoint_gives_a_clear_error(tmp_path):
     from onebit.launch import RankFailure
 
@@ -190,17 +201,17 @@ def test_truncated_checkpoint_gives_a_clear_error(tmp_path):
 
 def test_bench_convergence_pairs_seeds_and_reports_intervals(tmp_path, capsys):
     out = tmp_path / "conv"
-    argv = ["bench", "convergence", "--tasks", "digits", "--families", "adamw", "--steps", "5", "--seeds", "2",
-            "--perturb", "1", "--freeze", "default,0.2", "--batch-size", "4", "--world-size", "2", "--out", str(out),
-            "--quiet"]
+    argv = ["bench", "convergence", "--tasks", "digits", "--families", "adamw", "--optimizers", "onebit_adam,diloco",
+            "--steps", "5", "--seeds", "2", "--perturb", "1", "--freeze", "default,0.2", "--batch-size", "4",
+            "--world-size", "2", "--out", str(out), "--quiet"]
     assert main(argv) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["provenance"]["command"] == "onebit " + " ".join(argv)
     assert set(summary["provenance"]) == {"command", "machine", "date"}
     runs = summary["runs"]
     # the defaults as shipped (no freeze step set), then a freeze at 20% of the steps
-    labels = ["adamw"] + [label for name in ("onebit_adam_identity", "onebit_adam", "zero_one_adam_identity",
-                                             "zero_one_adam") for label in (name, f"{name}@20%")]
+    labels = ["adamw"] + [label for name in ("onebit_adam_identity", "onebit_adam", "diloco_identity", "diloco")
+                          for label in (name, f"{name}@20%")]
     assert [r["label"] for r in runs] == labels * 4
     assert [(r["seed"], r["perturbation"]) for r in runs[::9]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     # "auto" does not freeze in 5 steps; 20% of them is step 1
@@ -225,6 +236,15 @@ def test_bench_convergence_pairs_seeds_and_reports_intervals(tmp_path, capsys):
     # "auto" did not freeze in 5 steps: fp32 throughout, no verdict on the bits
     auto = next(a for a in summary["aggregate"] if a["label"] == "onebit_adam")
     assert auto["uncompressed"] == 4 and auto["verdict"] == "uncompressed" and row["uncompressed"] == 0
+    # the bits' own cost: the paired gap to the identity control at the same schedule
+    control_runs = {tuple(r[k] for k in key): r["heldout_error"] for r in runs
+                    if r["label"] == "onebit_adam_identity@20%"}
+    assert row["control_gaps"] == pytest.approx([mine[run] - control_runs[run] for run in mine])
+    # DiLoCo as shipped synchronises every 500 steps: never in 5, no verdict on the bits; every
+    # step at 20% of them
+    silent, synced = (next(a for a in summary["aggregate"] if a["label"] == label) for label in ("diloco", "diloco@20%"))
+    assert silent["verdict"] == "no exchange" and silent["silent"] == 4 and synced["silent"] == 0
+    assert all(r["bytes_sent_per_rank"] > 0 for r in runs if r["label"] == "diloco@20%")
     (out / "table.md").unlink()
     assert main(["bench", "convergence", "--out", str(out), "--report-only"]) == 0
     table = (out / "table.md").read_text().splitlines()
@@ -233,12 +253,15 @@ def test_bench_convergence_pairs_seeds_and_reports_intervals(tmp_path, capsys):
     line = next(t for t in table if t.startswith("| onebit_adam@20% |"))
     assert line.startswith(f"| onebit_adam@20% | {row['gap_mean']:+.1f} pt ± {row['gap_half']:.1f}")
     seed, perturbation = row["worst_run"]
-    assert line.endswith(f"(worst {row['worst_gap']:+.1f}, seed {seed}{' perturbed' if perturbation else ''}) |")
+    assert line.endswith(f"(worst {row['worst_gap']:+.1f}, seed {seed}{' perturbed' if perturbation else ''}); "
+                         f"{row['control_gap_mean']:+.1f} pt ± {row['control_gap_half']:.1f} against its identity "
+                         "control |")
 
 
 def test_bench_convergence_runs_tasks_side_by_side(tmp_path):
     out = tmp_path / "conv"
-    argv = ["bench", "convergence", "--tasks", "digits,frozen_unused", "--families", "adamw", "--no-controls",
+    argv = ["bench", "convergence", "--tasks", "digits,frozen_unused", "--families", "adamw",
+            "--optimizers", "onebit_adam,zero_one_adam", "--no-controls",
             "--steps", "3", "--seeds", "1", "--batch-size", "4", "--world-size", "2", "--jobs", "2",
             "--out", str(out), "--quiet"]
     assert main(argv) == 0
@@ -255,8 +278,11 @@ def test_convergence_cells_leave_out_the_identity_controls_on_request():
         return [c.label for c in convergence_cells(("gpt",), ("adamw", "softsign_sgd"), **kw)]
 
     assert labels() == ["adamw", "onebit_adam_identity", "onebit_adam", "zero_one_adam_identity", "zero_one_adam",
-                        "softsign_sgd", "birder_identity", "birder"]
-    assert labels(controls=False) == ["adamw", "onebit_adam", "zero_one_adam", "softsign_sgd", "birder"]
+                        "diloco_identity", "diloco", "softsign_sgd", "birder_identity", "birder"]
+    assert labels(controls=False) == ["adamw", "onebit_adam", "zero_one_adam", "diloco", "softsign_sgd", "birder"]
+    assert labels(optimizers=("diloco",), extended=True) == [
+        "adamw", "diloco_identity", "diloco", "diloco_fedavg", "diloco_fedavg_identity", "diloco_no_ef",
+        "softsign_sgd"]
 
 
 def test_a_seed_far_behind_misses_the_target_whatever_the_mean():

@@ -91,3 +91,64 @@ def test_generated_references_are_in_the_site(site):
     for name in ("OnebitAdam", "OnebitLamb", "ZeroOneAdam", "CompAMS", "Birder", "freeze_step", "clip_update"):
         assert name in api
     assert ":class:" not in api  # the docstrings' Sphinx roles are rendered as code
+
+
+class _CodeBlocks(HTMLParser):
+    """The text of every ``<pre>`` block of a page (code, command output, generated tables)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks: list[str] = []
+        self._depth = 0
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "pre":
+            self._depth += 1
+            if self._depth == 1:
+                self.blocks.append("")
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "pre":
+            self._depth -= 1
+
+    def handle_data(self, data: str) -> None:
+        if self._depth:
+            self.blocks[-1] += data
+
+
+# The characters a code block shows without scrolling: Material's content column at a laptop's
+# 1280-1440 px (both sidebars shown) is 688 px, its code font 13.6 px monospace, 8.18 px a
+# character (measured in headless Chromium), less the block's padding.
+CODE_BOX = 80
+
+
+def test_every_code_block_fits_the_page(site):
+    wide = []
+    for page in sorted(site.rglob("*.html")):
+        parser = _CodeBlocks()
+        parser.feed(page.read_text(errors="replace"))
+        for block in parser.blocks:
+            longest = max(block.splitlines() or [""], key=len)
+            if len(longest) > CODE_BOX:
+                wide.append(f"{page.relative_to(site)}: {len(longest)} columns: {longest[:60]}...")
+    assert not wide, "\n".join(wide)
+
+
+def test_a_benchmarks_text_table_becomes_a_markdown_table():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_hooks", ROOT / "docs" / "_hooks.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    text = ("adam: 609.2 ms/step\n"
+            "optimizer    ms/step  MB|rank\n"
+            "-----------  -------  -------\n"
+            "adam         609.2    1071.1 \n"
+            "onebit_adam  130.9    -      \n"
+            "\n"
+            "`onebit compare ...`; vm (2 cores), 2026-11-25.\n")
+    assert hooks.markdown_table(text).splitlines() == [
+        "adam: 609.2 ms/step", "",
+        "| optimizer | ms/step | MB\\|rank |", "|---|---|---|",
+        "| adam | 609.2 | 1071.1 |", "| onebit_adam | 130.9 | - |", "", "", "",
+        "`onebit compare ...`; vm (2 cores), 2026-11-25."]

@@ -67,11 +67,33 @@ def test_zero_one_adam_local_steps_send_nothing():
         ModelInput(**base, refresh_fraction=0.6, local_fraction=0.5)
 
 
+def test_diloco_sends_once_every_h_steps():
+    n, h = 8_400_000, 64
+    m = ModelInput(params=n, world_size=4, nodes=4, bandwidth=1e8, compute=0.2, sync_every=h)
+    rows = _by_name(m)
+    # one rank per node: the all-to-all sends 3 of 4 slots, the all-gather 3 of 4 (signs + a scale per chunk)
+    packed = n / 8 + 4 * 4
+    sync = 3 * packed / 4 + 3 * packed / 4
+    assert rows["diloco"].bytes_per_node == pytest.approx(sync)
+    assert rows["diloco"].mean_bytes_per_node == pytest.approx(sync / h)
+    # fp32 pseudo-gradients: a ring all-reduce of 4n bytes every H steps; 8-bit ones (prime, torchft): n bytes
+    assert rows["diloco_fp32"].mean_bytes_per_node == pytest.approx(2 * 3 / 4 * 4 * n / h)
+    assert rows["diloco_8bit"].mean_bytes_per_node == pytest.approx(2 * 3 / 4 * n / h)
+    # against the fp32 all-reduce of every step: ~32 H fewer bytes (the scales cost a little)
+    assert 0.99 * 32 * h < rows["diloco"].volume_reduction < 32 * h
+    assert rows["diloco_fp32"].volume_reduction == pytest.approx(h)
+    # a step is compute alone, except one in H that waits for the exchange
+    mean = (h - 1) / h * 0.2 + rows["diloco"].step_seconds / h
+    assert rows["diloco"].end_to_end_speedup == pytest.approx(rows["adam"].step_seconds / mean)
+
+
 def test_bad_input():
     with pytest.raises(ValueError, match="world_size=6 must be a multiple of nodes=4"):
         ModelInput(params=1, world_size=6, nodes=4, bandwidth=1e9)
     with pytest.raises(ValueError, match="value_bytes must be 2 or 4, got 8"):
         ModelInput(params=1, world_size=4, nodes=4, bandwidth=1e9, value_bytes=8)
+    with pytest.raises(ValueError, match="sync_every must be a positive int, got 0"):
+        ModelInput(params=1, world_size=4, nodes=4, bandwidth=1e9, sync_every=0)
     with pytest.raises(ValueError, match="unknown collective 'ring'"):
         collective_cost("ring", ModelInput(params=1, world_size=4, nodes=4, bandwidth=1e9))
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from . import __version__
 from .bench import _commands as commands
 
 __all__ = ["build_parser", "main"]
@@ -127,11 +128,27 @@ def _training_flags(p: argparse.ArgumentParser, steps: int, out: str, bandwidth:
 
 
 # ---------------------------------------------------------------------- parser
+class _DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default after its help, where it has one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def _help(parser: argparse.ArgumentParser):
+    def show(args: argparse.Namespace) -> int:
+        parser.print_help()
+        return 0
+    return show
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .bench._train import OPTIMIZERS
 
     parser = argparse.ArgumentParser(prog="onebit", description="1-bit communication-compressed optimizers.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"onebit {__version__}")
+    sub = parser.add_subparsers(dest="command")
+    parser.set_defaults(func=_help(parser))  # a bare `onebit`: what it can do, not an error
 
     demo = sub.add_parser("demo", help="train Adam and 1-bit Adam side by side")
     _training_flags(demo, 300, "runs/demo", bandwidth="200mbit")
@@ -140,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=commands.demo)
 
     train = sub.add_parser("train", help="train one optimizer on one task")
-    train.add_argument("--optimizer", choices=OPTIMIZERS, default="onebit_adam")
+    train.add_argument("--optimizer", choices=OPTIMIZERS, default="onebit_adam", metavar="NAME",
+                       help=f"one of {', '.join(OPTIMIZERS)} (default onebit_adam)")
     _training_flags(train, 300, "runs/train")
     train.add_argument("--backend", choices=("torch", "mpi"), default="torch",
                        help="torch: spawn --world-size local gloo ranks (default); mpi: run as one rank of an "
@@ -150,12 +168,14 @@ def build_parser() -> argparse.ArgumentParser:
     compare = sub.add_parser("compare", help="several optimizers on the same task and seed: one table, one plot")
     compare.add_argument("--optimizers", default=",".join(OPTIMIZERS),
                          help="comma-separated names (default: all of them)")
-    compare.add_argument("--baseline", choices=OPTIMIZERS, default="adam", help="what speedups are relative to")
+    compare.add_argument("--baseline", choices=OPTIMIZERS, default="adam", metavar="NAME",
+                         help="what speedups are relative to: one of --optimizers (default adam)")
     _training_flags(compare, 300, "runs/compare")
     compare.set_defaults(func=commands.compare)
 
     bench = sub.add_parser("bench", help="benchmarks: bit kernels, collectives, the convergence matrix, memory")
-    what = bench.add_subparsers(dest="what", required=True, metavar="{kernels,comm,convergence,memory}")
+    what = bench.add_subparsers(dest="what", metavar="{kernels,comm,convergence,memory}")
+    bench.set_defaults(func=_help(bench))
 
     kernels = what.add_parser("kernels", help="the bit kernels' throughput against a plain copy")
     kernels.add_argument("--numel", type=_positive_int, default=10_500_000, help="fp32 values (default 10.5M)")
@@ -183,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "also byte_mlp, bert)")
     conv.add_argument("--families", default="adamw,lamb,amsgrad,softsign_sgd",
                       help="comma-separated counterparts, each with its compressed optimizers (default: all)")
+    conv.add_argument("--optimizers", default=None,
+                      help="comma-separated registry names: only these (with their variants) beside each family's "
+                           "counterpart (default: all of the families')")
     conv.add_argument("--seeds", type=_positive_int, default=4, help="paired seeds 0..N-1 per cell (default 4)")
     conv.add_argument("--world-size", type=_positive_int, default=3, help="gloo ranks (default 3)")
     conv.add_argument("--lr", choices=("low", "high", "both"), default="high",
@@ -236,21 +259,28 @@ def build_parser() -> argparse.ArgumentParser:
     _cluster_flags(cluster)
     cluster.set_defaults(func=commands.cluster)
 
-    model = sub.add_parser("model", help="alpha-beta cost model of each optimizer's communication")
+    model = sub.add_parser("model", help="alpha-beta cost model of each optimizer's communication",
+                           formatter_class=_DefaultsShown)
     model.add_argument("--params", type=_positive_int, required=True, help="parameters of the model")
-    model.add_argument("--world-size", type=_positive_int, default=4)
-    model.add_argument("--nodes", type=_positive_int, default=4)
-    model.add_argument("--bandwidth", type=lambda t: [_bandwidth(x) for x in t.split(",")], default=[1e9],
-                       help="node egress rate(s), comma-separated for a sweep (default 1gbit)")
-    model.add_argument("--latency", type=_latency, default=0.0)
+    model.add_argument("--world-size", type=_positive_int, default=4, help="ranks in all")
+    model.add_argument("--nodes", type=_positive_int, default=4, help="machines the ranks are spread over")
+    model.add_argument("--bandwidth", type=lambda t: [_bandwidth(x) for x in t.split(",")], default="1gbit",
+                       help="each node's outgoing link, e.g. 100mbit or 10gbit; comma-separated for a sweep")
+    model.add_argument("--latency", type=_latency, default="0ms", help="per message")
     model.add_argument("--compute-ms", type=float, default=0.0, help="forward+backward+update time per step")
-    model.add_argument("--kernel-gbps", type=_positive_float, default=5.0, help="compression kernel GB/s")
+    model.add_argument("--device", choices=tuple(commands.KERNEL_GBPS), default="cpu",
+                       help="where the compression runs: its kernels' measured speed ("
+                            + ", ".join(f"{k} {v:g} GB/s" for k, v in commands.KERNEL_GBPS.items()) + ")")
+    model.add_argument("--kernel-gbps", type=_positive_float, default=None,
+                       help="the compression kernels' GB/s of fp32 values, instead of --device's")
     model.add_argument("--warmup-fraction", type=float, default=0.15, help="1-bit Adam/LAMB warm-up share")
     model.add_argument("--refresh-fraction", type=float, default=0.01,
                        help="0/1 Adam: share of steps that refresh the variance (fp32)")
     model.add_argument("--local-fraction", type=float, default=0.5,
                        help="0/1 Adam: share of local steps, which send nothing")
-    model.add_argument("--topk-ratio", type=_positive_float, default=0.01)
+    model.add_argument("--sync-every", type=_positive_int, default=500,
+                       help="DiLoCo: inner steps per synchronisation (H)")
+    model.add_argument("--topk-ratio", type=_positive_float, default=0.01, help="Comp-AMS Top-k: share of values sent")
     model.add_argument("--value-bytes", type=int, choices=(2, 4), default=4,
                        help="bytes per uncompressed gradient value: 4 (fp32) or 2 (fp16 training, the papers')")
     model.set_defaults(func=commands.model)

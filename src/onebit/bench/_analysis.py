@@ -99,8 +99,9 @@ def compare_rows(summaries: dict[str, dict], runs: dict[str, list[dict[str, Any]
     base_step = base["step_time_s"].get("warmup") or next(iter(base["step_time_s"].values()))
     base_comm = base["comm_time_s"].get("warmup") or 0.0
     compute = max(0.0, base_step - base_comm)
-    note = (f"{baseline}: {base_step * 1e3:.1f} ms/step, of which {base_comm * 1e3:.1f} ms "
-            f"({100 * base_comm / base_step:.0f}%) in its collectives")
+    note = f"{baseline}: {base_step * 1e3:.1f} ms/step" + (
+        f", of which {base_comm * 1e3:.1f} ms ({100 * base_comm / base_step:.0f}%) in its collectives" if base_comm
+        else " (its exchange, if any, runs inside backward: no share of the step is timed as communication)")
 
     def prediction(name: str) -> Any:
         """The cost model's row for ``name``, with 0/1 Adam's refresh and local-step shares as run."""

@@ -9,6 +9,7 @@ import contextlib
 import json
 import shlex
 import sys
+import textwrap
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -260,6 +261,7 @@ def _names(text: str, known: tuple[str, ...], flag: str) -> tuple[str, ...]:
 
 
 def convergence(args: argparse.Namespace) -> int:
+    from ..optim import REGISTRY
     from ._convergence import CONVERGENCE_TASKS, FAMILIES, LEVELS, run_convergence
     from ._plot import plot_convergence
     from ._reports import provenance, report_files
@@ -270,6 +272,8 @@ def convergence(args: argparse.Namespace) -> int:
     else:
         tasks = _names(args.tasks, CONVERGENCE_TASKS, "--tasks")
         families = _names(args.families, tuple(FAMILIES), "--families")
+        optimizers = None if args.optimizers is None else \
+            _names(args.optimizers, tuple(n for n, s in REGISTRY.items() if s.matrix), "--optimizers")
         levels = LEVELS if args.lr == "both" else (args.lr,)
         seeds = tuple(range(args.seeds))
         print(f"onebit bench convergence: {len(tasks)} tasks x {len(families)} optimizer families x {len(seeds)} "
@@ -278,7 +282,7 @@ def convergence(args: argparse.Namespace) -> int:
         summary = run_convergence(out, tasks, families, steps=args.steps, batch=args.batch_size,
                                   world=args.world_size, seeds=seeds, perturbations=args.perturb, levels=levels,
                                   freeze_fractions=tuple(args.freeze), extended=args.extended,
-                                  controls=not args.no_controls, jobs=args.jobs,
+                                  controls=not args.no_controls, optimizers=optimizers, jobs=args.jobs,
                                   schedule=args.schedule, iid=args.iid, progress=not args.quiet,
                                   max_grad_norm=args.max_grad_norm,
                                   provenance=provenance(shlex.join(["onebit", *args.argv])))
@@ -338,20 +342,54 @@ def cluster(args: argparse.Namespace) -> int:
     return 0 if not left else 1
 
 
+# The compression kernels' speed by device, in GB/s of fp32 values through compress, the server's
+# average and decode together (1-bit Adam's per step), from `onebit bench kernels` of 10.5M values:
+# cpu, one thread of a 2-core Xeon VM (numba: 13.6 + 10.6 + 4.0 ms; benchmarks/results/kernels);
+# gpu, Triton on an H100 and an H200 (0.41 and 0.46 ms; benchmarks/results/kernels-h1*-10500000).
+KERNEL_GBPS = {"cpu": 4.5, "gpu": 290.0}
+MODEL_WIDTH = 80  # the model's output fits a page's code box
+_MODEL_COLUMNS = (
+    "MB/exch: megabytes out of the busiest node in one exchange (DiLoCo: one synchronisation); "
+    "MB/step: the same averaged over every step of the run; step ms: a step that exchanges (compute "
+    "+ communication + compression); stage: its speedup over adam's step; fp32: the share of "
+    "steps that send fp32 (1-bit Adam and LAMB's warm-up, 0/1 Adam's refreshes); overall: the speedup "
+    "over the whole run, counting those and the steps that send nothing (0/1 Adam's local steps, "
+    "DiLoCo's inner steps); volume: adam's bytes over this optimizer's, summed over the run and every "
+    "link, those inside a node too (birder_hierarchical's fp32 reduce-scatter inside each node).")
+
+
 def model(args: argparse.Namespace) -> int:
     from ._model import ModelInput, predict
 
+    gbps = args.kernel_gbps or KERNEL_GBPS[args.device]
     for bandwidth in args.bandwidth:
         m = ModelInput(params=args.params, world_size=args.world_size, nodes=args.nodes, bandwidth=bandwidth,
-                       latency=args.latency, compute=args.compute_ms / 1e3, kernel_gbps=args.kernel_gbps,
+                       latency=args.latency, compute=args.compute_ms / 1e3, kernel_gbps=gbps,
                        warmup_fraction=args.warmup_fraction, refresh_fraction=args.refresh_fraction,
-                       local_fraction=args.local_fraction, topk_ratio=args.topk_ratio, value_bytes=args.value_bytes)
-        print(f"onebit model: {m.params} parameters, {m.world_size} ranks on {m.nodes} nodes, "
-              f"{bandwidth / 1e9:g} Gbit/s, {m.latency * 1e3:g} ms latency, compute {args.compute_ms:g} ms/step")
-        rows = [["optimizer", "collective", "MB out of the busiest node", "comm ms", "step ms", "stage speedup",
-                 "uncompressed", "end-to-end", "volume reduction"]]
-        rows += [[p.optimizer, p.collective, f"{p.bytes_per_node / 1e6:.2f}", f"{p.comm_seconds * 1e3:.1f}",
-                  f"{p.step_seconds * 1e3:.1f}", f"{p.stage_speedup:.2f}x", f"{p.warmup_fraction:.0%}",
-                  f"{p.end_to_end_speedup:.2f}x", f"{p.volume_reduction:.1f}x"] for p in predict(m)]
+                       local_fraction=args.local_fraction, sync_every=args.sync_every, topk_ratio=args.topk_ratio,
+                       value_bytes=args.value_bytes)
+        print(f"onebit model: {m.params / 1e6:g}M parameters, {m.world_size} ranks on {m.nodes} nodes, "
+              f"{bandwidth / 1e9:g} Gbit/s out of each node,")
+        print(f"  {m.latency * 1e3:g} ms latency, {args.compute_ms:g} ms of compute per step, compression at "
+              f"{gbps:g} GB/s" + ("" if args.kernel_gbps else f" ({args.device})"))
+        predictions = predict(m)
+        rows = [["optimizer", "MB/exch", "MB/step", "step ms", "stage", "fp32", "overall", "volume"]]
+        rows += [[p.optimizer, f"{p.bytes_per_node / 1e6:.2f}", f"{p.mean_bytes_per_node / 1e6:.3g}",
+                  f"{p.step_seconds * 1e3:.1f}", f"{p.stage_speedup:.2f}x",
+                  f"{p.warmup_fraction:.0%}", f"{p.end_to_end_speedup:.2f}x",
+                  f"{p.volume_reduction:,.0f}x" if p.volume_reduction >= 100 else f"{p.volume_reduction:.3g}x"]
+                 for p in predictions]
         print(_table(rows))
+        exchanges: dict[str, list[str]] = {}
+        for p in predictions:
+            exchanges.setdefault(p.collective, []).append(p.optimizer)
+        print("exchanges:")
+        for collective, names in exchanges.items():
+            print(_wrap(f"{collective}: {', '.join(names)}", indent="  "))
+        print(_wrap(_MODEL_COLUMNS))
     return 0
+
+
+def _wrap(text: str, indent: str = "") -> str:
+    return textwrap.fill(text, MODEL_WIDTH, initial_indent=indent, subsequent_indent=indent + "  ",
+                         break_on_hyphens=False)

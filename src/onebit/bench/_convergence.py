@@ -111,7 +111,7 @@ class Cell:
 
     @property
     def label(self) -> str:
-        return self.optimizer if self.freeze_fraction is None else f"{self.optimizer}@{self.freeze_fraction:.0%}"
+        return self.optimizer if self.freeze_fraction is None else f"{self.optimizer}@{100 * self.freeze_fraction:.4g}%"
 
 
 def _two_stage(name: str) -> bool:
@@ -120,17 +120,19 @@ def _two_stage(name: str) -> bool:
 
 def convergence_cells(tasks: tuple[str, ...], families: tuple[str, ...], *, levels: tuple[str, ...] = ("high",),
                       freeze_fractions: tuple[float | None, ...] = (None,), extended: bool = False,
-                      controls: bool = True) -> list[Cell]:
+                      controls: bool = True, optimizers: tuple[str, ...] | None = None) -> list[Cell]:
     """The matrix: for each task, family and learning rate (``levels`` of the family's two), the
-    counterpart then what is compared with it (without the identity controls unless ``controls``),
-    the two-stage optimizers at each freeze fraction (``None``: their default schedule,
-    ``freeze_step="auto"`` or 0/1 Adam's own)."""
+    counterpart then what is compared with it (without the identity controls unless ``controls``;
+    only the registry entries ``optimizers`` with their variants when given), the two-stage
+    optimizers at each freeze fraction (``None``: their default schedule, ``freeze_step="auto"``,
+    0/1 Adam's own, DiLoCo's ``sync_every``)."""
     cells = []
     for task in tasks:
         for family in families:
             lrs, compared = FAMILIES[family]
             names = tuple(n for n in compared + (EXTENDED[family] if extended else ())
-                          if controls or not _VARIANTS[n][2])
+                          if (controls or not _VARIANTS[n][2])
+                          and (optimizers is None or _VARIANTS[n][0] in optimizers))
             for level in levels:
                 lr = lrs[LEVELS.index(level)]
                 cells.append(Cell(task, family, family, lr))
@@ -312,11 +314,14 @@ def _train_cell(task: ConvergenceTask, cell: Cell, steps: int, batch: int, seed:
     opt = build_optimizer(cell, list(model.parameters()), steps, seed, max_grad_norm)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, cosine(steps)) if schedule == "cosine" else None
     ratios: list[list[float]] = []  # 1-bit LAMB's per-layer scaling ratios, every 10 steps
+    stage_steps: dict[str, int] = {}  # the steps each stage took ("local": nothing exchanged)
 
     def update(loss: Tensor, step: int) -> None:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        stage = opt.stats["stage"]
+        stage_steps[stage] = stage_steps.get(stage, 0) + 1
         if sched is not None:
             sched.step()
         if hasattr(opt, "ratio") and step % 10 == 0:
@@ -344,6 +349,7 @@ def _train_cell(task: ConvergenceTask, cell: Cell, steps: int, batch: int, seed:
         "replicas": replicas,
         "bytes_sent_per_rank": stats["bytes_sent_total"],
         "freeze_step": stats["freeze_step"],
+        "stage_steps": stage_steps,
         **extra,
         "losses": run["losses"],
     }
@@ -371,7 +377,8 @@ def run_convergence(out: Path, tasks: tuple[str, ...] = DEFAULT_TASKS,
                     families: tuple[str, ...] = tuple(FAMILIES), *, steps: int = 300, batch: int = 32,
                     world: int = 3, seeds: tuple[int, ...] = (0, 1, 2, 3), perturbations: int = 0,
                     levels: tuple[str, ...] = ("high",), freeze_fractions: tuple[float | None, ...] = (None,),
-                    extended: bool = False, controls: bool = True, jobs: int = 1,
+                    extended: bool = False, controls: bool = True, optimizers: tuple[str, ...] | None = None,
+                    jobs: int = 1,
                     schedule: str = "constant", iid: bool = False, progress: bool = True,
                     max_grad_norm: float | None = None,
                     provenance: dict[str, str] | None = None) -> dict[str, Any]:
@@ -388,7 +395,7 @@ def run_convergence(out: Path, tasks: tuple[str, ...] = DEFAULT_TASKS,
     def task_job(name: str) -> list[dict[str, Any]]:
         # overlap=True refuses max_grad_norm (the local clip needs every gradient before the first bucket leaves)
         cells = [c for c in convergence_cells((name,), families, levels=levels, freeze_fractions=freeze_fractions,
-                                              extended=extended, controls=controls)
+                                              extended=extended, controls=controls, optimizers=optimizers)
                  if max_grad_norm is None or not c.optimizer.endswith("_overlap")]
         if progress:
             print(f"task {name}: {len(cells)} cells x {len(seeds)} seeds of {steps} steps on {world} ranks",
@@ -444,6 +451,7 @@ def aggregate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     finite mean."""
     key = ("task", "family", "lr")
     base = {(*(r[k] for k in key), _run(r)): r for r in results if r["optimizer"] == r["family"]}
+    by_cell = {(*(r[k] for k in key), r["optimizer"], r["freeze_fraction"], _run(r)): r for r in results}
     cells: dict[tuple, list[dict[str, Any]]] = {}
     for r in results:
         cells.setdefault((r["task"], r["family"], r["optimizer"], r["lr"], r["freeze_fraction"]), []).append(r)
@@ -471,13 +479,25 @@ def aggregate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             # optimizer whose freeze did not come within the run): its gap is no evidence for the
             # bits (the identity controls send fp32 by design)
             fp32 = 0 if target is None else sum(r["bytes_sent_per_rank"] >= b["bytes_sent_per_rank"] for r, b in pairs)
-            row.update(gaps=gaps, gap_mean=mean, gap_half=half, target=target, uncompressed=fp32,
+            # nor one that never exchanged at all, every step a local one (DiLoCo whose sync_every
+            # is longer than the run)
+            silent = sum(set(r.get("stage_steps", ())) == {"local"} for r, _ in pairs)
+            row.update(gaps=gaps, gap_mean=mean, gap_half=half, target=target, uncompressed=fp32, silent=silent,
                        worst_gap=None if worst is None else gaps[worst],
                        worst_run=None if worst is None else list(_run(pairs[worst][0])),
                        behind=sum(g is None or g > BEHIND for g in gaps) / len(gaps) if gaps else None,
-                       verdict="uncompressed" if gaps and fp32 == len(gaps) else
+                       verdict="no exchange" if gaps and silent == len(gaps) else
+                       "uncompressed" if gaps and fp32 == len(gaps) else
                        _verdict(mean, half, target, row["nonfinite"], None if worst is None else gaps[worst]),
                        steps_to_target=reached)
+            # what the compression alone costs: the paired gap to the same optimizer with the
+            # identity compressor (its control, named with "_identity"), at the same schedule
+            control = [(r, by_cell.get((task, family, lr, f"{name}_identity", freeze, _run(r)))) for r in runs]
+            control_gaps = [_gap(r, c) for r, c in control if c is not None]
+            if control_gaps:
+                finite = [g for g in control_gaps if g is not None]
+                mean, half = mean_interval(finite) if finite else (None, None)
+                row.update(control_gaps=control_gaps, control_gap_mean=mean, control_gap_half=half)
         if "ratio_at_min" in runs[0]:
             row["ratio_at_min"] = sum(r.get("ratio_at_min", 0.0) for r in runs) / len(runs)
             row["ratio_at_max"] = sum(r.get("ratio_at_max", 0.0) for r in runs) / len(runs)
@@ -521,13 +541,20 @@ def _cell_text(row: dict[str, Any]) -> str:
     mark = {"met": " ✓", "missed": " ✗", "inconclusive": " ?", "non-finite": " NaN"}.get(row["verdict"], "")
     worst = "non-finite" if row.get("worst_gap") is None and "worst_gap" in row else \
         f"{row['worst_gap']:+.1f}" if "worst_gap" in row else ""
-    if worst and row.get("worst_run") and row["verdict"] != "uncompressed":
+    if worst and row.get("worst_run") and row["verdict"] not in ("uncompressed", "no exchange"):
         seed, perturbation = row["worst_run"]
         worst += f", seed {seed}" + (" perturbed" if perturbation else "")
     fp32 = row.get("uncompressed", 0)
     never = "" if not fp32 else "; never compressed" if fp32 == len(row["gaps"]) else \
         f"; {fp32}/{len(row['gaps'])} never compressed"
-    return f"{row['gap_mean']:+.1f}{unit}{half}{mark}" + (f" (worst {worst}{never})" if worst else "")
+    silent = row.get("silent", 0)
+    never += "" if not silent else "; never synchronised" if silent == len(row["gaps"]) else \
+        f"; {silent}/{len(row['gaps'])} never synchronised"
+    control = ""
+    if row.get("control_gap_mean") is not None:  # what the compression alone costs
+        control_half = "" if math.isinf(row["control_gap_half"]) else f" ± {row['control_gap_half']:.1f}"
+        control = f"; {row['control_gap_mean']:+.1f}{unit}{control_half} against its identity control"
+    return f"{row['gap_mean']:+.1f}{unit}{half}{mark}" + (f" (worst {worst}{never})" if worst else "") + control
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:

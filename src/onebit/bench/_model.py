@@ -18,7 +18,9 @@ Compressed steps also pay the kernels: the fused error-feedback compression touc
 fp32 tensor ~3 times (``--kernel-gbps``, measured by ``onebit bench kernels``).
 End-to-end speedup with a fraction ``f`` of uncompressed steps (the warm-up, or 0/1 Adam's
 variance refreshes) and a fraction ``l`` of local steps that send nothing (0/1 Adam, whose
-skipped rounds count as zero bytes and zero communication time), as in the papers:
+skipped rounds count as zero bytes and zero communication time; DiLoCo, whose ``H - 1`` inner
+steps of every ``H = sync_every`` send nothing and whose synchronisation waits for its exchange),
+as in the papers:
 ``1 / (f + l / s_0 + (1 - f - l) / s)`` for compression-stage speedup ``s`` and ``s_0`` the
 speedup of a step with no communication.
 """
@@ -41,15 +43,16 @@ class ModelInput:
     bandwidth: float  # bits/s per node egress
     latency: float = 0.0  # seconds per message
     compute: float = 0.0  # seconds of forward + backward + update per step
-    kernel_gbps: float = 5.0  # GB/s of the fused compression kernels
+    kernel_gbps: float = 4.5  # GB/s of the compression kernels (one CPU thread; `onebit model --device`)
     warmup_fraction: float = 0.15  # 1-bit Adam / LAMB steps before the freeze
     refresh_fraction: float = 0.01  # 0/1 Adam's variance refreshes (fp32 all-reduce)
     local_fraction: float = 0.5  # 0/1 Adam's local steps (the paper: up to 54% fewer rounds than 1-bit Adam)
+    sync_every: int = 500  # DiLoCo's inner steps per synchronisation (H; the paper's and onebit.DiLoCo's default)
     topk_ratio: float = 0.01
     value_bytes: int = 4  # of the uncompressed gradient: 4 (fp32) or 2 (fp16 training, as the papers)
 
     def __post_init__(self) -> None:
-        for name in ("params", "world_size", "nodes"):
+        for name in ("params", "world_size", "nodes", "sync_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -75,7 +78,8 @@ class ModelInput:
 class Prediction:
     optimizer: str
     collective: str
-    bytes_per_node: float  # busiest node's egress per compressed-stage step
+    bytes_per_node: float  # busiest node's egress per compressed-stage step (DiLoCo: per synchronisation)
+    mean_bytes_per_node: float  # busiest node's egress per step, averaged over the run
     comm_seconds: float
     step_seconds: float  # compressed-stage step (or the only stage)
     stage_speedup: float  # vs Adam's fp32 ring all-reduce step
@@ -107,6 +111,10 @@ def _onebit_allreduce(m: ModelInput, hierarchical: bool) -> tuple[float, float]:
     return egress, messages * m.latency + egress * 8 / m.bandwidth
 
 
+def _ring_allreduce_bytes(m: ModelInput, value_bytes: int) -> float:
+    return 2 * (m.world_size - 1) / m.world_size * value_bytes * m.params
+
+
 def _allgather(m: ModelInput, payload: float) -> tuple[float, float]:
     w = m.world_size
     if m.nodes == 1:
@@ -115,7 +123,7 @@ def _allgather(m: ModelInput, payload: float) -> tuple[float, float]:
     return egress, (w - 1) * m.latency + egress * 8 / m.bandwidth
 
 
-COLLECTIVES = ("allreduce_full", "allreduce_fp32", "allreduce_fp16", "onebit", "onebit_hierarchical", "allgather_topk",
+COLLECTIVES = ("allreduce_full", "allreduce_fp32", "allreduce_fp16", "allreduce_8bit", "onebit", "onebit_hierarchical", "allgather_topk",
                "allgather_sign")
 
 
@@ -128,6 +136,8 @@ def collective_cost(kind: str, m: ModelInput) -> tuple[float, float]:
         return _ring_allreduce(m, 4 * n)
     if kind == "allreduce_fp16":
         return _ring_allreduce(m, 2 * n)
+    if kind == "allreduce_8bit":
+        return _ring_allreduce(m, n)
     if kind in ("onebit", "onebit_hierarchical"):
         return _onebit_allreduce(m, kind == "onebit_hierarchical")
     if kind == "allgather_topk":
@@ -149,6 +159,8 @@ def rank_bytes(kind: str, m: ModelInput) -> float:
         return ring * 4 * n
     if kind == "allreduce_fp16":
         return ring * 2 * n
+    if kind == "allreduce_8bit":
+        return ring * n
     if kind == "onebit":
         return ring * packed
     if kind == "onebit_hierarchical":
@@ -167,10 +179,14 @@ def predict(m: ModelInput) -> list[Prediction]:
     full = f"ring all-reduce fp{8 * m.value_bytes}"
     # name (as `onebit train --optimizer`), collective, cost-model kind, kernel time, uncompressed and
     # local-step fractions: the uncompressed references, then the registry's rows
-    exact = {None: (0.0, 0.0), "warmup": (m.warmup_fraction, 0.0), "refresh": (m.refresh_fraction, m.local_fraction)}
+    inner = (m.sync_every - 1) / m.sync_every
+    exact = {None: (0.0, 0.0), "warmup": (m.warmup_fraction, 0.0), "refresh": (m.refresh_fraction, m.local_fraction),
+             "sync": (0.0, inner)}
     rows = [(name, full, "allreduce_full", 0.0, 0.0, 0.0)
             for name in ("adam", "lamb", "amsgrad", "softsign_sgd", "ddp_allreduce")]
     rows.append(("ddp_fp16", "ring all-reduce fp16", "allreduce_fp16", 0.0, 0.0, 0.0))
+    # DiLoCo as others ship it: prime's int8 and torchft's fp8 pseudo-gradients, one byte a value
+    rows.append(("diloco_8bit", "ring all-reduce int8/fp8", "allreduce_8bit", 0.0, 0.0, inner))
     rows += [(name, c.label, c.collective, c.kernels * kernels, *exact[c.exact])
              for spec in REGISTRY.values() for name, c in spec.costs.items()]
     base_step = m.compute + collective_cost("allreduce_full", m)[1]
@@ -184,5 +200,7 @@ def predict(m: ModelInput) -> list[Prediction]:
         end_to_end = base_step / mean_step if mean_step > 0 else 1.0
         sent = warm + (1.0 - warm - local) * rank_bytes(kind, m) / base_volume if base_volume else 0.0
         volume = 1.0 / sent if sent > 0 else 1.0
-        out.append(Prediction(name, collective, egress, seconds, step, s, warm, end_to_end, volume))
+        base_egress = collective_cost("allreduce_full", m)[0]
+        mean_egress = warm * base_egress + (1.0 - warm - local) * egress
+        out.append(Prediction(name, collective, egress, mean_egress, seconds, step, s, warm, end_to_end, volume))
     return out

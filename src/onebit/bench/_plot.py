@@ -30,41 +30,44 @@ def _pyplot():
 
 
 def plot_convergence(results: list[dict[str, Any]], path: Path) -> Path:
-    """One panel per task and counterpart (at its first learning rate): every run's training
-    loss (the first seed's), smoothed, over its faint raw curve; freeze steps marked."""
+    """One panel per task and counterpart (at its first learning rate), two a row: every cell's
+    training loss (the first seed's, from its unperturbed weights), smoothed, over its faint
+    raw curve; freeze steps marked."""
     plt = _pyplot()
-    results = [r for r in results if r.get("seed", 0) == results[0].get("seed", 0)]
+    first = (results[0].get("seed", 0), results[0].get("perturbation", 0))  # one run per cell
+    results = [r for r in results if (r.get("seed", 0), r.get("perturbation", 0)) == first]
     tasks = list(dict.fromkeys(r["task"] for r in results))
     families = list(dict.fromkeys(r["family"] for r in results))
-    fig, axes = plt.subplots(len(tasks), len(families), figsize=(4.2 * len(families), 3.0 * len(tasks)),
-                             squeeze=False)
-    for i, task in enumerate(tasks):
-        for j, family in enumerate(families):
-            ax = axes[i][j]
-            cells = [r for r in results if r["task"] == task and r["family"] == family]
-            if not cells:
-                ax.set_visible(False)
+    panels = [(task, family) for task in tasks for family in families
+              if any(r["task"] == task and r["family"] == family for r in results)]
+    # two panels a row at most: the figure stays readable at a documentation page's width
+    cols = min(2, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.4 * rows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, (task, family) in zip(axes.flat, panels):
+        cells = [r for r in results if r["task"] == task and r["family"] == family]
+        lr = cells[0]["lr"]
+        for r in cells:
+            if r["lr"] != lr:
                 continue
-            lr = cells[0]["lr"]
-            for r in cells:
-                if r["lr"] != lr:
-                    continue
-                steps = range(1, len(r["losses"]) + 1)
-                (line,) = ax.plot(steps, ema(r["losses"]), lw=1.2, label=r["label"])
-                ax.plot(steps, r["losses"], lw=0.5, alpha=0.2, color=line.get_color())
-                if r["freeze_step"]:
-                    ax.axvline(r["freeze_step"], color=line.get_color(), ls=":", lw=0.8)
-            finite = [v for r in cells if r["lr"] == lr for v in r["losses"][len(r["losses"]) // 10:]
-                      if math.isfinite(v)]
-            if finite:
-                ax.set_ylim(min(finite) * 0.95, max(finite) * 1.05)
-            ax.set_title(f"{task}: {family} family, lr {lr:g}", fontsize=9)
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=6)
+            steps = range(1, len(r["losses"]) + 1)
+            (line,) = ax.plot(steps, ema(r["losses"]), lw=1.2, label=r["label"])
+            ax.plot(steps, r["losses"], lw=0.5, alpha=0.2, color=line.get_color())
+            if r["freeze_step"]:
+                ax.axvline(r["freeze_step"], color=line.get_color(), ls=":", lw=0.8)
+        finite = [v for r in cells if r["lr"] == lr for v in r["losses"][len(r["losses"]) // 10:]
+                  if math.isfinite(v)]
+        if finite:
+            ax.set_ylim(min(finite) * 0.95, max(finite) * 1.05)
+        ax.set_title(f"{task}: {family} family, lr {lr:g}", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
     fig.supxlabel("step (dotted: freeze)")
     fig.supylabel("training loss (smoothed over raw)")
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
 

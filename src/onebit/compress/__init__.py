@@ -58,7 +58,7 @@ def get(name: str | Compressor, **kwargs: Any) -> Compressor:
     Examples:
         >>> sign = onebit.compress.get("sign")
         >>> payload = sign.compress(torch.tensor([0.5, -1.0, 2.0, -0.25]))
-        >>> [t.dtype for t in payload.tensors]  # what goes on the wire: packed signs, one scale
+        >>> [t.dtype for t in payload.tensors]  # on the wire: packed signs, one scale
         [torch.uint8, torch.float32]
         >>> sign.decompress(payload)
         tensor([ 1.1524, -1.1524,  1.1524, -1.1524])

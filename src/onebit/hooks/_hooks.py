@@ -360,7 +360,8 @@ class BirderState(_HookState):
         step Birder's, ``x <- x (1 - lr wd) - lr u_bar``::
 
             ddp = DistributedDataParallel(model)
-            ddp.register_comm_hook(onebit.hooks.BirderState(seed=0), onebit.hooks.birder_hook)
+            ddp.register_comm_hook(onebit.hooks.BirderState(seed=0),
+                                   onebit.hooks.birder_hook)
             opt = torch.optim.SGD(ddp.parameters(), lr=1e-3, weight_decay=0.05)
     """
 

@@ -92,7 +92,8 @@ class OnebitOptimizer(Optimizer):
     reduced over the ranks sharing it. Without ``overlap`` and ``max_grad_norm`` (call
     ``torch.nn.utils.clip_grad_norm_`` on the model, which spans the shards, before ``step()``)::
 
-        mesh = init_device_mesh("cuda", (nodes, gpus_per_node), mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh("cuda", (nodes, gpus_per_node),
+                                mesh_dim_names=("replicate", "shard"))
         for block in model.blocks:
             fully_shard(block, mesh=mesh["shard"])
         fully_shard(model, mesh=mesh["shard"])

@@ -132,8 +132,8 @@ def attach(optimizer: object, model: Optional[DistributedDataParallel] = None) -
     Examples:
         >>> model = torch.nn.Linear(4, 2)
         >>> opt = onebit.OnebitAdam(model.parameters(), lr=1e-3)
-        >>> # torch.distributed.init_process_group(...); ddp = DistributedDataParallel(model)
-        >>> onebit.attach(opt)  # no DDP module holds these parameters: nothing to switch off
+        >>> # init_process_group(...); ddp = DistributedDataParallel(model)
+        >>> onebit.attach(opt)  # no DDP module holds these parameters: nothing to do
         []
     """
     inner = optimizer

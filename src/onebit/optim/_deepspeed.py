@@ -89,7 +89,8 @@ def from_deepspeed_config(
 
     Examples:
         >>> model = torch.nn.Linear(4, 2)
-        >>> config = {"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 400}},
+        >>> config = {"optimizer": {"type": "OneBitAdam",
+        ...                         "params": {"lr": 1e-3, "freeze_step": 400}},
         ...           "gradient_clipping": 1.0}
         >>> opt = onebit.from_deepspeed_config(config, model.parameters())
         >>> type(opt).__name__, opt.max_grad_norm, opt.bias_correction

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from .. import comm
+from .. import comm, compress
 from .._checks import check_bool, check_nonneg, check_positive, check_positive_int, check_scales
 from ._base import OnebitOptimizer
 from ._driver import LOCAL, Wire
@@ -78,7 +78,10 @@ class DiLoCo(OnebitOptimizer):
             periodic averaging).
         outer_momentum: the outer momentum (0.9 in the paper).
         nesterov: Nesterov momentum (the paper's outer optimizer).
-        compressor: ``"sign"`` (default) or ``"identity"`` (no compression).
+        compressor: ``"sign"`` (default: 1 bit per value and a scale per tensor piece),
+            ``"identity"`` (the exact fp32 mean, DiLoCo as published), another name of
+            :func:`onebit.compress.available` or a :class:`onebit.compress.Compressor` (e.g.
+            ``onebit.compress.get("uniform", bits=8)``, 8-bit pseudo-gradients).
         error_feedback: carry the compression errors (worker and server) from one
             synchronisation to the next; False restarts them at zero after each.
         scales: ``"tensor"`` (one scale per tensor piece of each chunk) or ``"chunk"``.
@@ -89,7 +92,8 @@ class DiLoCo(OnebitOptimizer):
 
     Examples:
         >>> model = torch.nn.Linear(4, 2)
-        >>> opt = onebit.DiLoCo(torch.optim.AdamW(model.parameters(), lr=1e-3), sync_every=2)
+        >>> inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        >>> opt = onebit.DiLoCo(inner, sync_every=2)
         >>> for _ in range(4):
         ...     opt.zero_grad()
         ...     model(torch.randn(8, 4)).square().mean().backward()
@@ -109,7 +113,7 @@ class DiLoCo(OnebitOptimizer):
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         nesterov: bool = True,
-        compressor: str = "sign",
+        compressor: str | compress.Compressor = "sign",
         error_feedback: bool = True,
         scales: str = "tensor",
         group: comm.Group = None,
@@ -139,12 +143,13 @@ class DiLoCo(OnebitOptimizer):
         if self.outer_momentum >= 1:
             raise ValueError(f"Invalid outer_momentum value: {outer_momentum} (expected a number in [0, 1))")
         self.nesterov = check_bool("nesterov", nesterov)
-        if compressor not in ("sign", "identity"):
-            raise ValueError(f"Invalid compressor value: {compressor!r} (expected 'sign' or 'identity')")
+        if not isinstance(compressor, compress.Compressor) and compressor not in compress.available():
+            raise ValueError(f"Invalid compressor value: {compressor!r} (expected one of "
+                             f"{', '.join(compress.available())}, or a onebit.compress.Compressor)")
         self.compressor = compressor
         self.error_feedback = check_bool("error_feedback", error_feedback)
         self.inner = inner
-        exact = compressor == "identity"
+        exact = compress.get(compressor).name == "identity"
         outer = Stage(Wire("outer", formed=True, exact=exact, local_first=True), _BUFFERS)
         self._stages = StepStages((_INNER, outer), _stage_of(outer), self.sync_every)
         super().__init__(inner.param_groups, dict(inner.defaults), group=group, **options)

@@ -166,7 +166,14 @@ REGISTRY: dict[str, Spec] = {
     # the inner AdamW's m and v, the anchor, the outer momentum, worker error, server error (n/w);
     # sync_every=1 in the contract tests: every step synchronises, so replicas match after each
     "diloco": Spec(DiLoCo, "adamw", lambda w: 5.0 + 1.0 / w, freeze=lambda t: {"sync_every": t},
-                   test_kwargs={"lr": 0.01, "sync_every": 1},
+                   test_kwargs={"lr": 0.01, "sync_every": 1}, matrix="diloco",
+                   variants={"identity": _IDENTITY,
+                             "fedavg": Variant({"outer_lr": 1.0, "outer_momentum": 0.0}, extended=True),
+                             "fedavg_identity": Variant({"outer_lr": 1.0, "outer_momentum": 0.0,
+                                                         "compressor": "identity"}, control=True, extended=True),
+                             "no_ef": Variant({"error_feedback": False}, extended=True)},
+                   costs={"diloco": Cost("onebit", _ONEBIT, exact="sync"),
+                          "diloco_fp32": Cost("allreduce_fp32", "ring all-reduce fp32", kernels=0.0, exact="sync")},
                    options={"sync_every": "sync_every"}),
 }
 

@@ -77,8 +77,8 @@ class ZeroOneSchedule:
     only allocates state; onebit counts from the first step that updates (``offset=0``).
 
     Examples:
-        >>> s = onebit.optim.ZeroOneSchedule(var_freeze_step=40, var_update_scaler=4, local_step_scaler=8,
-        ...                                  local_step_clipper=4)
+        >>> s = onebit.optim.ZeroOneSchedule(var_freeze_step=40, var_update_scaler=4,
+        ...                                  local_step_scaler=8, local_step_clipper=4)
         >>> [t for t in range(1, 41) if s.refreshes(t)]
         [1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 28, 32, 40]
         >>> [s.interval(t) for t in (40, 48, 49, 57, 90)]
