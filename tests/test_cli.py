@@ -173,8 +173,13 @@ def test_model_prints_every_optimizer(capsys):
     assert main(["model", "--params", "8400000", "--bandwidth", "1gbit,200mbit", "--compute-ms", "50"]) == 0
     text = capsys.readouterr().out
     assert text.count("onebit model:") == 2
-    for name in ("adam", "onebit_adam", "onebit_lamb", "birder_hierarchical", "comp_ams", "qadam", "ddp_fp16"):
+    for name in ("adam", "onebit_adam", "onebit_lamb", "birder_hierarchical", "comp_ams", "qadam", "ddp_fp16",
+                 "diloco", "diloco_fp32", "diloco_8bit"):
         assert f"\n{name} " in text
+    assert all(len(line) <= 80 for line in text.splitlines())  # it fits a terminal, and the docs' code box
+    assert main(["model", "--params", "1000", "--optimizers", "adam,diloco"]) == 0
+    rows = [line.split()[0] for line in capsys.readouterr().out.splitlines()[4:6]]
+    assert rows == ["adam", "diloco"]
 
 
 def test_version_and_help_without_a_command(capsys):
@@ -281,8 +286,9 @@ def test_convergence_cells_leave_out_the_identity_controls_on_request():
                         "diloco_identity", "diloco", "softsign_sgd", "birder_identity", "birder"]
     assert labels(controls=False) == ["adamw", "onebit_adam", "zero_one_adam", "diloco", "softsign_sgd", "birder"]
     assert labels(optimizers=("diloco",), extended=True) == [
-        "adamw", "diloco_identity", "diloco", "diloco_fedavg", "diloco_fedavg_identity", "diloco_no_ef",
-        "softsign_sgd"]
+        "adamw", "diloco_identity", "diloco", "diloco_ef", "diloco_fedavg", "diloco_fedavg_identity",
+        "diloco_fedavg_ef", "softsign_sgd"]  # no_ef and fedavg_no_ef are the defaults: not run twice
+    assert labels(optimizers=("diloco_fedavg",), extended=True) == ["adamw", "diloco_fedavg", "softsign_sgd"]
 
 
 def test_a_seed_far_behind_misses_the_target_whatever_the_mean():

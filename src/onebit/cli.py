@@ -204,8 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--families", default="adamw,lamb,amsgrad,softsign_sgd",
                       help="comma-separated counterparts, each with its compressed optimizers (default: all)")
     conv.add_argument("--optimizers", default=None,
-                      help="comma-separated registry names: only these (with their variants) beside each family's "
-                           "counterpart (default: all of the families')")
+                      help="comma-separated registry names (each with its variants) or the matrix's names of "
+                           "single variants: only these beside each family's counterpart (default: all of the "
+                           "families')")
     conv.add_argument("--seeds", type=_positive_int, default=4, help="paired seeds 0..N-1 per cell (default 4)")
     conv.add_argument("--world-size", type=_positive_int, default=3, help="gloo ranks (default 3)")
     conv.add_argument("--lr", choices=("low", "high", "both"), default="high",
@@ -280,6 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="0/1 Adam: share of local steps, which send nothing")
     model.add_argument("--sync-every", type=_positive_int, default=500,
                        help="DiLoCo: inner steps per synchronisation (H)")
+    model.add_argument("--optimizers", default=None,
+                       help="comma-separated rows to print (default: every optimizer)")
     model.add_argument("--topk-ratio", type=_positive_float, default=0.01, help="Comp-AMS Top-k: share of values sent")
     model.add_argument("--value-bytes", type=int, choices=(2, 4), default=4,
                        help="bytes per uncompressed gradient value: 4 (fp32) or 2 (fp16 training, the papers')")

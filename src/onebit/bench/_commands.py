@@ -262,7 +262,7 @@ def _names(text: str, known: tuple[str, ...], flag: str) -> tuple[str, ...]:
 
 def convergence(args: argparse.Namespace) -> int:
     from ..optim import REGISTRY
-    from ._convergence import CONVERGENCE_TASKS, FAMILIES, LEVELS, run_convergence
+    from ._convergence import _VARIANTS, CONVERGENCE_TASKS, FAMILIES, LEVELS, run_convergence
     from ._plot import plot_convergence
     from ._reports import provenance, report_files
 
@@ -273,7 +273,7 @@ def convergence(args: argparse.Namespace) -> int:
         tasks = _names(args.tasks, CONVERGENCE_TASKS, "--tasks")
         families = _names(args.families, tuple(FAMILIES), "--families")
         optimizers = None if args.optimizers is None else \
-            _names(args.optimizers, tuple(n for n, s in REGISTRY.items() if s.matrix), "--optimizers")
+            _names(args.optimizers, tuple(n for n, s in REGISTRY.items() if s.matrix) + tuple(_VARIANTS), "--optimizers")
         levels = LEVELS if args.lr == "both" else (args.lr,)
         seeds = tuple(range(args.seeds))
         print(f"onebit bench convergence: {len(tasks)} tasks x {len(families)} optimizer families x {len(seeds)} "
@@ -373,6 +373,9 @@ def model(args: argparse.Namespace) -> int:
         print(f"  {m.latency * 1e3:g} ms latency, {args.compute_ms:g} ms of compute per step, compression at "
               f"{gbps:g} GB/s" + ("" if args.kernel_gbps else f" ({args.device})"))
         predictions = predict(m)
+        if args.optimizers is not None:
+            names = _names(args.optimizers, tuple(p.optimizer for p in predictions), "--optimizers")
+            predictions = [p for p in predictions if p.optimizer in names]
         rows = [["optimizer", "MB/exch", "MB/step", "step ms", "stage", "fp32", "overall", "volume"]]
         rows += [[p.optimizer, f"{p.bytes_per_node / 1e6:.2f}", f"{p.mean_bytes_per_node / 1e6:.3g}",
                   f"{p.step_seconds * 1e3:.1f}", f"{p.stage_speedup:.2f}x",
@@ -380,13 +383,13 @@ def model(args: argparse.Namespace) -> int:
                   f"{p.volume_reduction:,.0f}x" if p.volume_reduction >= 100 else f"{p.volume_reduction:.3g}x"]
                  for p in predictions]
         print(_table(rows))
-        exchanges: dict[str, list[str]] = {}
-        for p in predictions:
-            exchanges.setdefault(p.collective, []).append(p.optimizer)
-        print("exchanges:")
-        for collective, names in exchanges.items():
-            print(_wrap(f"{collective}: {', '.join(names)}", indent="  "))
-        print(_wrap(_MODEL_COLUMNS))
+    exchanges: dict[str, list[str]] = {}
+    for p in predictions:
+        exchanges.setdefault(p.collective, []).append(p.optimizer)
+    print("exchanges:")
+    for collective, names in exchanges.items():
+        print(_wrap(f"{collective}: {', '.join(names)}", indent="  "))
+    print(_wrap(_MODEL_COLUMNS))
     return 0
 
 

@@ -36,6 +36,7 @@ counterpart's final loss, where the final loss sits close to the text's entropy.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 from collections.abc import Callable, Mapping
@@ -67,12 +68,23 @@ LEVELS = ("low", "high")
 
 
 def _compared(spec: Spec, extended: bool) -> tuple[str, ...]:
-    """The matrix's names of registry entry ``spec``: its controls and itself, or its extended variants."""
+    """The matrix's names of registry entry ``spec``: its controls and itself, or its extended
+    variants -- except a variant that would run as the entry itself or as one before it (its
+    arguments, over the class's defaults, the same)."""
     if spec.matrix is None:
         return ()
-    names = tuple(f"{spec.matrix}_{suffix}" for suffix, v in spec.variants.items()
-                  if v.extended == extended and (extended or v.control))
-    return names if extended else names + (spec.matrix,)
+    defaults = {**{k: p.default for k, p in inspect.signature(spec.cls).parameters.items()
+                   if p.default is not inspect.Parameter.empty}, **spec.kwargs}
+    seen = [defaults]
+    names = []
+    for suffix, v in spec.variants.items():
+        effective = {**defaults, **v.kwargs}
+        if effective in seen:
+            continue
+        seen.append(effective)
+        if v.extended == extended and (extended or v.control):
+            names.append(f"{spec.matrix}_{suffix}")
+    return tuple(names) if extended else (*names, spec.matrix)
 
 
 # From the registry: counterpart -> (its low and high learning rates, what is compared with it by default)
@@ -123,7 +135,8 @@ def convergence_cells(tasks: tuple[str, ...], families: tuple[str, ...], *, leve
                       controls: bool = True, optimizers: tuple[str, ...] | None = None) -> list[Cell]:
     """The matrix: for each task, family and learning rate (``levels`` of the family's two), the
     counterpart then what is compared with it (without the identity controls unless ``controls``;
-    only the registry entries ``optimizers`` with their variants when given), the two-stage
+    when ``optimizers`` is given, only those: registry entries with their variants, or the
+    matrix's names of single variants), the two-stage
     optimizers at each freeze fraction (``None``: their default schedule, ``freeze_step="auto"``,
     0/1 Adam's own, DiLoCo's ``sync_every``)."""
     cells = []
@@ -132,7 +145,7 @@ def convergence_cells(tasks: tuple[str, ...], families: tuple[str, ...], *, leve
             lrs, compared = FAMILIES[family]
             names = tuple(n for n in compared + (EXTENDED[family] if extended else ())
                           if (controls or not _VARIANTS[n][2])
-                          and (optimizers is None or _VARIANTS[n][0] in optimizers))
+                          and (optimizers is None or _VARIANTS[n][0] in optimizers or n in optimizers))
             for level in levels:
                 lr = lrs[LEVELS.index(level)]
                 cells.append(Cell(task, family, family, lr))
@@ -490,9 +503,8 @@ def aggregate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                        "uncompressed" if gaps and fp32 == len(gaps) else
                        _verdict(mean, half, target, row["nonfinite"], None if worst is None else gaps[worst]),
                        steps_to_target=reached)
-            # what the compression alone costs: the paired gap to the same optimizer with the
-            # identity compressor (its control, named with "_identity"), at the same schedule
-            control = [(r, by_cell.get((task, family, lr, f"{name}_identity", freeze, _run(r)))) for r in runs]
+            # what the compression alone costs: the paired gap to its identity control at the same schedule
+            control = [(r, by_cell.get((task, family, lr, _control_of(name), freeze, _run(r)))) for r in runs]
             control_gaps = [_gap(r, c) for r, c in control if c is not None]
             if control_gaps:
                 finite = [g for g in control_gaps if g is not None]
@@ -503,6 +515,17 @@ def aggregate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row["ratio_at_max"] = sum(r.get("ratio_at_max", 0.0) for r in runs) / len(runs)
         rows.append(row)
     return rows
+
+
+def _control_of(name: str) -> str | None:
+    """The matrix's identity control of ``name``: the same registry entry and arguments with the
+    identity compressor (error feedback, which the exact exchange has no use for, aside)."""
+    entry, kwargs, is_control = _VARIANTS[name]
+    if is_control:
+        return None
+    wanted = {**{k: v for k, v in kwargs.items() if k != "error_feedback"}, "compressor": "identity"}
+    return next((n for n, (e, kw, control) in _VARIANTS.items() if control and e == entry and dict(kw) == wanted),
+                None)
 
 
 def _run(r: dict[str, Any]) -> tuple[int, int]:

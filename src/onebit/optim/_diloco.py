@@ -83,7 +83,10 @@ class DiLoCo(OnebitOptimizer):
             :func:`onebit.compress.available` or a :class:`onebit.compress.Compressor` (e.g.
             ``onebit.compress.get("uniform", bits=8)``, 8-bit pseudo-gradients).
         error_feedback: carry the compression errors (worker and server) from one
-            synchronisation to the next; False restarts them at zero after each.
+            synchronisation to the next (default False: they restart at zero after each).
+            Measured on a byte-level GPT (4 workers, H of 16 to 256, 4 seeds), carrying them
+            cost 6-22% of held-out loss with the outer Nesterov step, which accelerates the
+            stale errors too; with ``outer_momentum=0`` it helped only at H = 16.
         scales: ``"tensor"`` (one scale per tensor piece of each chunk) or ``"chunk"``.
         group: the process group the workers average over (``None``: the default group).
         **options: ``timeout``, ``broadcast_parameters``, ``on_nonfinite``,
@@ -114,7 +117,7 @@ class DiLoCo(OnebitOptimizer):
         outer_momentum: float = 0.9,
         nesterov: bool = True,
         compressor: str | compress.Compressor = "sign",
-        error_feedback: bool = True,
+        error_feedback: bool = False,
         scales: str = "tensor",
         group: comm.Group = None,
         **options: Unpack[CommonOptions],

@@ -1,0 +1,82 @@
+"""DiLoCo's convergence evidence by synchronisation interval H, from convergence-matrix runs.
+
+Reads the ``summary.json`` of ``onebit bench convergence`` runs of DiLoCo (the same task,
+steps, seeds and workers; runs of one setting may come from several files) and prints, for
+each H and outer setting, the held-out loss's paired gap to DDP AdamW (the matrix's
+``adamw``) and to DiLoCo with the exact fp32 exchange and the paper's outer step
+(``diloco_identity``), each as a mean with its 95% t-interval over the seeds and the worst
+seed, and the bytes a rank sent against DDP AdamW's::
+
+    python benchmarks/diloco_report.py --report benchmarks/results/diloco-convergence/summary.json \\
+        benchmarks/results/diloco-convergence-fedavg-no-ef/summary.json
+
+The runs of 2026-11-26 were made while ``error_feedback`` defaulted to True: their
+``diloco`` and ``diloco_fedavg`` carried the errors. ``SETTINGS`` names each label as run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from onebit.bench._analysis import mean_interval
+
+# label as run -> (outer step, exchange)
+SETTINGS = {
+    "diloco_identity": ("paper's", "fp32"),
+    "diloco": ("paper's", "1-bit, error feedback"),
+    "diloco_no_ef": ("paper's", "1-bit"),
+    "diloco_fedavg_identity": ("averaging", "fp32"),
+    "diloco_fedavg": ("averaging", "1-bit, error feedback"),
+    "diloco_fedavg_no_ef": ("averaging", "1-bit"),
+}
+
+
+def report(paths: list[Path]) -> str:
+    summaries = [json.loads(p.read_text()) for p in paths]
+    steps = {s["steps"] for s in summaries}
+    if len(steps) != 1:
+        raise SystemExit(f"the runs have different lengths: {sorted(steps)}")
+    total = steps.pop()
+    runs = [r for s in summaries for r in s["runs"]]
+    adamw = {r["seed"]: r for r in runs if r["label"] == "adamw"}
+    by = {}
+    for r in runs:
+        if r["optimizer"] in SETTINGS:
+            h = round(r["freeze_fraction"] * total)
+            by.setdefault((h, r["optimizer"]), {})[r["seed"]] = r
+
+    def gap(mine: dict, theirs: dict) -> str:
+        seeds = [s for s in mine if s in theirs]
+        gaps = [100 * (mine[s]["heldout_loss"] / theirs[s]["heldout_loss"] - 1) for s in seeds]
+        mean, half = mean_interval(gaps)
+        worst = max(range(len(gaps)), key=gaps.__getitem__)
+        return f"{mean:+.1f}% ± {half:.1f} (worst {gaps[worst]:+.1f}, seed {seeds[worst]})"
+
+    ddp_bytes = statistics.fmean(r["bytes_sent_per_rank"] for r in adamw.values())
+    lines = ["| H | outer step | exchange | held-out loss | vs DDP AdamW | vs fp32 DiLoCo | fewer bytes than DDP |",
+             "|---|---|---|---|---|---|---|"]
+    for h in sorted({h for h, _ in by}):
+        for label in SETTINGS:
+            mine = by.get((h, label))
+            if not mine:
+                continue
+            exact = by.get((h, "diloco_identity"), {})
+            outer, exchange = SETTINGS[label]
+            loss = statistics.fmean(r["heldout_loss"] for r in mine.values())
+            sent = statistics.fmean(r["bytes_sent_per_rank"] for r in mine.values())
+            lines.append(f"| {h} | {outer} | {exchange} | {loss:.3f} | {gap(mine, adamw)} "
+                         f"| {'—' if label == 'diloco_identity' else gap(mine, exact)} | {ddp_bytes / sent:,.0f}x |")
+    first = summaries[0]
+    provenance = "; ".join(f"`{s['provenance']['command']}`" for s in summaries)
+    return ("\n".join(lines) + f"\n\nDDP AdamW: held-out loss {statistics.fmean(r['heldout_loss'] for r in adamw.values()):.3f}, "
+            f"{len(adamw)} seeds; {first['world_size']} workers, {total} steps of batch {first['batch_per_rank']} "
+            f"per worker. {provenance}; {first['provenance']['machine']}, {first['provenance']['date']}.\n")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--report", nargs="+", type=Path, required=True, metavar="SUMMARY")
+    print(report(parser.parse_args().report), end="")
