@@ -10,8 +10,10 @@ seed, and the bytes a rank sent against DDP AdamW's::
     python benchmarks/diloco_report.py --report benchmarks/results/diloco-convergence/summary.json \\
         benchmarks/results/diloco-convergence-fedavg-no-ef/summary.json
 
-The runs of 2026-11-26 were made while ``error_feedback`` defaulted to True: their
-``diloco`` and ``diloco_fedavg`` carried the errors. ``SETTINGS`` names each label as run.
+The runs record their matrix labels, not their arguments, and a label's meaning follows the
+defaults of its day: ``SETTINGS`` names each label as run on 2026-11-26, while
+``error_feedback`` defaulted to True (``diloco`` and ``diloco_fedavg`` carried the errors), and
+the report refuses runs of another day.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from pathlib import Path
 
 from onebit.bench._analysis import mean_interval
 
-# label as run -> (outer step, exchange)
+# label as run on SETTINGS_DATE -> (outer step, exchange)
+SETTINGS_DATE = "2026-11-26"
 SETTINGS = {
     "diloco_identity": ("paper's", "fp32"),
     "diloco": ("paper's", "1-bit, error feedback"),
@@ -36,24 +39,34 @@ SETTINGS = {
 
 def report(paths: list[Path]) -> str:
     summaries = [json.loads(p.read_text()) for p in paths]
-    steps = {s["steps"] for s in summaries}
-    if len(steps) != 1:
-        raise SystemExit(f"the runs have different lengths: {sorted(steps)}")
-    total = steps.pop()
+    for p, s in zip(paths, summaries):
+        if s["provenance"]["date"] != SETTINGS_DATE:
+            raise SystemExit(f"{p}: run on {s['provenance']['date']}; SETTINGS names the labels of {SETTINGS_DATE}")
+    for key in ("steps", "world_size", "batch_per_rank"):
+        if len({s[key] for s in summaries}) != 1:
+            raise SystemExit(f"the runs differ in {key}: {sorted({s[key] for s in summaries})}")
+    total = summaries[0]["steps"]
     runs = [r for s in summaries for r in s["runs"]]
-    adamw = {r["seed"]: r for r in runs if r["label"] == "adamw"}
-    by = {}
+    if len({(r["task"], r["lr"]) for r in runs}) != 1:
+        raise SystemExit("the runs are of several tasks or learning rates: report one at a time")
+
+    def run(r: dict) -> tuple[int, int]:
+        return r["seed"], r.get("perturbation", 0)
+
+    adamw = {run(r): r for r in runs if r["label"] == "adamw"}
+    by: dict[tuple[int, str], dict] = {}
     for r in runs:
-        if r["optimizer"] in SETTINGS:
-            h = round(r["freeze_fraction"] * total)
-            by.setdefault((h, r["optimizer"]), {})[r["seed"]] = r
+        if r["optimizer"] in SETTINGS and r["freeze_fraction"] is not None:  # DiLoCo's H, as run
+            by.setdefault((round(r["freeze_fraction"] * total), r["optimizer"]), {})[run(r)] = r
 
     def gap(mine: dict, theirs: dict) -> str:
-        seeds = [s for s in mine if s in theirs]
-        gaps = [100 * (mine[s]["heldout_loss"] / theirs[s]["heldout_loss"] - 1) for s in seeds]
+        pairs = [k for k in mine if k in theirs]
+        if not pairs:
+            return "—"
+        gaps = [100 * (mine[k]["heldout_loss"] / theirs[k]["heldout_loss"] - 1) for k in pairs]
         mean, half = mean_interval(gaps)
         worst = max(range(len(gaps)), key=gaps.__getitem__)
-        return f"{mean:+.1f}% ± {half:.1f} (worst {gaps[worst]:+.1f}, seed {seeds[worst]})"
+        return f"{mean:+.1f}% ± {half:.1f} (worst {gaps[worst]:+.1f}, seed {pairs[worst][0]})"
 
     ddp_bytes = statistics.fmean(r["bytes_sent_per_rank"] for r in adamw.values())
     lines = ["| H | outer step | exchange | held-out loss | vs DDP AdamW | vs fp32 DiLoCo | fewer bytes than DDP |",

@@ -45,9 +45,12 @@ def markdown_table(text: str) -> str:
             def cells(line: str) -> str:
                 return "| " + " | ".join(line[a:b].strip().replace("|", "\\|") for a, b in bounds) + " |"
 
+            def row(line: str) -> bool:  # a row's cells start where the rule's columns do (a note's words do not)
+                return bool(line.strip()) and all(a >= len(line) or line[a - 1] == " " for a in starts[1:])
+
             out += [cells(lines[i]), "|" + "---|" * len(starts)]
             i += 2
-            while i < len(lines) and lines[i].strip():
+            while i < len(lines) and row(lines[i]):
                 out.append(cells(lines[i]))
                 i += 1
             out.append("")

@@ -107,6 +107,10 @@ def test_more_argument_errors(argv, msg, capsys):
         (["train", "--world-size", "3", "--nodes", "2"], "--world-size 3 is not a multiple of --nodes 2"),
         (["train", "--hierarchical"], "--hierarchical needs --nodes"),
         (["compare", "--optimizers", "adam,sgd"], "unknown ['sgd']"),
+        # the defaults since error_feedback=False: it would run as diloco_fedavg
+        (["bench", "convergence", "--families", "adamw", "--optimizers", "diloco_fedavg_no_ef", "--extended"],
+         "diloco_fedavg_no_ef would run nothing"),
+        (["bench", "convergence", "--families", "adamw", "--optimizers", "diloco_ef"], "diloco_ef would run nothing"),
     ],
 )
 def test_inconsistent_options(argv, msg):
@@ -287,8 +291,8 @@ def test_convergence_cells_leave_out_the_identity_controls_on_request():
     assert labels(controls=False) == ["adamw", "onebit_adam", "zero_one_adam", "diloco", "softsign_sgd", "birder"]
     assert labels(optimizers=("diloco",), extended=True) == [
         "adamw", "diloco_identity", "diloco", "diloco_ef", "diloco_fedavg", "diloco_fedavg_identity",
-        "diloco_fedavg_ef", "softsign_sgd"]  # no_ef and fedavg_no_ef are the defaults: not run twice
-    assert labels(optimizers=("diloco_fedavg",), extended=True) == ["adamw", "diloco_fedavg", "softsign_sgd"]
+        "diloco_fedavg_ef"]  # no_ef and fedavg_no_ef are the defaults: not run twice; no softsign_sgd alone
+    assert labels(optimizers=("diloco_fedavg",), extended=True) == ["adamw", "diloco_fedavg"]
 
 
 def test_a_seed_far_behind_misses_the_target_whatever_the_mean():

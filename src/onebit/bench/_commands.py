@@ -188,7 +188,8 @@ def compare(args: argparse.Namespace) -> int:
         warm = freeze / args.steps if isinstance(freeze, int) else 0.15
         model = ModelInput(params=summaries[args.baseline]["parameters"], world_size=args.world_size,
                            nodes=args.nodes, bandwidth=args.bandwidth, latency=args.latency, compute=0.0,
-                           warmup_fraction=min(1.0, warm), topk_ratio=min(args.topk_ratio, 1.0))
+                           warmup_fraction=min(1.0, warm), topk_ratio=min(args.topk_ratio, 1.0),
+                           **({"sync_every": args.sync_every} if args.sync_every else {}))
     rows, note = compare_rows(summaries, runs, args.baseline, model, hierarchical=args.hierarchical)
     skipped = [f"{name} {s['skipped_steps']}" for name, s in summaries.items() if s.get("skipped_steps")]
     if skipped:  # a skipped step sends 4 bytes and looks fast
@@ -262,7 +263,7 @@ def _names(text: str, known: tuple[str, ...], flag: str) -> tuple[str, ...]:
 
 def convergence(args: argparse.Namespace) -> int:
     from ..optim import REGISTRY
-    from ._convergence import _VARIANTS, CONVERGENCE_TASKS, FAMILIES, LEVELS, run_convergence
+    from ._convergence import _VARIANTS, CONVERGENCE_TASKS, FAMILIES, LEVELS, convergence_cells, run_convergence
     from ._plot import plot_convergence
     from ._reports import provenance, report_files
 
@@ -275,6 +276,14 @@ def convergence(args: argparse.Namespace) -> int:
         optimizers = None if args.optimizers is None else \
             _names(args.optimizers, tuple(n for n, s in REGISTRY.items() if s.matrix) + tuple(_VARIANTS), "--optimizers")
         levels = LEVELS if args.lr == "both" else (args.lr,)
+        if optimizers is not None:
+            made = {c.optimizer for c in convergence_cells(tasks, families, extended=args.extended,
+                                                           controls=not args.no_controls, optimizers=optimizers)}
+            idle = [n for n in optimizers if not any(n in (m, _VARIANTS[m][0]) for m in made)]
+            if idle:
+                raise SystemExit(f"onebit: --optimizers: {', '.join(idle)} would run nothing in --families "
+                                 f"{','.join(families)} (a variant equal to the defaults runs as its entry; the "
+                                 "others need --extended; --no-controls leaves the controls out)")
         seeds = tuple(range(args.seeds))
         print(f"onebit bench convergence: {len(tasks)} tasks x {len(families)} optimizer families x {len(seeds)} "
               f"seeds x {1 + args.perturb} initial weights, {args.world_size} gloo ranks, {args.steps} steps, "
@@ -377,10 +386,10 @@ def model(args: argparse.Namespace) -> int:
             names = _names(args.optimizers, tuple(p.optimizer for p in predictions), "--optimizers")
             predictions = [p for p in predictions if p.optimizer in names]
         rows = [["optimizer", "MB/exch", "MB/step", "step ms", "stage", "fp32", "overall", "volume"]]
-        rows += [[p.optimizer, f"{p.bytes_per_node / 1e6:.2f}", f"{p.mean_bytes_per_node / 1e6:.3g}",
+        rows += [[p.optimizer, f"{p.bytes_per_node / 1e6:.2f}", _amount(p.mean_bytes_per_node / 1e6),
                   f"{p.step_seconds * 1e3:.1f}", f"{p.stage_speedup:.2f}x",
                   f"{p.warmup_fraction:.0%}", f"{p.end_to_end_speedup:.2f}x",
-                  f"{p.volume_reduction:,.0f}x" if p.volume_reduction >= 100 else f"{p.volume_reduction:.3g}x"]
+                  _amount(p.volume_reduction) + "x"]
                  for p in predictions]
         print(_table(rows))
     exchanges: dict[str, list[str]] = {}
@@ -391,6 +400,11 @@ def model(args: argparse.Namespace) -> int:
         print(_wrap(f"{collective}: {', '.join(names)}", indent="  "))
     print(_wrap(_MODEL_COLUMNS))
     return 0
+
+
+def _amount(value: float) -> str:
+    """Three significant digits below 100, whole numbers with thousands separators above."""
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}" if value >= 1e-3 else f"{value:.4f}"
 
 
 def _wrap(text: str, indent: str = "") -> str:

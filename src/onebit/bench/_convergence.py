@@ -146,6 +146,8 @@ def convergence_cells(tasks: tuple[str, ...], families: tuple[str, ...], *, leve
             names = tuple(n for n in compared + (EXTENDED[family] if extended else ())
                           if (controls or not _VARIANTS[n][2])
                           and (optimizers is None or _VARIANTS[n][0] in optimizers or n in optimizers))
+            if optimizers is not None and not names:  # nothing of this family was asked for
+                continue
             for level in levels:
                 lr = lrs[LEVELS.index(level)]
                 cells.append(Cell(task, family, family, lr))

@@ -111,10 +111,6 @@ def _onebit_allreduce(m: ModelInput, hierarchical: bool) -> tuple[float, float]:
     return egress, messages * m.latency + egress * 8 / m.bandwidth
 
 
-def _ring_allreduce_bytes(m: ModelInput, value_bytes: int) -> float:
-    return 2 * (m.world_size - 1) / m.world_size * value_bytes * m.params
-
-
 def _allgather(m: ModelInput, payload: float) -> tuple[float, float]:
     w = m.world_size
     if m.nodes == 1:
@@ -189,7 +185,8 @@ def predict(m: ModelInput) -> list[Prediction]:
     rows.append(("diloco_8bit", "ring all-reduce int8/fp8", "allreduce_8bit", 0.0, 0.0, inner))
     rows += [(name, c.label, c.collective, c.kernels * kernels, *exact[c.exact])
              for spec in REGISTRY.values() for name, c in spec.costs.items()]
-    base_step = m.compute + collective_cost("allreduce_full", m)[1]
+    base_egress, base_seconds = collective_cost("allreduce_full", m)
+    base_step = m.compute + base_seconds
     base_volume = rank_bytes("allreduce_full", m)
     out = []
     for name, collective, kind, kernel, warm, local in rows:
@@ -200,7 +197,6 @@ def predict(m: ModelInput) -> list[Prediction]:
         end_to_end = base_step / mean_step if mean_step > 0 else 1.0
         sent = warm + (1.0 - warm - local) * rank_bytes(kind, m) / base_volume if base_volume else 0.0
         volume = 1.0 / sent if sent > 0 else 1.0
-        base_egress = collective_cost("allreduce_full", m)[0]
         mean_egress = warm * base_egress + (1.0 - warm - local) * egress
         out.append(Prediction(name, collective, egress, mean_egress, seconds, step, s, warm, end_to_end, volume))
     return out
