@@ -24,6 +24,7 @@ import statistics
 from pathlib import Path
 
 from onebit.bench._analysis import mean_interval
+from onebit.bench._convergence import _gap, _run
 
 # label as run on SETTINGS_DATE -> (outer step, exchange)
 SETTINGS_DATE = "2026-11-26"
@@ -50,20 +51,19 @@ def report(paths: list[Path]) -> str:
     if len({(r["task"], r["lr"]) for r in runs}) != 1:
         raise SystemExit("the runs are of several tasks or learning rates: report one at a time")
 
-    def run(r: dict) -> tuple[int, int]:
-        return r["seed"], r.get("perturbation", 0)
-
-    adamw = {run(r): r for r in runs if r["label"] == "adamw"}
+    adamw = {_run(r): r for r in runs if r["label"] == "adamw"}
     by: dict[tuple[int, str], dict] = {}
     for r in runs:
         if r["optimizer"] in SETTINGS and r["freeze_fraction"] is not None:  # DiLoCo's H, as run
-            by.setdefault((round(r["freeze_fraction"] * total), r["optimizer"]), {})[run(r)] = r
+            by.setdefault((round(r["freeze_fraction"] * total), r["optimizer"]), {})[_run(r)] = r
 
     def gap(mine: dict, theirs: dict) -> str:
         pairs = [k for k in mine if k in theirs]
         if not pairs:
             return "—"
-        gaps = [100 * (mine[k]["heldout_loss"] / theirs[k]["heldout_loss"] - 1) for k in pairs]
+        gaps = [_gap(mine[k], theirs[k]) for k in pairs]  # % of held-out loss; None where not finite
+        if None in gaps:
+            return f"non-finite ({gaps.count(None)}/{len(gaps)})"
         mean, half = mean_interval(gaps)
         worst = max(range(len(gaps)), key=gaps.__getitem__)
         return f"{mean:+.1f}% ± {half:.1f} (worst {gaps[worst]:+.1f}, seed {pairs[worst][0]})"
@@ -84,7 +84,8 @@ def report(paths: list[Path]) -> str:
                          f"| {'—' if label == 'diloco_identity' else gap(mine, exact)} | {ddp_bytes / sent:,.0f}x |")
     first = summaries[0]
     provenance = "; ".join(f"`{s['provenance']['command']}`" for s in summaries)
-    return ("\n".join(lines) + f"\n\nDDP AdamW: held-out loss {statistics.fmean(r['heldout_loss'] for r in adamw.values()):.3f}, "
+    ddp_loss = statistics.fmean(r["heldout_loss"] for r in adamw.values())
+    return ("\n".join(lines) + f"\n\nDDP AdamW: held-out loss {ddp_loss:.3f}, "
             f"{len(adamw)} seeds; {first['world_size']} workers, {total} steps of batch {first['batch_per_rank']} "
             f"per worker. {provenance}; {first['provenance']['machine']}, {first['provenance']['date']}.\n")
 

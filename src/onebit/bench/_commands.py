@@ -273,8 +273,9 @@ def convergence(args: argparse.Namespace) -> int:
     else:
         tasks = _names(args.tasks, CONVERGENCE_TASKS, "--tasks")
         families = _names(args.families, tuple(FAMILIES), "--families")
-        optimizers = None if args.optimizers is None else \
-            _names(args.optimizers, tuple(n for n, s in REGISTRY.items() if s.matrix) + tuple(_VARIANTS), "--optimizers")
+        entries = tuple(n for n, s in REGISTRY.items() if s.matrix)
+        optimizers = None if args.optimizers is None else _names(args.optimizers, entries + tuple(_VARIANTS),
+                                                                 "--optimizers")
         levels = LEVELS if args.lr == "both" else (args.lr,)
         if optimizers is not None:
             made = {c.optimizer for c in convergence_cells(tasks, families, extended=args.extended,

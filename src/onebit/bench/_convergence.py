@@ -506,7 +506,8 @@ def aggregate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                        _verdict(mean, half, target, row["nonfinite"], None if worst is None else gaps[worst]),
                        steps_to_target=reached)
             # what the compression alone costs: the paired gap to its identity control at the same schedule
-            control = [(r, by_cell.get((task, family, lr, _control_of(name), freeze, _run(r)))) for r in runs]
+            control_name = _control_of(name)
+            control = [(r, by_cell.get((task, family, lr, control_name, freeze, _run(r)))) for r in runs]
             control_gaps = [_gap(r, c) for r, c in control if c is not None]
             if control_gaps:
                 finite = [g for g in control_gaps if g is not None]

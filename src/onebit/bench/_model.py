@@ -119,8 +119,8 @@ def _allgather(m: ModelInput, payload: float) -> tuple[float, float]:
     return egress, (w - 1) * m.latency + egress * 8 / m.bandwidth
 
 
-COLLECTIVES = ("allreduce_full", "allreduce_fp32", "allreduce_fp16", "allreduce_8bit", "onebit", "onebit_hierarchical", "allgather_topk",
-               "allgather_sign")
+COLLECTIVES = ("allreduce_full", "allreduce_fp32", "allreduce_fp16", "allreduce_8bit", "onebit", "onebit_hierarchical",
+               "allgather_topk", "allgather_sign")
 
 
 def collective_cost(kind: str, m: ModelInput) -> tuple[float, float]:
