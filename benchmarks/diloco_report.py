@@ -14,6 +14,13 @@ The runs record their matrix labels, not their arguments, and a label's meaning 
 defaults of its day: ``SETTINGS`` names each label as run on 2026-11-26, while
 ``error_feedback`` defaulted to True (``diloco`` and ``diloco_fedavg`` carried the errors), and
 the report refuses runs of another day.
+
+``--cluster`` reads ``onebit compare`` runs on the emulated cluster instead (each directory one
+comparison, with the no-communication floor ``local_adam`` measured in it) and prints each
+optimizer's mean step time against that floor, and against DDP's where a comparison at the same
+link timed it (each against its own run's floor)::
+
+    python benchmarks/diloco_report.py --cluster benchmarks/results/diloco-cluster-*
 """
 
 from __future__ import annotations
@@ -90,7 +97,57 @@ def report(paths: list[Path]) -> str:
             f"per worker. {provenance}; {first['provenance']['machine']}, {first['provenance']['date']}.\n")
 
 
+def _step_ms(summary: dict, records: list[dict]) -> float:
+    """A run's step time as ``onebit compare`` reads it: its last stage's (1-bit Adam's compressed
+    steps), or over all its steps but the first where its stages alternate (DiLoCo's)."""
+    steps = summary["step_time_s"]
+    if "compressed" in steps or "warmup" in steps:
+        return 1e3 * (steps.get("compressed") or steps["warmup"])
+    return 1e3 * statistics.fmean(r["step_time"] for r in records[1:])
+
+
+def _setting(name: str, config: dict) -> str:
+    if name == "diloco":
+        streamed = f", {config['fragments']} fragments, delay {config['delay']}" if config["fragments"] else ""
+        return f"H = {config['sync_every']}{streamed}"
+    return {"onebit_adam": "compressed steps", "local_adam": "no communication"}.get(name, "")
+
+
+def cluster_report(dirs: list[Path]) -> str:
+    rows, ddp, sources = [], {}, []
+    for d in dirs:
+        summaries = json.loads((d / "summary.json").read_text())
+        source = json.loads((d / "provenance.json").read_text())
+        sources.append(source)
+        if "local_adam" not in summaries:
+            raise SystemExit(f"{d}: no local_adam run, the no-communication floor of the comparison")
+        steps = {n: _step_ms(s, [json.loads(line) for line in (d / n / "metrics.jsonl").read_text().splitlines()])
+                 for n, s in summaries.items()}
+        link = summaries["local_adam"]["cluster"]["bandwidth"]
+        for name, ms in steps.items():
+            if summaries[name].get("skipped_steps"):
+                raise SystemExit(f"{d}: {name} skipped steps: its speed does not count")
+            ratio = ms / steps["local_adam"]
+            if name == "ddp_allreduce":
+                ddp[link] = ratio
+            elif name != "local_adam":
+                rows.append((link, name, _setting(name, summaries[name]["config"]), ms, steps["local_adam"], ratio))
+    lines = ["| link | optimizer | setting | ms/step | its run's floor | × floor | faster than DDP |",
+             "|---|---|---|---|---|---|---|"]
+    for link, name, setting, ms, floor, ratio in sorted(rows, key=lambda r: (-r[0], r[1], r[2])):
+        against = f"{ddp[link] / ratio:.1f}x" if link in ddp else "—"
+        lines.append(f"| {link / 1e6:g} Mbit/s | {name} | {setting} | {ms:,.0f} | {floor:,.0f} | {ratio:.2f} "
+                     f"| {against} |")
+    for link, ratio in sorted(ddp.items(), reverse=True):
+        lines.append(f"| {link / 1e6:g} Mbit/s | ddp_allreduce | every step, fp32 | | | {ratio:.2f} | 1.0x |")
+    commands = "; ".join(f"`{s['command']}`" for s in sources)
+    return "\n".join(lines) + f"\n\n{commands}; {sources[0]['machine']}, {sources[0]['date']}.\n"
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--report", nargs="+", type=Path, required=True, metavar="SUMMARY")
-    print(report(parser.parse_args().report), end="")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--report", nargs="+", type=Path, metavar="SUMMARY")
+    what.add_argument("--cluster", nargs="+", type=Path, metavar="DIR")
+    args = parser.parse_args()
+    print(report(args.report) if args.report else cluster_report(args.cluster), end="")

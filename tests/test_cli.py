@@ -148,6 +148,22 @@ def test_resume_continues_the_same_run(tmp_path):
     assert [r["stage"] for r in b] == ["warmup"] * 2 + ["compressed"] * 4
 
 
+def test_streamed_diloco_trains_and_resumes_from_a_checkpoint_taken_in_flight(tmp_path):
+    common = ["--optimizer", "diloco", "--sync-every", "4", "--fragments", "2", "--delay", "1", "--batch-size", "4",
+              "--hidden", "32", "--quiet"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert main(["train", "--steps", "6", "--out", str(straight), *common]) == 0
+    # step 3 sends a fragment, which lands at step 4: the checkpoint after step 3 holds it in flight
+    assert main(["train", "--steps", "3", "--out", str(split), "--checkpoint-every", "3", *common]) == 0
+    assert main(["train", "--steps", "6", "--out", str(split), "--resume", *common]) == 0
+    a = _records(straight / "diloco" / "metrics.jsonl")
+    b = _records(split / "diloco" / "metrics.jsonl")
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert [r["stage"] for r in a] == ["outer", "local"] * 3
+    config = json.loads((straight / "diloco" / "summary.json").read_text())["config"]
+    assert (config["sync_every"], config["fragments"], config["delay"]) == (4, 2, 1)
+
+
 @pytest.mark.parametrize("name,per_value", [("ddp_allreduce", 4), ("ddp_fp16", 2)])
 def test_ddp_peers_count_their_bytes(name, per_value, tmp_path):
     out = tmp_path / name

@@ -80,7 +80,7 @@ def _ours(rank, world, compressor, error_feedback):
         _inner_step(model, opt, rank, step)
         opt.step()
         history.append(_flat(model).clone())
-        stages.append(opt.stats["stage"])
+        stages.append((opt.stats["stage"], opt.stats["bytes_sent"] > 0))
     opt.check_replicas()  # inside an interval: the anchors
     return history, stages
 
@@ -91,12 +91,130 @@ def test_matches_the_algorithm_written_plainly(world, compressor, error_feedback
     oracle = _oracle(world, compressor, error_feedback)
     results = run_ranks(_ours, world, compressor, error_feedback)
     for rank, (history, stages) in enumerate(results):
-        assert stages == ["outer" if s % H == 0 else "local" for s in range(1, STEPS + 1)]
+        # an inner step sends nothing, not even the agreement on skipping it
+        assert stages == [("outer", True) if s % H == 0 else ("local", False) for s in range(1, STEPS + 1)]
         for step, (ours, expected) in enumerate(zip(history, oracle), start=1):
             assert torch.allclose(ours, expected[rank], rtol=1e-5, atol=1e-6), (rank, step)
     for step in range(H, STEPS + 1, H):  # after each synchronisation every rank holds the same bits
         assert all(torch.equal(r[0][step - 1], results[0][0][step - 1]) for r in results)
     assert not torch.equal(results[0][0][-1], results[1][0][-1])  # inside an interval they differ
+
+
+# Streaming DiLoCo: two fragments, each synchronised every SH steps, staggered by SH / 2, each
+# exchange sent TAU steps before it lands; on arrival x <- ALPHA x + (1 - ALPHA) anchor.
+SH, TAU, ALPHA = 6, 2, 0.5
+S_STEPS = 2 * SH + 2
+
+
+def _streamed_oracle(world, compressor, error_feedback):
+    """Algorithm 2 of arXiv 2501.18512 (torchft's schedule): fragment p lands at the steps k SH / 2
+    with k = p + 1 modulo 2, its outer gradients formed TAU steps before; the fragments: the
+    first layer's weight (48 values, the nearest cut to half of 83), then the rest."""
+    models = [_model() for _ in range(world)]
+    inners = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    anchor = _flat(models[0]).clone()
+    momentum = torch.zeros_like(anchor)
+    ranges = [(0, 48), (48, 83)]
+    exchanges = [SimulatedCompressedAllReduce(world, 48, segments=[0]),
+                 SimulatedCompressedAllReduce(world, 35, segments=[0, 8, 32])]
+    period, in_flight, history = SH // 2, {}, []
+    for step in range(1, S_STEPS + 1):
+        for rank in range(world):
+            _inner_step(models[rank], inners[rank], rank, step)
+            inners[rank].step()
+        if (step + TAU) % period == 0:
+            p = ((step + TAU) // period - 1) % 2
+            lo, hi = ranges[p]
+            in_flight[step + TAU] = p, [anchor[lo:hi] - _flat(m)[lo:hi] for m in models]
+        if step in in_flight:
+            p, deltas = in_flight.pop(step)
+            lo, hi = ranges[p]
+            if compressor == "identity":
+                delta = sum(deltas) / world
+            else:
+                delta = exchanges[p](deltas)
+                if not error_feedback:
+                    exchanges[p].worker_err = [torch.zeros_like(e) for e in exchanges[p].worker_err]
+                    exchanges[p].server_err = [torch.zeros_like(e) for e in exchanges[p].server_err]
+            momentum[lo:hi] = OUTER_MOMENTUM * momentum[lo:hi] + delta
+            anchor[lo:hi] = anchor[lo:hi] - OUTER_LR * (delta + OUTER_MOMENTUM * momentum[lo:hi])
+            for m in models:
+                merged = ALPHA * _flat(m) + (1 - ALPHA) * anchor
+                with torch.no_grad():
+                    for q, a, value in zip(m.parameters(), [0, 48, 56, 80], merged.split([48, 8, 24, 3])):
+                        if lo <= a < hi:
+                            q.copy_(value.view_as(q))
+        history.append([_flat(m).clone() for m in models])
+    return history
+
+
+def _streamed(rank, world, compressor, error_feedback):
+    torch.set_num_threads(1)
+    model = _model()
+    opt = onebit.DiLoCo(torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=SH, outer_lr=OUTER_LR,
+                        outer_momentum=OUTER_MOMENTUM, fragments=2, delay=TAU, compressor=compressor,
+                        error_feedback=error_feedback)
+    history, sent = [], []
+    for step in range(1, S_STEPS + 1):
+        _inner_step(model, opt, rank, step)
+        opt.step()
+        if step == 5 and rank == 0:  # in flight since step 4: rank 0 alone completes it to save (no hang)
+            assert opt.state_dict()["onebit"]["arrivals"][0]["lands_at"] == 6
+        history.append(_flat(model).clone())
+        sent.append(opt.stats["bytes_sent"])
+        opt.check_replicas()  # the anchors: the same bits on every rank after every step
+    return history, sent, opt.merge
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("compressor,error_feedback", [("identity", False), ("sign", True), ("sign", False)])
+def test_streamed_fragments_match_the_algorithm_written_plainly(world, compressor, error_feedback):
+    oracle = _streamed_oracle(world, compressor, error_feedback)
+    results = run_ranks(_streamed, world, compressor, error_feedback)
+    for rank, (history, sent, merge) in enumerate(results):
+        assert merge == ALPHA  # the paper's, by default with a delay
+        for step, (ours, expected) in enumerate(zip(history, oracle), start=1):
+            assert torch.allclose(ours, expected[rank], rtol=1e-5, atol=1e-6), (rank, step)
+        # launched TAU steps before each landing (steps 1, 4, 7, ...), and only then: the bytes of
+        # that step; the second phase leaves in the next step's step()
+        assert all(sent[s - 1] > 0 for s in range(1, S_STEPS + 1, SH // 2))
+    assert not torch.equal(results[0][0][-1], results[1][0][-1])  # merged with local steps: they differ
+
+
+def _streamed_resumed(rank, world):
+    torch.set_num_threads(1)
+
+    def build():
+        model = _model()
+        return model, onebit.DiLoCo(torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=SH, fragments=2,
+                                    delay=TAU, error_feedback=True)
+
+    model, opt = build()
+    for step in range(1, S_STEPS + 1):
+        _inner_step(model, opt, rank, step)
+        if step == 5 and rank == 0:  # an inner step inside the flight sent at step 4: rank 0 skips it alone
+            next(model.parameters()).grad[0, 0] = float("inf")
+        opt.step()
+        if step == 8:  # sent at step 7, in flight
+            buffer = io.BytesIO()
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buffer)
+    straight, skipped = _flat(model).clone(), opt.stats["skipped_steps"]
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    model, opt = build()
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    for step in range(9, S_STEPS + 1):
+        _inner_step(model, opt, rank, step)
+        opt.step()
+    return straight, _flat(model), skipped, saved["opt"]["onebit"]["arrivals"][0]["lands_at"]
+
+
+def test_streamed_skips_alone_and_resumes_inside_a_flight_bit_for_bit():
+    for rank, (straight, resumed, skipped, lands_at) in enumerate(run_ranks(_streamed_resumed, 2)):
+        assert skipped == (rank == 0)
+        assert lands_at == 9  # sent at step 7, saved in flight
+        assert torch.equal(straight, resumed)
 
 
 def _eight_bit(rank, world):
@@ -127,12 +245,14 @@ def _resumed(rank, world):
         return model, onebit.DiLoCo(torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=H)
 
     model, opt = build()
+    steps = []
     for step in range(1, STEPS + 1):
         _inner_step(model, opt, rank, step)
-        if step == 2 and rank == 1:
+        if (step, rank) in ((2, 1), (H, 0)):  # an inner step: rank 1 alone skips it; a synchronisation: every rank
             next(model.parameters()).grad[0, 0] = float("nan")
         opt.step()
-        if step == H + 1:  # inside the second interval: the inner state, anchor, momentum, errors
+        steps.append(opt.stats["step"])
+        if step == H + 2:  # inside the second interval: the inner state, anchor, momentum, errors
             buffer = io.BytesIO()
             torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buffer)
     straight, skipped = _flat(model).clone(), opt.stats["skipped_steps"]
@@ -142,17 +262,21 @@ def _resumed(rank, world):
     model.load_state_dict(saved["model"])
     opt.load_state_dict(saved["opt"])
     scheduled = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)  # on DiLoCo: schedules the inner steps
-    for step in range(H + 2, STEPS + 1):
+    for step in range(H + 3, STEPS + 1):
         _inner_step(model, opt, rank, step)
         opt.step()
         scheduled.step()
-    return straight, _flat(model), skipped, opt.inner.param_groups is opt.param_groups
+    return straight, _flat(model), skipped, steps, opt.inner.param_groups is opt.param_groups
 
 
-def test_skips_together_and_resumes_inside_an_interval_bit_for_bit():
-    for straight, resumed, skipped, shared in run_ranks(_resumed, 2):
+def test_skips_and_resumes_inside_an_interval_bit_for_bit():
+    for rank, (straight, resumed, skipped, steps, shared) in enumerate(run_ranks(_resumed, 2)):
         assert torch.equal(straight, resumed)
-        assert skipped == 1  # a NaN on rank 1 at step 2: every rank skipped it
+        # a NaN on rank 1 at step 2, an inner step: rank 1 alone skipped it, and it counts (no
+        # collective between synchronisations); on rank 0 at step 3, the synchronisation: every rank
+        # skipped it, which then came a step later
+        assert skipped == 1 + rank
+        assert steps[:4] == [1, 2, 2, 3]
         assert shared
 
 
@@ -166,6 +290,13 @@ def test_skips_together_and_resumes_inside_an_interval_bit_for_bit():
     ({"compressor": "int8"}, ValueError, "Invalid compressor value: 'int8' \\(expected one of block_sign, "),
     ({"error_feedback": 1}, TypeError, "Invalid error_feedback value: 1"),
     ({"overlap": True}, TypeError, "unexpected keyword argument 'overlap'"),
+    ({"fragments": 0}, ValueError, "Invalid fragments value: 0"),
+    ({"fragments": 2, "sync_every": 5}, ValueError, "Invalid fragments value: 2 \\(sync_every=5 must be a"),
+    ({"fragments": 5, "sync_every": 5}, ValueError, "Invalid fragments value: 5 \\(more than the 4 parameters"),
+    ({"fragments": 2, "sync_every": 8, "delay": 4}, ValueError, "Invalid delay value: 4 \\(expected an int in \\[0, 4\\)"),
+    ({"delay": -1}, ValueError, "Invalid delay value: -1"),
+    ({"merge": 0.5}, ValueError, "Invalid merge value: 0.5 \\(expected a number in \\[0, 1\\), and 0 with delay=0"),
+    ({"sync_every": 4, "delay": 1, "merge": 1.0}, ValueError, "Invalid merge value: 1.0"),
 ])
 def test_bad_arguments_are_named(kwargs, error, match):
     model = _model()

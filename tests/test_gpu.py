@@ -115,6 +115,19 @@ def test_optimizers_on_cuda_under_nccl(nccl_world_one, name, kwargs, dtype):
 
 @pytest.mark.cuda
 @cuda
+@pytest.mark.parametrize("compressor", ["sign", "identity"])
+def test_streamed_diloco_on_cuda_under_nccl(nccl_world_one, compressor):
+    """Each fragment's exchange finished on a thread of its own (CUDA tensors, NCCL): the CPU run's."""
+    kwargs = dict(lr=0.01, sync_every=4, fragments=2, delay=1, compressor=compressor)
+    params, opt = _run("diloco", kwargs, "cuda", torch.float32, steps=9)
+    ref, _ = _run("diloco", kwargs, "cpu", torch.float32, steps=9)
+    assert opt.stats["step"] == 9 and all(p.is_cuda for p in params)
+    for p, r in zip(params, ref):
+        assert torch.allclose(p.detach().cpu(), r.detach(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.cuda
+@cuda
 @pytest.mark.parametrize("name", ["onebit_adam", "onebit_lamb"])
 def test_compressed_step_synchronises_the_host_once(nccl_world_one, name):
     """The only host round trip of a compressed step is the 4-byte "any non-finite gradient"

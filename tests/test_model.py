@@ -87,6 +87,27 @@ def test_diloco_sends_once_every_h_steps():
     assert rows["diloco"].end_to_end_speedup == pytest.approx(rows["adam"].step_seconds / mean)
 
 
+def test_streamed_diloco_divides_the_peak_and_hides_the_exchange_under_its_delay():
+    n, h, p = 8_400_000, 64, 4
+    whole = _by_name(ModelInput(params=n, world_size=4, nodes=4, bandwidth=1e8, compute=0.2, sync_every=h))
+    streamed = _by_name(ModelInput(params=n, world_size=4, nodes=4, bandwidth=1e8, compute=0.2, sync_every=h,
+                                   fragments=p))
+    hidden = _by_name(ModelInput(params=n, world_size=4, nodes=4, bandwidth=1e8, compute=0.2, sync_every=h,
+                                 fragments=p, delay=1))
+    # a synchronisation of a quarter of the model every H / 4 steps: the peak / 4, the bytes of the run the same
+    packed = n / p / 8 + 4 * 4
+    assert streamed["diloco"].bytes_per_node == pytest.approx(3 * packed / 4 + 3 * packed / 4)
+    assert streamed["diloco"].mean_bytes_per_node == pytest.approx(whole["diloco"].mean_bytes_per_node, rel=1e-4)
+    # each synchronisation's wire time (~0.03 s at 100 Mbit/s) waited for without a delay, under one step of
+    # 0.2 s with delay=1: then the run is compute and the compression kernels alone
+    wire = streamed["diloco"].comm_seconds
+    assert 0.02 < wire < 0.05 and hidden["diloco"].comm_seconds == 0
+    kernels = 3 * 4 * n / (4.5e9 * p)
+    assert hidden["diloco"].step_seconds == pytest.approx(0.2 + kernels)
+    mean = (1 - p / h) * 0.2 + p / h * (0.2 + kernels)
+    assert hidden["diloco"].end_to_end_speedup == pytest.approx(hidden["adam"].step_seconds / mean)
+
+
 def test_bad_input():
     with pytest.raises(ValueError, match="world_size=6 must be a multiple of nodes=4"):
         ModelInput(params=1, world_size=6, nodes=4, bandwidth=1e9)
@@ -94,6 +115,10 @@ def test_bad_input():
         ModelInput(params=1, world_size=4, nodes=4, bandwidth=1e9, value_bytes=8)
     with pytest.raises(ValueError, match="sync_every must be a positive int, got 0"):
         ModelInput(params=1, world_size=4, nodes=4, bandwidth=1e9, sync_every=0)
+    with pytest.raises(ValueError, match="sync_every=500 must be a multiple of fragments=3"):
+        ModelInput(params=1, world_size=4, nodes=4, bandwidth=1e9, fragments=3)
+    with pytest.raises(ValueError, match="delay must be an int in \\[0, sync_every / fragments\\), got 125"):
+        ModelInput(params=1, world_size=4, nodes=4, bandwidth=1e9, fragments=4, delay=125)
     with pytest.raises(ValueError, match="unknown collective 'ring'"):
         collective_cost("ring", ModelInput(params=1, world_size=4, nodes=4, bandwidth=1e9))
 

@@ -129,6 +129,11 @@ def test_overlapped_exchanges_over_mpi_equal_gloo(world, tmp_path_factory):
         assert mpi[0]["bytes"] == gloo["bytes"], name
         if world == 2:  # a sum of two values does not depend on the order
             assert mpi[0]["digests"] == gloo["digests"], name
+    for r in ranks:  # streamed DiLoCo: every rank's own parameters (they differ between ranks by design)
+        mpi, gloo = r["overlap"]["mpi", "diloco_streamed"], r["overlap"]["torch", "diloco_streamed"]
+        assert mpi["bytes"] == gloo["bytes"] and sum(mpi["bytes"]) > 0
+        if world == 2:
+            assert mpi["digests"] == gloo["digests"]
 
 
 def test_stalled_mpi_peer_gives_a_timeout_error_and_the_job_aborts(tmp_path):

@@ -107,6 +107,10 @@ def _training_flags(p: argparse.ArgumentParser, steps: int, out: str, bandwidth:
     p.add_argument("--powersgd-rank", type=_positive_int, default=1, help="ddp_powersgd's matrix rank")
     p.add_argument("--sync-every", type=_positive_int, default=None,
                    help="diloco: inner steps per synchronisation (default 500)")
+    p.add_argument("--fragments", type=_positive_int, default=None,
+                   help="diloco: synchronise the model in this many fragments, staggered (default 1)")
+    p.add_argument("--delay", type=_nonneg_int, default=None,
+                   help="diloco: inner steps each synchronisation stays in flight (default 0)")
     p.add_argument("--bucket-cap-mb", type=_positive_float, default=None,
                    help="bucket size of the *_overlap optimizers and of DDP, MB of fp32 values (default 25)")
     p.add_argument("--hierarchical", action="store_true",
@@ -281,6 +285,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="0/1 Adam: share of local steps, which send nothing")
     model.add_argument("--sync-every", type=_positive_int, default=500,
                        help="DiLoCo: inner steps per synchronisation (H)")
+    model.add_argument("--fragments", type=_positive_int, default=1,
+                       help="DiLoCo: fragments synchronised in turn (P; streaming)")
+    model.add_argument("--delay", type=_nonneg_int, default=0,
+                       help="DiLoCo: steps each synchronisation stays in flight (hides delay x compute)")
     model.add_argument("--optimizers", default=None,
                        help="comma-separated rows to print (default: every optimizer)")
     model.add_argument("--topk-ratio", type=_positive_float, default=0.01, help="Comp-AMS Top-k: share of values sent")

@@ -75,7 +75,8 @@ def _config(args: argparse.Namespace, optimizer: str):
         freeze_step=args.freeze_step if args.freeze_step is not None else max(1, args.steps // 5),
         seed=args.seed, topk_ratio=min(args.topk_ratio, 1.0), qadam_bits=args.qadam_bits,
         local_step_scaler=args.local_step_scaler, powersgd_rank=args.powersgd_rank, hierarchical=args.hierarchical,
-        bucket_cap_mb=args.bucket_cap_mb, sync_every=args.sync_every, context=args.context,
+        bucket_cap_mb=args.bucket_cap_mb, sync_every=args.sync_every, fragments=args.fragments, delay=args.delay,
+        context=args.context,
         hidden=args.hidden, d_model=args.d_model, layers=args.layers, heads=args.heads,
         checkpoint_every=args.checkpoint_every, resume=args.resume, backend=getattr(args, "backend", "torch"),
         trace_step=args.trace,
@@ -171,6 +172,7 @@ def train_command(args: argparse.Namespace) -> int:
 
 def compare(args: argparse.Namespace) -> int:
     from ._model import ModelInput
+    from ._reports import provenance
     from ._train import OPTIMIZERS
 
     names = list(_names(args.optimizers, OPTIMIZERS, "--optimizers"))
@@ -189,7 +191,8 @@ def compare(args: argparse.Namespace) -> int:
         model = ModelInput(params=summaries[args.baseline]["parameters"], world_size=args.world_size,
                            nodes=args.nodes, bandwidth=args.bandwidth, latency=args.latency, compute=0.0,
                            warmup_fraction=min(1.0, warm), topk_ratio=min(args.topk_ratio, 1.0),
-                           **({"sync_every": args.sync_every} if args.sync_every else {}))
+                           **{k: getattr(args, k) for k in ("sync_every", "fragments", "delay")
+                              if getattr(args, k) is not None})
     rows, note = compare_rows(summaries, runs, args.baseline, model, hierarchical=args.hierarchical)
     skipped = [f"{name} {s['skipped_steps']}" for name, s in summaries.items() if s.get("skipped_steps")]
     if skipped:  # a skipped step sends 4 bytes and looks fast
@@ -200,6 +203,8 @@ def compare(args: argparse.Namespace) -> int:
     (out / "table.txt").write_text(note + "\n" + text + "\n")
     with open(out / "summary.json", "w") as f:
         json.dump(summaries, f, indent=2)
+    # the command, machine and date of the runs, for the reports made from them
+    (out / "provenance.json").write_text(json.dumps(provenance(shlex.join(["onebit", *args.argv])), indent=2) + "\n")
     _plot(out, names, f"{args.task}: " + ", ".join(names))
     return 0
 
@@ -376,7 +381,8 @@ def model(args: argparse.Namespace) -> int:
         m = ModelInput(params=args.params, world_size=args.world_size, nodes=args.nodes, bandwidth=bandwidth,
                        latency=args.latency, compute=args.compute_ms / 1e3, kernel_gbps=gbps,
                        warmup_fraction=args.warmup_fraction, refresh_fraction=args.refresh_fraction,
-                       local_fraction=args.local_fraction, sync_every=args.sync_every, topk_ratio=args.topk_ratio,
+                       local_fraction=args.local_fraction, sync_every=args.sync_every, fragments=args.fragments,
+                       delay=args.delay, topk_ratio=args.topk_ratio,
                        value_bytes=args.value_bytes)
         print(f"onebit model: {m.params / 1e6:g}M parameters, {m.world_size} ranks on {m.nodes} nodes, "
               f"{bandwidth / 1e9:g} Gbit/s out of each node,")

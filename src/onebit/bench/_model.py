@@ -19,7 +19,9 @@ fp32 tensor ~3 times (``--kernel-gbps``, measured by ``onebit bench kernels``).
 End-to-end speedup with a fraction ``f`` of uncompressed steps (the warm-up, or 0/1 Adam's
 variance refreshes) and a fraction ``l`` of local steps that send nothing (0/1 Adam, whose
 skipped rounds count as zero bytes and zero communication time; DiLoCo, whose ``H - 1`` inner
-steps of every ``H = sync_every`` send nothing and whose synchronisation waits for its exchange),
+steps of every ``H = sync_every`` send nothing and whose synchronisation waits for its exchange;
+streamed in ``P = fragments``, a synchronisation of 1 / P of the model every ``H / P`` steps,
+each waiting only for what of its exchange ``delay`` steps of compute did not hide),
 as in the papers:
 ``1 / (f + l / s_0 + (1 - f - l) / s)`` for compression-stage speedup ``s`` and ``s_0`` the
 speedup of a step with no communication.
@@ -27,6 +29,7 @@ speedup of a step with no communication.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -48,14 +51,21 @@ class ModelInput:
     refresh_fraction: float = 0.01  # 0/1 Adam's variance refreshes (fp32 all-reduce)
     local_fraction: float = 0.5  # 0/1 Adam's local steps (the paper: up to 54% fewer rounds than 1-bit Adam)
     sync_every: int = 500  # DiLoCo's inner steps per synchronisation (H; the paper's and onebit.DiLoCo's default)
+    fragments: int = 1  # DiLoCo's streamed fragments (P): a synchronisation every H / P steps, of 1 / P of the model
+    delay: int = 0  # DiLoCo's steps a synchronisation stays in flight, hiding up to delay * compute of it
     topk_ratio: float = 0.01
     value_bytes: int = 4  # of the uncompressed gradient: 4 (fp32) or 2 (fp16 training, as the papers)
 
     def __post_init__(self) -> None:
-        for name in ("params", "world_size", "nodes", "sync_every"):
+        for name in ("params", "world_size", "nodes", "sync_every", "fragments"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.sync_every % self.fragments:
+            raise ValueError(f"sync_every={self.sync_every} must be a multiple of fragments={self.fragments}")
+        if isinstance(self.delay, bool) or not isinstance(self.delay, int) \
+                or not 0 <= self.delay < self.sync_every // self.fragments:
+            raise ValueError(f"delay must be an int in [0, sync_every / fragments), got {self.delay!r}")
         if self.world_size % self.nodes:
             raise ValueError(f"world_size={self.world_size} must be a multiple of nodes={self.nodes}")
         for name in ("bandwidth", "kernel_gbps"):
@@ -78,7 +88,7 @@ class ModelInput:
 class Prediction:
     optimizer: str
     collective: str
-    bytes_per_node: float  # busiest node's egress per compressed-stage step (DiLoCo: per synchronisation)
+    bytes_per_node: float  # busiest node's egress per compressed-stage step (DiLoCo: per synchronisation, its peak)
     mean_bytes_per_node: float  # busiest node's egress per step, averaged over the run
     comm_seconds: float
     step_seconds: float  # compressed-stage step (or the only stage)
@@ -174,28 +184,35 @@ def predict(m: ModelInput) -> list[Prediction]:
     kernels = 3 * 4 * m.params / (m.kernel_gbps * 1e9)
     full = f"ring all-reduce fp{8 * m.value_bytes}"
     # name (as `onebit train --optimizer`), collective, cost-model kind, kernel time, uncompressed and
-    # local-step fractions: the uncompressed references, then the registry's rows
-    inner = (m.sync_every - 1) / m.sync_every
+    # local-step fractions (None: DiLoCo's, from its synchronisations): the uncompressed references,
+    # then the registry's rows
     exact = {None: (0.0, 0.0), "warmup": (m.warmup_fraction, 0.0), "refresh": (m.refresh_fraction, m.local_fraction),
-             "sync": (0.0, inner)}
+             "sync": (0.0, None)}
     rows = [(name, full, "allreduce_full", 0.0, 0.0, 0.0)
             for name in ("adam", "lamb", "amsgrad", "softsign_sgd", "ddp_allreduce")]
     rows.append(("ddp_fp16", "ring all-reduce fp16", "allreduce_fp16", 0.0, 0.0, 0.0))
     # DiLoCo as others ship it: prime's int8 and torchft's fp8 pseudo-gradients, one byte a value
-    rows.append(("diloco_8bit", "ring all-reduce int8/fp8", "allreduce_8bit", 0.0, 0.0, inner))
+    rows.append(("diloco_8bit", "ring all-reduce int8/fp8", "allreduce_8bit", 0.0, 0.0, None))
     rows += [(name, c.label, c.collective, c.kernels * kernels, *exact[c.exact])
              for spec in REGISTRY.values() for name, c in spec.costs.items()]
+    # DiLoCo's synchronisations: 1 / P of the model each (streamed), every H / P steps, the other
+    # steps local; each waits only for what its delay's inner steps did not hide
+    fragment = dataclasses.replace(m, params=math.ceil(m.params / m.fragments))
     base_egress, base_seconds = collective_cost("allreduce_full", m)
     base_step = m.compute + base_seconds
     base_volume = rank_bytes("allreduce_full", m)
     out = []
     for name, collective, kind, kernel, warm, local in rows:
-        egress, seconds = collective_cost(kind, m)
+        size = m if local is not None else fragment
+        egress, seconds = collective_cost(kind, size)
+        if local is None:
+            seconds = max(0.0, seconds - m.delay * m.compute)
+            kernel, local = kernel / m.fragments, 1 - m.fragments / m.sync_every
         step = m.compute + seconds + kernel
         s = base_step / step if step > 0 else 1.0
         mean_step = warm * base_step + local * m.compute + (1.0 - warm - local) * step
         end_to_end = base_step / mean_step if mean_step > 0 else 1.0
-        sent = warm + (1.0 - warm - local) * rank_bytes(kind, m) / base_volume if base_volume else 0.0
+        sent = warm + (1.0 - warm - local) * rank_bytes(kind, size) / base_volume if base_volume else 0.0
         volume = 1.0 / sent if sent > 0 else 1.0
         mean_egress = warm * base_egress + (1.0 - warm - local) * egress
         out.append(Prediction(name, collective, egress, mean_egress, seconds, step, s, warm, end_to_end, volume))

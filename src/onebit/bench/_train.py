@@ -49,6 +49,8 @@ class TrainConfig(TaskSpec):
     # the overlapped exchange's (and DDP's) bucket size, MB of fp32 values (None: the default, 25)
     bucket_cap_mb: float | None = None
     sync_every: int | None = None  # DiLoCo's inner steps per synchronisation (None: its default, 500)
+    fragments: int | None = None  # DiLoCo's streamed fragments (None: its default, 1)
+    delay: int | None = None  # DiLoCo's steps each synchronisation stays in flight (None: its default, 0)
     # "torch": spawned gloo ranks; "mpi": this process is one rank of an mpirun job
     backend: str = "torch"
     # checkpoints

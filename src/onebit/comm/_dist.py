@@ -44,6 +44,8 @@ __all__ = [
     "barrier",
     "broadcast",
     "check_world_size",
+    "concurrent",
+    "duplicate",
     "get_rank",
     "get_world_size",
     "is_distributed",
@@ -75,9 +77,11 @@ class Transport(Protocol):
 
     ``onebit.comm.MPIGroup`` implements it over mpi4py; :class:`_TorchGroup` over
     ``torch.distributed``. The wrappers below add validation, timeouts and metering.
+    ``concurrent``: collectives may be issued and waited for from two threads at once.
     """
 
     backend: str
+    concurrent: bool
 
     def size(self) -> int: ...
     def rank(self) -> int: ...
@@ -89,12 +93,14 @@ class Transport(Protocol):
     def broadcast(self, tensor: Tensor, src: int) -> _Work: ...
     def barrier(self) -> _Work: ...
     def split(self, partition: list[list[int]], timeout: timedelta) -> Any: ...
+    def duplicate(self, timeout: timedelta) -> Any: ...
 
 
 class _TorchGroup:
     """The :class:`Transport` of a ``torch.distributed`` process group (``None``: the default)."""
 
     backend = "torch"
+    concurrent = True  # torch.distributed's process groups are thread-safe
     __slots__ = ("group",)
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
@@ -141,6 +147,12 @@ class _TorchGroup:
                 own = created
         return own
 
+    def duplicate(self, timeout: timedelta) -> dist.ProcessGroup:
+        # Only the group's own ranks take part (a replica group of HSDP, whose peers in the other
+        # replica groups make theirs at the same time).
+        ranks = [r if self.group is None else dist.get_global_rank(self.group, r) for r in range(self.size())]
+        return dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
+
 
 def resolve_group(group: Group) -> Any:
     """``group`` as given, or the group a backend name stands for (``"torch"``: ``None``)."""
@@ -165,6 +177,12 @@ def _transport(group: Group) -> Transport:
 def backend_of(group: Group) -> str:
     """The backend name of ``group`` (``"torch"`` or ``"mpi"``)."""
     return _transport(group).backend
+
+
+def concurrent(group: Group) -> bool:
+    """Whether collectives of ``group`` may be issued and waited for from two threads at once
+    (MPI: only where the library was initialised with ``MPI_THREAD_MULTIPLE``)."""
+    return bool(_transport(group).concurrent)
 
 
 class CollectiveError(RuntimeError):
@@ -382,6 +400,13 @@ def split(partition: list[list[int]], group: Group, timeout: timedelta) -> Any:
     Collective: every rank of the group must call it with the same partition.
     """
     return _transport(group).split(partition, timeout)
+
+
+def duplicate(group: Group, timeout: timedelta) -> Any:
+    """A new group of the same ranks, in the same order: its collectives run and are matched apart
+    from the group's, so they may be issued at other times, each rank whenever it gets to them
+    (one group of 1: the group itself). Collective over ``group`` only."""
+    return group if get_world_size(group) == 1 else _transport(group).duplicate(to_timedelta(timeout))
 
 
 def all_reduce_mean(tensor: Tensor, group: Group = None, timeout: float | timedelta | None = None,

@@ -140,6 +140,12 @@ class MPIGroup:
     def __repr__(self) -> str:
         return f"MPIGroup({self.describe()}, size={self.size()})"
 
+    @property
+    def concurrent(self) -> bool:
+        """Whether two threads may call MPI at once (``MPI_THREAD_MULTIPLE``)."""
+        MPI = _mpi()
+        return MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
     def __getstate__(self) -> None:
         raise TypeError("an MPIGroup cannot be pickled (it holds a live communicator)")
 
@@ -211,6 +217,9 @@ class MPIGroup:
         rank = self.rank()
         color = next(i for i, ranks in enumerate(partition) if rank in ranks)
         return MPIGroup(self.comm.Split(color, rank))
+
+    def duplicate(self, timeout: timedelta) -> MPIGroup:
+        return MPIGroup(self.comm.Dup())
 
 
 @functools.cache

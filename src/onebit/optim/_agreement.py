@@ -19,12 +19,14 @@ __all__ = ["agree_nonfinite", "check_replicas"]
 _log = logging.getLogger("onebit.optim")
 
 
-def agree_nonfinite(opt: OnebitOptimizer) -> tuple[bool, list[bool]]:
+def agree_nonfinite(opt: OnebitOptimizer, *, everywhere: bool = True) -> tuple[bool, list[bool]]:
     """Unscale (GradScaler), then one tiny all-reduce(max) of "some gradient here is not finite"
-    and of "parameter i has a gradient here" (:func:`onebit.comm.nonfinite`,
+    and of "parameter i has a gradient here" (``opt._present()``; :func:`onebit.comm.nonfinite`,
     :func:`onebit.comm.agree`: the skipped step's one mechanism, the DDP hooks' too); returns
     whether every rank skips the step and which parameters have a gradient on some rank. Raises
-    ``FloatingPointError`` instead of skipping with ``on_nonfinite="raise"``."""
+    ``FloatingPointError`` instead of skipping with ``on_nonfinite="raise"``. ``everywhere=False``
+    (a step that sends nothing): only the ranks sharing FSDP2 shards agree, inside their node, and
+    without shards each rank decides alone, with no collective."""
     params = opt.flat.params
     grads = [p.grad for p in params if p.grad is not None]
     if any(g.is_sparse for g in grads):
@@ -35,15 +37,21 @@ def agree_nonfinite(opt: OnebitOptimizer) -> tuple[bool, list[bool]]:
     # flag[0]: some gradient here is not finite; flag[1 + i]: parameter i has a gradient here.
     flag = torch.zeros(1 + len(params), dtype=torch.float32, device=opt.flat.device)
     flag[0] = comm.nonfinite(grads, opt.flat.device)
-    if len(grads) == len(params):
+    present = opt._present()
+    if all(present):
         flag[1:] = 1.0  # the common case, without a host-to-device copy
     else:
-        flag[1:] = torch.tensor([p.grad is not None for p in params], dtype=torch.float32)
+        flag[1:] = torch.tensor(present, dtype=torch.float32)
     found_inf = getattr(opt, "found_inf", None)
     if found_inf is not None:
         flag[0] = torch.maximum(flag[0], found_inf.reshape(()).to(flag))
     # Over the whole job where the parameters are FSDP2 shards: every shard takes the same steps.
-    values = comm.agree(flag, opt._shards.agreement_group, opt.timeout)
+    if everywhere:
+        values = comm.agree(flag, opt._shards.agreement_group, opt.timeout)
+    elif opt._shards.shard_group is not None:
+        values = comm.agree(flag, opt._shards.shard_group, opt.timeout)
+    else:
+        values = flag.tolist()
     active = [v > 0 for v in values[1:]]
     if not values[0]:
         return False, active
@@ -53,7 +61,8 @@ def agree_nonfinite(opt: OnebitOptimizer) -> tuple[bool, list[bool]]:
         where = f"parameter {local[0]} (shape {tuple(params[local[0]].shape)}) on rank {opt.rank}" if local \
             else f"another rank than {opt.rank}"
         raise FloatingPointError(f"non-finite gradient at step {step}: {where}")
-    _log.warning("step %d skipped on every rank: non-finite gradient", step)
+    where = "every rank" if everywhere else f"rank {opt.rank}"
+    _log.warning("step %d skipped on %s: non-finite gradient", step, where)
     return True, active
 
 

@@ -173,10 +173,13 @@ class OnebitOptimizer(Optimizer):
                              "max_norm) before step() instead")
 
     def _drive(self, collective: Callable[[int, int], Any] | None, *, overlap: bool = False,
-               bucket_cap_mb: float = 25.0, alignment: int = 1, key: str = "allreduce") -> None:
+               bucket_cap_mb: float = 25.0, alignment: int = 1, key: str = "allreduce",
+               fragments: list[tuple[int, int, list[int]]] | None = None, delayed_group: comm.Group = None) -> None:
         """Start the exchange driver (the end of a subclass's constructor): ``collective(start,
         end)`` makes the compressed collective of the flat values ``[start, end)``
-        (:class:`~onebit.optim._driver.Driver`). With ``overlap``, ``max_grad_norm`` is refused
+        (:class:`~onebit.optim._driver.Driver`); ``fragments``: its buckets, ``(lo, hi, members)``,
+        where the optimizer's wires name the ones they send; ``delayed_group``: the group of the
+        exchanges that stay in flight across steps. With ``overlap``, ``max_grad_norm`` is refused
         where a stage forms what it sends: the local clip needs every gradient before the first
         bucket leaves."""
         if overlap and self._shards.sharded:
@@ -188,15 +191,16 @@ class OnebitOptimizer(Optimizer):
                              f"{type(self).__name__} step clips each rank's gradient over all parameters, which the "
                              "first bucket's exchange cannot wait for); use overlap=False to clip")
         self._driver = Driver(self.flat, self.process_group, self.timeout, collective, overlap=overlap,
-                              bucket_cap_mb=bucket_cap_mb, alignment=alignment, key=key, owner=type(self).__name__)
+                              bucket_cap_mb=bucket_cap_mb, alignment=alignment, key=key, owner=type(self).__name__,
+                              fragments=fragments, delayed_group=delayed_group)
         self._plan_next()
 
     def _allreduce(self, compressor: Any, *, hierarchical: bool | str, ranks_per_node: int | None, overlap: bool,
-                   scales: str = "chunk") -> Callable[[int, int], Any]:
+                   scales: str = "chunk", group: comm.Group = None) -> Callable[[int, int], Any]:
         """The compressed all-reduce's factory for :meth:`_drive` (:func:`~onebit.optim._driver.allreduce_factory`
-        on these parameters, group and timeout)."""
-        return allreduce_factory(self.flat.offsets, self.process_group, self.timeout, compressor,
-                                 hierarchical=hierarchical, ranks_per_node=ranks_per_node, overlap=overlap,
+        on these parameters and timeout, over ``group``: the optimizer's by default)."""
+        return allreduce_factory(self.flat.offsets, self.process_group if group is None else group, self.timeout,
+                                 compressor, hierarchical=hierarchical, ranks_per_node=ranks_per_node, overlap=overlap,
                                  scales=scales)
 
     @property
@@ -256,7 +260,9 @@ class OnebitOptimizer(Optimizer):
         raise NotImplementedError
 
     def _apply(self, wire: Wire, average: Tensor | None) -> None:
-        """The step, on the landed ``average`` (None where it was consumed chunk by chunk)."""
+        """The step, on the landed ``average`` (None where it was consumed chunk by chunk). A wire
+        with a ``delay`` is applied twice: at its launch with None (its exchange in flight), and
+        ``delay`` steps later with the average that landed."""
         raise NotImplementedError
 
     def _write(self, wire: Wire, step: int, out: Tensor, base: int, members: Sequence[int], live: Sequence[bool],
@@ -285,6 +291,16 @@ class OnebitOptimizer(Optimizer):
                 self._form(i, at, to, grad, live[i], groups[i], step, rows, rows[0] if add else target, agreed)
                 if add:
                     target.add_(rows[0])
+
+    def _land(self) -> None:
+        """The delayed exchanges that land at this step (:class:`~onebit.optim._driver.Wire`'s ``delay``)."""
+        for wire, average in self._driver.arrivals(self._step_count):
+            self._apply(wire, average)
+
+    def _present(self) -> list[bool]:
+        """Per parameter: it has a gradient here, for the step's agreement (an optimizer may add what
+        it must agree on, e.g. DiLoCo's gradients since the last synchronisation)."""
+        return [p.grad is not None for p in self.flat.params]
 
     def _enter(self, stage: Stage) -> None:
         """The math of entering ``stage``, its buffers already laid out (e.g. the variance made the
@@ -428,13 +444,17 @@ class OnebitOptimizer(Optimizer):
            ``i`` has a gradient here". If any rank has a non-finite gradient (or its GradScaler
            found one), every rank skips the step and leaves all state untouched
            (``stats["skipped_steps"]`` counts them), or raises ``FloatingPointError`` with
-           ``on_nonfinite="raise"``.
+           ``on_nonfinite="raise"``. A stage whose wire is not ``agreed`` (DiLoCo's inner steps,
+           which send nothing) skips on this rank alone, with no collective, and the skipped
+           step counts, so that every rank reaches the next exchange at the same step.
         3. **Clip** (``max_grad_norm``): each rank's own gradients, where the stage never forms
            their average.
         4. **Exchange**: the stage's wire -- the exact mean, the compressed collective, or
            nothing -- into where the average lands; clipped where it is the gradients'. A wire
            that is ``local_first`` has each rank take its own step before it forms what it sends.
-        5. **Apply**: the algorithm's step on it, the only place the state moves.
+        5. **Apply**: the algorithm's step on it, the only place the state moves; an exchange
+           whose wire has a ``delay`` stays in flight and is applied when it lands, that many
+           steps later (DiLoCo's streamed synchronisations).
         6. **Advance**: the next step's stage (its state laid out where it changes), handed to the
            driver as its plan.
         """
@@ -452,26 +472,30 @@ class OnebitOptimizer(Optimizer):
                 with comm.span("flush", "step"):  # 1
                     self._driver.flush(scaled=getattr(self, "grad_scale", None) is not None
                                        or getattr(self, "found_inf", None) is not None)
+                wire = self._stages.current.wire
                 with comm.span("agree", "step"):  # 2
-                    nonfinite, self._active = agree_nonfinite(self)
-                if nonfinite:
+                    nonfinite, self._active = agree_nonfinite(self, everywhere=wire.agreed)
+                if nonfinite and wire.agreed:
                     self._skipped += 1
                     self._driver.abandon()
                 else:
                     self._step_count += 1
-                    wire = self._stages.current.wire
                     self._last_stage = wire.stage
-                    if wire.formed or not wire.exchanged:  # 3
-                        self._clip_local_grads()
-                    if wire.local_first:
-                        with comm.span("local", "step"):
-                            self._apply(LOCAL, None)
-                    with comm.span("exchange", "step"):  # 4
-                        average = self._driver.run(self._active) if wire.exchanged else None
-                        if average is not None and not wire.formed:
-                            self._clip_grad_(average)
-                    with comm.span("apply", "step"):  # 5
-                        self._apply(wire, average)
+                    if nonfinite:  # this rank's own step (not agreed), skipped: it still counts
+                        self._skipped += 1
+                    else:
+                        if wire.formed or not wire.exchanged:  # 3
+                            self._clip_local_grads()
+                        if wire.local_first:
+                            with comm.span("local", "step"):
+                                self._apply(LOCAL, None)
+                        with comm.span("exchange", "step"):  # 4
+                            average = self._driver.run(self._active) if wire.exchanged else None
+                            if average is not None and not wire.formed:
+                                self._clip_grad_(average)
+                        with comm.span("apply", "step"):  # 5
+                            self._apply(wire, average)
+                    self._land()
                     self._advance()  # 6
                     if self.check_replicas_every and self._step_count % self.check_replicas_every == 0:
                         self.check_replicas()

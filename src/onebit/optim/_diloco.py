@@ -8,11 +8,19 @@ parameters of the last synchronisation, Algorithm 1 line 9), the ranks average t
 1-bit Adam's momentum), and the outer optimizer moves the anchor with the average in place of a
 gradient (line 12): :func:`outer_step`, Nesterov momentum SGD as ``torch.optim.SGD`` computes it.
 Every rank then continues from the same new anchor; the inner optimizer's state stays its own.
+
+Streaming DiLoCo (Douillard et al., arXiv 2501.18512, section 2): with ``fragments`` P the
+model is cut into P contiguous fragments, each synchronised every H steps on its own
+schedule, staggered by H / P, so one synchronisation sends 1 / P of the model; with ``delay``
+tau its exchange is launched tau steps before it lands and stays in flight under the inner
+steps between; on arrival the outer step moves the fragment's anchor and the fragment's
+parameters become ``merge * x + (1 - merge) * anchor`` (the paper's alpha), keeping part of the
+tau local steps taken meanwhile.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,7 +30,7 @@ from torch.optim import Optimizer
 from .. import comm, compress
 from .._checks import check_bool, check_nonneg, check_positive, check_positive_int, check_scales
 from ._base import OnebitOptimizer
-from ._driver import LOCAL, Wire
+from ._driver import Wire
 from ._stages import Stage, StepStages
 
 if TYPE_CHECKING:
@@ -33,7 +41,8 @@ if TYPE_CHECKING:
 __all__ = ["DiLoCo", "outer_step"]
 
 _BUFFERS = ("anchor", "outer_momentum")
-_INNER = Stage(LOCAL, _BUFFERS)
+# Inner steps send nothing and wait for nothing: not even the agreement on skipping a step
+_INNER = Stage(Wire("local", formed=True, exact=False, exchanged=False, agreed=False), _BUFFERS)
 
 
 def outer_step(anchor: Tensor, momentum: Tensor, delta: Tensor, *, lr: float, momentum_factor: float,
@@ -64,7 +73,13 @@ class DiLoCo(OnebitOptimizer):
     published) and :func:`outer_step` moves the anchor, which every rank's parameters then take,
     bit for bit; :meth:`check_replicas` compares the anchors between synchronisations.
     The inner optimizer's state is never averaged or reset. Its param groups are this
-    optimizer's: a learning-rate scheduler built on either schedules the inner steps.
+    optimizer's: a learning-rate scheduler built on either schedules the inner steps. An inner
+    step sends nothing, not even the agreement on skipping it: a rank with a non-finite
+    gradient skips its own inner step, which still counts towards ``sync_every``; a
+    synchronisation step is skipped on every rank at once, as every onebit step. With
+    ``fragments`` and ``delay``, Streaming DiLoCo (see the module docstring); ``state_dict()``
+    in the middle of a delayed synchronisation waits for its exchange to complete (the other
+    ranks complete it by their next step at the latest) and saves the average not yet landed.
 
     Args:
         params: the inner optimizer (e.g. ``torch.optim.AdamW(model.parameters(), lr=1e-3)``),
@@ -82,6 +97,17 @@ class DiLoCo(OnebitOptimizer):
             ``"identity"`` (the exact fp32 mean, DiLoCo as published), another name of
             :func:`onebit.compress.available` or a :class:`onebit.compress.Compressor` (e.g.
             ``onebit.compress.get("uniform", bits=8)``, 8-bit pseudo-gradients).
+        fragments: synchronise the model in P contiguous fragments of about equal size, each
+            every ``sync_every`` steps, fragment p landing at the steps ``k H / P`` with ``k``
+            congruent to ``p + 1`` modulo P (Streaming DiLoCo; 1: the whole model at once).
+            ``sync_every`` must be a multiple of P.
+        delay: inner steps each synchronisation stays in flight (the paper's tau, below
+            ``sync_every / fragments``): its outer gradients are formed and sent ``delay``
+            steps before the step it lands in, and the network works under those inner steps.
+        merge: the weight of the fragment's own parameters when its synchronisation lands after
+            ``delay`` local steps (the paper's alpha): ``x <- merge x + (1 - merge) anchor``.
+            Default 0.5 with a delay (the paper's), 0 without (where it must be 0: the
+            parameters are the ones the outer gradient was formed from).
         error_feedback: carry the compression errors (worker and server) from one
             synchronisation to the next (default False: they restart at zero after each).
             Measured on a byte-level GPT (4 workers, H of 16 to 256, 4 seeds), carrying them
@@ -117,6 +143,9 @@ class DiLoCo(OnebitOptimizer):
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         nesterov: bool = True,
+        fragments: int = 1,
+        delay: int = 0,
+        merge: float | None = None,
         compressor: str | compress.Compressor = "sign",
         error_feedback: bool = False,
         scales: str = "tensor",
@@ -147,6 +176,19 @@ class DiLoCo(OnebitOptimizer):
         if self.outer_momentum >= 1:
             raise ValueError(f"Invalid outer_momentum value: {outer_momentum} (expected a number in [0, 1))")
         self.nesterov = check_bool("nesterov", nesterov)
+        self.fragments = check_positive_int("fragments", fragments)
+        if self.sync_every % self.fragments:
+            raise ValueError(f"Invalid fragments value: {fragments} (sync_every={sync_every} must be a multiple of it)")
+        period = self.sync_every // self.fragments  # steps between two landings
+        if isinstance(delay, bool) or not isinstance(delay, int) or not 0 <= delay < period:
+            raise ValueError(f"Invalid delay value: {delay!r} (expected an int in [0, {period}): "
+                             "sync_every / fragments steps between two synchronisations)")
+        self.delay = delay
+        if merge is None:
+            merge = 0.5 if delay else 0.0
+        self.merge = check_nonneg("merge", merge)
+        if self.merge >= 1 or (self.merge and not delay):
+            raise ValueError(f"Invalid merge value: {merge} (expected a number in [0, 1), and 0 with delay=0)")
         if not isinstance(compressor, compress.Compressor) and compressor not in compress.available():
             raise ValueError(f"Invalid compressor value: {compressor!r} (expected one of "
                              f"{', '.join(compress.available())}, or a onebit.compress.Compressor)")
@@ -154,20 +196,34 @@ class DiLoCo(OnebitOptimizer):
         self.error_feedback = check_bool("error_feedback", error_feedback)
         self.inner = inner
         exact = compress.get(compressor).name == "identity"
-        outer = Stage(Wire("outer", formed=True, exact=exact, local_first=True), _BUFFERS)
-        self._stages = StepStages((_INNER, outer), _stage_of(outer), self.sync_every)
+        outer = tuple(Stage(Wire("outer", formed=True, exact=exact, local_first=True, buckets=(p,), delay=delay),
+                            _BUFFERS) for p in range(self.fragments))
+        self._stages = StepStages((_INNER, *outer), _stage_of(outer, period, delay), self.sync_every)
         super().__init__(inner.param_groups, dict(inner.defaults), group=group, **options)
-        self._touched = [False] * len(self.flat.params)  # a gradient on some rank since the last synchronisation
+        # Per parameter: a gradient here since its fragment was last sent (on some rank, once the
+        # synchronisation's agreement has run); and of each fragment in flight, those agreed then.
+        self._touched = [False] * len(self.flat.params)
+        self._sent: list[list[bool] | None] = [None] * self.fragments
         for anchor, p in zip(self.flat.views("anchor"), self.flat.params):
             anchor.copy_(p.detach())  # the parameters every rank starts from (rank 0's, broadcast)
+        self._fragments = fragment_bounds(self.flat.offsets, self.fragments)
+        # An exchange in flight across inner steps is completed on a thread (the driver's), over a
+        # group of its own: when each rank issues its collectives there differs, their order does not.
+        if delay and not comm.concurrent(self.process_group):
+            raise ValueError(f"Invalid delay value with this group: {delay} (the exchange in flight is completed on "
+                             "a thread of its own, and this MPI library was initialised without "
+                             "MPI_THREAD_MULTIPLE); use delay=0")
+        stream = comm.duplicate(self.process_group, self.timeout) if delay else None
         self._drive(None if exact else self._allreduce(compressor, hierarchical=False, ranks_per_node=None,
-                                                       overlap=False, scales=check_scales(scales)))
+                                                       overlap=False, scales=check_scales(scales), group=stream),
+                    fragments=self._fragments, delayed_group=stream)
 
     @property
     def synchronised(self) -> bool:
-        """Whether the last step was a synchronisation (inside an interval of inner steps the
-        ranks' parameters differ by design)."""
-        return self._step_count % self.sync_every == 0
+        """Whether every rank holds the same parameters now: after a synchronisation of the whole
+        model that took them all to the anchor (inside an interval of inner steps, or with
+        fragments or a merge, the ranks' parameters differ by design)."""
+        return self.fragments == 1 and not self.merge and self._step_count % self.sync_every == 0
 
     # ------------------------------------------------------------------ the contract
     def _form(self, i: int, lo: int, hi: int, grad: Tensor | None, live: bool, group: dict[str, Any], step: int,
@@ -178,42 +234,81 @@ class DiLoCo(OnebitOptimizer):
         torch.sub(self.flat.buffers["anchor"][lo:hi], x, out=out)
 
     def _landing(self, wire: Wire) -> Tensor:
-        return self.flat.zeros()  # the step's outer gradients, averaged in place
+        # the outer gradients of the fragment sent, averaged in place (its range alone is written and read)
+        return torch.empty(self.flat.numel, dtype=torch.float32, device=self.flat.device)
+
+    def _present(self) -> list[bool]:
+        # A synchronisation's agreement carries each parameter's gradients since its last one.
+        return [t or p.grad is not None for t, p in zip(self._touched, self.flat.params)]
 
     def _apply(self, wire: Wire, average: Tensor | None) -> None:
-        if wire is LOCAL:
+        if not wire.exchanged:
             self.inner.step()
             self._touched = [t or a for t, a in zip(self._touched, self._active)]
             return
+        f = wire.buckets[0]
+        lo, hi, members = self._fragments[f]
+        if average is None or not wire.delay:  # sent: what was touched is agreed now, the rest starts again
+            self._sent[f] = [self._touched[i] for i in members]
+            for i in members:
+                self._touched[i] = False
+        if average is None:
+            return
+        touched, self._sent[f] = dict(zip(members, self._sent[f])), None
         # A parameter without a gradient on any rank during the whole interval is not updated (the
         # library's rule for missing gradients): its outer gradient is zero, but the 1-bit exchange
         # gives it its neighbours' scale and the outer momentum would move it.
         b, step = self.flat.buffers, {"lr": self.outer_lr, "momentum_factor": self.outer_momentum,
                                       "nesterov": self.nesterov}
-        if all(self._touched):
-            outer_step(b["anchor"], b["outer_momentum"], average, **step)
+        if all(touched.values()):
+            outer_step(b["anchor"][lo:hi], b["outer_momentum"][lo:hi], average[lo:hi], **step)
         else:
-            for (lo, hi), touched in zip(self.flat.offsets, self._touched):
-                if touched:
-                    outer_step(b["anchor"][lo:hi], b["outer_momentum"][lo:hi], average[lo:hi], **step)
-        for anchor, p, touched in zip(self.flat.views("anchor"), self.flat.params, self._touched):
-            if touched:
-                p.copy_(anchor)
-        self._touched = [False] * len(self._touched)
+            for i in members:
+                if touched[i]:
+                    a, z = self.flat.offsets[i]
+                    outer_step(b["anchor"][a:z], b["outer_momentum"][a:z], average[a:z], **step)
+        anchors = self.flat.views("anchor")
+        for i in members:
+            if touched[i]:
+                p = self.flat.params[i]
+                # merge: the paper's alpha; 0 takes the anchor bit for bit
+                p.copy_(torch.lerp(p.detach().float(), anchors[i], 1 - self.merge) if self.merge else anchors[i])
         if not self.error_feedback:
-            self._driver.reset()
+            self._driver.reset(wire.buckets)
 
     # ------------------------------------------------------------------ checkpoints
     def _extra_state(self) -> dict[str, Any]:
-        return {"inner": self.inner.state_dict(), "touched": list(self._touched)}
+        return {"inner": self.inner.state_dict(), "touched": list(self._touched), "sent": list(self._sent)}
 
     def _load_extra_state(self, state: Mapping[str, Any], own_state: bool) -> None:
         self.inner.load_state_dict(state["inner"])
         self._touched = [bool(t) for t in state["touched"]]
+        self._sent = [None if s is None else [bool(t) for t in s] for s in state.get("sent", [None] * self.fragments)]
         self.param_groups = self.inner.param_groups  # one list again: loading made each its own
 
 
-def _stage_of(outer: Stage):
+def fragment_bounds(offsets: Sequence[tuple[int, int]], fragments: int) -> list[tuple[int, int, list[int]]]:
+    """``(lo, hi, parameter indices)`` of ``fragments`` contiguous fragments of the flat values
+    at ``offsets``, each ending at the parameter boundary nearest its share ``k / fragments`` of
+    the values (at least one parameter each)."""
+    n = len(offsets)
+    if fragments > n:
+        raise ValueError(f"Invalid fragments value: {fragments} (more than the {n} parameters)")
+    total, ends, last = offsets[-1][1], [hi for _, hi in offsets], -1
+    cuts = []
+    for k in range(1, fragments):
+        nearest = min(range(n), key=lambda j: abs(ends[j] - k * total / fragments))
+        last = min(max(nearest, last + 1), n - fragments + k - 1)
+        cuts.append(last)
+    firsts = [0, *(c + 1 for c in cuts)]
+    lasts = [*cuts, n - 1]
+    return [(offsets[a][0], offsets[z][1], list(range(a, z + 1))) for a, z in zip(firsts, lasts)]
+
+
+def _stage_of(outer: tuple[Stage, ...], period: int, delay: int):
+    """Fragment p's synchronisation lands at the steps ``k period`` with ``k = p + 1`` modulo the
+    number of fragments, and is sent ``delay`` steps before."""
     def stage_of(sync_every: int, step: int) -> Stage:
-        return outer if step % sync_every == 0 else _INNER
+        k, sent = divmod(step + delay, period)
+        return outer[(k - 1) % len(outer)] if not sent else _INNER
     return stage_of

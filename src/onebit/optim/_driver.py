@@ -34,8 +34,10 @@ link is busy with the bucket before: where the link is the bottleneck, that cost
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -206,6 +208,43 @@ class _Flight:
             self.gathering = True
 
 
+class _Delayed:
+    """A delayed exchange (``Wire.delay``): its wire, the step it lands at, the buffer it lands
+    in; the rest of its buckets' exchanges (``flights``, None: nothing sent) runs on a thread of
+    its own, so that each phase leaves as soon as the one before is done whatever this rank is
+    computing, and nothing on this rank -- nor a peer that saves a checkpoint -- waits for a
+    step to come. Its collectives are the only ones on their group: the order of their issue
+    is the same on every rank, their timing need not be."""
+
+    def __init__(self, wire: Wire, lands_at: int, land: Tensor, flights: Sequence[_Flight | None]) -> None:
+        self.wire, self.lands_at, self.land = wire, lands_at, land
+        self.bytes_sent = 0
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        if any(f is not None for f in flights):
+            self._thread = threading.Thread(target=self._run, args=(flights,), name="onebit-delayed-exchange",
+                                            daemon=True)
+            self._thread.start()
+
+    def _run(self, flights: Sequence[_Flight | None]) -> None:
+        try:
+            with comm.measure() as meter:  # this thread's own meter: the driver adds its bytes when it lands
+                for flight in flights:
+                    if flight is not None:
+                        comm.run_stages(flight.stages)
+            self.bytes_sent = meter.bytes_sent
+        except BaseException as exc:  # raised where it is joined, in step() or state_dict()
+            self._error = exc
+
+    def join(self) -> None:
+        """Wait for the exchange to complete; raise what stopped it (a timeout: a dead peer)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            raise self._error
+
+
 @dataclass(frozen=True)
 class Wire:
     """What a stage sends, as an optimizer declares it.
@@ -221,6 +260,12 @@ class Wire:
     ``local_first``: each rank first takes its own step (``_apply`` with :data:`LOCAL`) and what
     it sends is formed from where that got it (DiLoCo's outer synchronisation, after the last
     inner step); never during backward.
+    ``buckets``: the driver's buckets the stage sends (a streamed synchronisation's fragment;
+    None: every bucket). ``delay``: the steps its exchange stays in flight -- it is launched in
+    this step and lands ``delay`` steps later, where ``_apply`` gets it (0: in this step).
+    ``agreed``: the ranks agree whether to take the step (a non-finite gradient on any rank skips
+    it everywhere); False for a step that sends nothing and must not wait for the network
+    (DiLoCo's inner steps): each rank skips on its own gradients, and the step still counts.
     """
 
     stage: str
@@ -228,6 +273,9 @@ class Wire:
     exact: bool
     exchanged: bool = True
     local_first: bool = False
+    buckets: tuple[int, ...] | None = None
+    delay: int = 0
+    agreed: bool = True
 
 
 EXACT_GRADIENT = Wire("warmup", formed=False, exact=True)
@@ -261,11 +309,15 @@ class Driver:
 
     ``collective(start, end)`` makes the compressed collective of the flat values
     ``[start, end)`` (``None``: the optimizer has none; it may return None for a span it cannot
-    exchange, which then sends nothing). A bucket sends the values of its
-    span: its own range, or with ``alignment`` > 1 (Block-Sign's blocks of the fused
-    gradient) from the first multiple of ``alignment`` inside it to where the span of the
-    bucket launched before it starts, so that no block straddles two exchanges; a bucket
-    with an empty span sends nothing, its values going with the next one.
+    exchange, which then sends nothing). ``fragments``: the buckets, ``(lo, hi, members)``, as
+    the optimizer cuts them (without ``alignment``), each sent by the wires that name it.
+    ``delayed_group``: where the exact exchanges of delayed wires run (a group of their own,
+    whose collectives may then be issued whenever each rank gets to them: nothing else runs
+    there; the optimizer builds its delayed compressed collectives on it too). A bucket of the
+    overlapped exchange sends the values of its span: its own range, or with ``alignment`` > 1
+    (Block-Sign's blocks of the fused gradient) from the first multiple of ``alignment`` inside
+    it to where the span of the bucket launched before it starts, so that no block straddles
+    two exchanges; a bucket with an empty span sends nothing, its values going with the next one.
 
     A bucket's input is formed where its average lands and exchanged in place (the
     collective's ``stages``), except where it must stay out of that buffer -- a bucket formed
@@ -277,15 +329,22 @@ class Driver:
 
     def __init__(self, flat: FlatState, group: comm.Group, timeout: timedelta,
                  collective: Callable[[int, int], Any] | None, *, overlap: bool, bucket_cap_mb: float,
-                 alignment: int = 1, key: str = "allreduce", owner: str = "") -> None:
+                 alignment: int = 1, key: str = "allreduce", owner: str = "",
+                 fragments: list[tuple[int, int, list[int]]] | None = None,
+                 delayed_group: comm.Group = None) -> None:
         self.flat, self.group, self.timeout, self.key, self.owner = flat, group, timeout, key, owner
+        self.delayed_group = delayed_group
         self.buckets: Buckets | None = None
-        self.bounds = bucket_bounds(flat.offsets, _bucket_cap(bucket_cap_mb), [p.dim() == 1 for p in flat.params]) \
-            if overlap else [(0, flat.numel, list(range(len(flat.params))))]
-        # A span ends where the span of the bucket launched before it (the parameters after it)
-        # starts -- at the model's end for the first bucket.
-        starts = [min(flat.numel, -(-lo // alignment) * alignment) for lo, _, _ in self.bounds]
-        self.spans = list(zip(starts, [flat.numel, *starts]))
+        if fragments is not None:  # the optimizer's own contiguous buckets, sent by the wires that name them
+            self.bounds = fragments
+            self.spans = [(lo, hi) for lo, hi, _ in fragments]
+        else:
+            self.bounds = bucket_bounds(flat.offsets, _bucket_cap(bucket_cap_mb), [p.dim() == 1 for p in flat.params]) \
+                if overlap else [(0, flat.numel, list(range(len(flat.params))))]
+            # A span ends where the span of the bucket launched before it (the parameters after it)
+            # starts -- at the model's end for the first bucket.
+            starts = [min(flat.numel, -(-lo // alignment) * alignment) for lo, _, _ in self.bounds]
+            self.spans = list(zip(starts, [flat.numel, *starts]))
         self.collectives = [None if collective is None else collective(start, end) for start, end in self.spans]
         for c in self.collectives:
             if c is not None:
@@ -296,6 +355,8 @@ class Driver:
         self._flights: list[_Flight | None] = [None] * len(self.bounds)  # None: nothing sent
         self._compressed_in_flight = False
         self._land: Tensor | Consume | None = None
+        self._delayed: list[_Delayed] = []  # exchanges in flight across steps, in launch order
+        self._late_bytes = 0  # sent by the delayed exchanges landed since the last done()
 
     # ------------------------------------------------------------------ the step
     def stats(self) -> dict[str, Any]:
@@ -329,11 +390,18 @@ class Driver:
     def run(self, live: Sequence[bool]) -> Tensor | None:
         """The planned step, which every rank agreed to take (``live[i]``: parameter ``i`` has a
         gradient on some rank): launch the one-shot exchange, land every bucket's average;
-        returns it (None where it was handed out chunk by chunk)."""
+        returns it (None where it was handed out chunk by chunk, or where the wire's ``delay``
+        keeps it in flight: :meth:`arrivals` hands it out then)."""
+        wire = self._plan.wire
         if self.buckets is None:
-            with comm.labelled(bucket=0):
-                self._launch(0, live, agreed=True)
+            for b in range(len(self.bounds)) if wire.buckets is None else wire.buckets:
+                with comm.labelled(bucket=b):
+                    self._launch(b, live, agreed=True)
         land = self._landing()
+        if wire.delay:
+            self._delayed.append(_Delayed(wire, self._plan.step + wire.delay, land, self._flights))
+            self._end_step()
+            return None
         self._gather(len(self._flights))  # every added bucket's all-gather in flight first
         for b, flight in enumerate(self._flights):
             if flight is not None:
@@ -341,6 +409,15 @@ class Driver:
                     comm.run_stages(flight.stages)
         self._end_step()
         return land if isinstance(land, Tensor) else None
+
+    def arrivals(self, step: int) -> Iterator[tuple[Wire, Tensor]]:
+        """The delayed exchanges that land at ``step``, each waited for: ``(wire, average)``, in
+        launch order."""
+        while self._delayed and self._delayed[0].lands_at <= step:
+            delayed = self._delayed.pop(0)
+            delayed.join()
+            self._late_bytes += delayed.bytes_sent
+            yield delayed.wire, delayed.land
 
     def abandon(self) -> None:
         """Every rank skips the step: wait for the exchanges launched and drop them. A compressed
@@ -356,15 +433,17 @@ class Driver:
                          "restarted at zero", self.owner)
         self._end_step()
 
-    def reset(self) -> None:
-        """The collectives' errors restart at zero."""
-        for c in self.collectives:
-            if c is not None:
+    def reset(self, buckets: Sequence[int] | None = None) -> None:
+        """The collectives' errors (of ``buckets``; None: all) restart at zero."""
+        for b, c in enumerate(self.collectives):
+            if c is not None and (buckets is None or b in buckets):
                 c.reset()
 
     def done(self) -> int:
-        """Bytes sent by the launches during backward (outside ``step()``'s own meter)."""
-        return 0 if self.buckets is None else self.buckets.done()
+        """Bytes sent outside ``step()``'s own meter: by the launches during backward, and by the
+        delayed exchanges that landed in this step after their first phase."""
+        late, self._late_bytes = self._late_bytes, 0
+        return late + (0 if self.buckets is None else self.buckets.done())
 
     def _end_step(self) -> None:
         self._flights = [None] * len(self.bounds)
@@ -418,7 +497,8 @@ class Driver:
         land = self._landing()
         form(land[lo:hi], lo, members, live, agreed, False)
         if wire.exact:
-            stages = comm.all_reduce_mean_stages(land[lo:hi], self.group, self.timeout)
+            group = self.delayed_group if wire.delay else self.group
+            stages = comm.all_reduce_mean_stages(land[lo:hi], group, self.timeout)
         elif collective is None:  # no whole block in this bucket: its values go with the next one
             return
         else:
@@ -436,23 +516,45 @@ class Driver:
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """The collectives' errors (and random state): ``{key: state}`` of the one-shot collective,
-        or the bucketing and ``{"bucket_" + key: [state or None]}``; nothing without collectives."""
+        or the bucketing and ``{"bucket_" + key: [state or None]}``; nothing without collectives.
+        Delayed exchanges in flight are waited for first (their threads complete them with the
+        other ranks' whatever those do meanwhile) and saved as ``"arrivals"``: their wires, steps
+        and averages."""
+        state: dict[str, Any] = {}
+        if self._delayed:
+            state["arrivals"] = [self._arrival_state(d) for d in self._delayed]
         if all(c is None for c in self.collectives):
-            return {}
-        if self.buckets is None:
-            return {self.key: self.collectives[0].state_dict()}
-        return {"bucket_bounds": [[lo, hi] for lo, hi, _ in self.bounds],
+            return state
+        if len(self.bounds) == 1:
+            return {**state, self.key: self.collectives[0].state_dict()}
+        return {**state, "bucket_bounds": [[lo, hi] for lo, hi, _ in self.bounds],
                 "bucket_" + self.key: [None if c is None else c.state_dict() for c in self.collectives]}
+
+    def _arrival_state(self, delayed: _Delayed) -> dict[str, Any]:
+        delayed.join()
+        wire = dataclasses.asdict(delayed.wire)
+        buckets = range(len(self.bounds)) if delayed.wire.buckets is None else delayed.wire.buckets
+        return {"wire": {**wire, "buckets": None if wire["buckets"] is None else list(wire["buckets"])},
+                "lands_at": delayed.lands_at,
+                "average": {b: delayed.land[self.bounds[b][0]:self.bounds[b][1]].clone() for b in buckets}}
 
     def load_state_dict(self, state: Mapping[str, Any], own_state: bool) -> None:
         """Restore :meth:`state_dict`; saved with another bucketing, by another rank or on another
         world size, the errors restart at zero (freshly seeded)."""
+        self._delayed = []
+        for arrival in state.get("arrivals", ()):
+            wire = dict(arrival["wire"])
+            wire["buckets"] = None if wire["buckets"] is None else tuple(wire["buckets"])
+            land = self.flat.zeros()
+            for b, average in arrival["average"].items():
+                land[self.bounds[b][0]:self.bounds[b][1]].copy_(average)
+            self._delayed.append(_Delayed(Wire(**wire), int(arrival["lands_at"]), land, ()))
         if all(c is None for c in self.collectives):
             return
         key = self.key
         saved = state["bucket_" + key] if "bucket_bounds" in state else [state[key]]
         layout = state.get("bucket_bounds")
-        mine = None if self.buckets is None else [[lo, hi] for lo, hi, _ in self.bounds]
+        mine = None if len(self.bounds) == 1 else [[lo, hi] for lo, hi, _ in self.bounds]
         same = own_state and (None if layout is None else [list(b) for b in layout]) == mine
         if own_state and not same:
             _log.warning("%s: checkpoint saved with another bucketing (overlap=%s): error-feedback buffers "

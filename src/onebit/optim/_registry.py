@@ -181,7 +181,7 @@ REGISTRY: dict[str, Spec] = {
                              "fedavg_no_ef": Variant({**_FEDAVG, "error_feedback": False}, extended=True)},
                    costs={"diloco": Cost("onebit", _ONEBIT, exact="sync"),
                           "diloco_fp32": Cost("allreduce_fp32", "ring all-reduce fp32", kernels=0.0, exact="sync")},
-                   options={"sync_every": "sync_every"}),
+                   options={"sync_every": "sync_every", "fragments": "fragments", "delay": "delay"}),
 }
 
 # The uncompressed optimizers the convergence matrix compares with, by the name its tables use
