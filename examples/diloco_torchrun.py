@@ -52,6 +52,7 @@ def main() -> None:
         if rank == 0 and (step + 1) % args.sync_every == 0:
             print(f"step {step + 1}: loss {loss.item():.3f}, {opt.stats['bytes_sent']} bytes sent", flush=True)
     opt.check_replicas()
+    opt.wait()  # a synchronisation sent near the end completes before the process group goes
     if rank == 0:
         print(json.dumps({"loss": loss.item(), "stats": opt.stats, "ddp_hook": None}))
     destroy_process_group()

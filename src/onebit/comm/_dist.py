@@ -77,7 +77,8 @@ class Transport(Protocol):
 
     ``onebit.comm.MPIGroup`` implements it over mpi4py; :class:`_TorchGroup` over
     ``torch.distributed``. The wrappers below add validation, timeouts and metering.
-    ``concurrent``: collectives may be issued and waited for from two threads at once.
+    ``concurrent``: collectives of two groups may be issued from two threads at once, each rank
+    issuing them at its own times (in the same order within each group).
     """
 
     backend: str
@@ -100,8 +101,13 @@ class _TorchGroup:
     """The :class:`Transport` of a ``torch.distributed`` process group (``None``: the default)."""
 
     backend = "torch"
-    concurrent = True  # torch.distributed's process groups are thread-safe
     __slots__ = ("group",)
+
+    @property
+    def concurrent(self) -> bool:
+        # gloo's groups are independent; NCCL's kernels on two communicators can wait on each other
+        # where the ranks issue them in different orders (NCCL's own rule), so not there.
+        return "nccl" not in str(dist.get_backend(self.group))
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
@@ -151,7 +157,8 @@ class _TorchGroup:
         # Only the group's own ranks take part (a replica group of HSDP, whose peers in the other
         # replica groups make theirs at the same time).
         ranks = [r if self.group is None else dist.get_global_rank(self.group, r) for r in range(self.size())]
-        return dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
+        return dist.new_group(ranks, timeout=timeout, backend=dist.get_backend(self.group),
+                              use_local_synchronization=True)
 
 
 def resolve_group(group: Group) -> Any:
@@ -180,8 +187,10 @@ def backend_of(group: Group) -> str:
 
 
 def concurrent(group: Group) -> bool:
-    """Whether collectives of ``group`` may be issued and waited for from two threads at once
-    (MPI: only where the library was initialised with ``MPI_THREAD_MULTIPLE``)."""
+    """Whether a second thread may issue collectives on a duplicate of ``group`` at times that
+    differ between ranks, while this one issues its own (gloo: yes; NCCL: no, by NCCL's rule on
+    the order of collectives over several communicators; MPI: only where the library was
+    initialised with ``MPI_THREAD_MULTIPLE``)."""
     return bool(_transport(group).concurrent)
 
 

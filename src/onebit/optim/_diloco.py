@@ -78,8 +78,9 @@ class DiLoCo(OnebitOptimizer):
     gradient skips its own inner step, which still counts towards ``sync_every``; a
     synchronisation step is skipped on every rank at once, as every onebit step. With
     ``fragments`` and ``delay``, Streaming DiLoCo (see the module docstring); ``state_dict()``
-    in the middle of a delayed synchronisation waits for its exchange to complete (the other
-    ranks complete it by their next step at the latest) and saves the average not yet landed.
+    in the middle of a delayed synchronisation waits for its exchange to complete and saves
+    the average not yet landed; :meth:`wait` waits for it alone (before destroying the process
+    group at the end of a run).
 
     Args:
         params: the inner optimizer (e.g. ``torch.optim.AdamW(model.parameters(), lr=1e-3)``),
@@ -209,14 +210,21 @@ class DiLoCo(OnebitOptimizer):
         self._fragments = fragment_bounds(self.flat.offsets, self.fragments)
         # An exchange in flight across inner steps is completed on a thread (the driver's), over a
         # group of its own: when each rank issues its collectives there differs, their order does not.
-        if delay and not comm.concurrent(self.process_group):
-            raise ValueError(f"Invalid delay value with this group: {delay} (the exchange in flight is completed on "
-                             "a thread of its own, and this MPI library was initialised without "
-                             "MPI_THREAD_MULTIPLE); use delay=0")
+        if delay and self.world_size > 1 and not comm.concurrent(self.process_group):
+            raise ValueError(f"Invalid delay value with a {comm.backend_of(self.process_group)} group whose backend "
+                             f"is not thread-safe across groups: {delay} (the exchange in flight is completed on a "
+                             "thread of its own: NCCL, or MPI without MPI_THREAD_MULTIPLE, do not allow it); use "
+                             "delay=0, or a gloo group")
         stream = comm.duplicate(self.process_group, self.timeout) if delay else None
         self._drive(None if exact else self._allreduce(compressor, hierarchical=False, ranks_per_node=None,
                                                        overlap=False, scales=check_scales(scales), group=stream),
                     fragments=self._fragments, delayed_group=stream)
+
+    def wait(self) -> None:
+        """Wait for the synchronisation in flight, if any (``delay`` > 0), to complete its exchange;
+        it still lands at its step. Call it before destroying the process group when a run may
+        end between a synchronisation's launch and its landing."""
+        self._driver.wait()
 
     @property
     def synchronised(self) -> bool:
@@ -278,9 +286,15 @@ class DiLoCo(OnebitOptimizer):
 
     # ------------------------------------------------------------------ checkpoints
     def _extra_state(self) -> dict[str, Any]:
-        return {"inner": self.inner.state_dict(), "touched": list(self._touched), "sent": list(self._sent)}
+        return {"inner": self.inner.state_dict(), "touched": list(self._touched), "sent": list(self._sent),
+                "streaming": [self.fragments, self.delay]}
 
     def _load_extra_state(self, state: Mapping[str, Any], own_state: bool) -> None:
+        saved = list(state.get("streaming", [1, 0]))  # checkpoints from before streaming: the whole model at once
+        if saved != [self.fragments, self.delay]:
+            raise ValueError(f"DiLoCo state_dict saved with fragments={saved[0]}, delay={saved[1]}; this optimizer has "
+                             f"fragments={self.fragments}, delay={self.delay} (its schedule and the exchanges in "
+                             "flight depend on them): build it with the saved ones")
         self.inner.load_state_dict(state["inner"])
         self._touched = [bool(t) for t in state["touched"]]
         self._sent = [None if s is None else [bool(t) for t in s] for s in state.get("sent", [None] * self.fragments)]

@@ -419,6 +419,11 @@ class Driver:
             self._late_bytes += delayed.bytes_sent
             yield delayed.wire, delayed.land
 
+    def wait(self) -> None:
+        """Wait for every delayed exchange in flight (each still lands at its step)."""
+        for delayed in self._delayed:
+            delayed.join()
+
     def abandon(self) -> None:
         """Every rank skips the step: wait for the exchanges launched and drop them. A compressed
         one took its values into the error-feedback buffers before any rank could know: they
@@ -541,6 +546,7 @@ class Driver:
     def load_state_dict(self, state: Mapping[str, Any], own_state: bool) -> None:
         """Restore :meth:`state_dict`; saved with another bucketing, by another rank or on another
         world size, the errors restart at zero (freshly seeded)."""
+        self.wait()  # an exchange still in flight writes into the collectives' errors: done first
         self._delayed = []
         for arrival in state.get("arrivals", ()):
             wire = dict(arrival["wire"])
@@ -553,9 +559,12 @@ class Driver:
             return
         key = self.key
         saved = state["bucket_" + key] if "bucket_bounds" in state else [state[key]]
+        # one bucket spanning the model is the one-shot layout, however it was saved
         layout = state.get("bucket_bounds")
+        layout = None if layout is None or [list(b) for b in layout] == [[0, self.flat.numel]] \
+            else [list(b) for b in layout]
         mine = None if len(self.bounds) == 1 else [[lo, hi] for lo, hi, _ in self.bounds]
-        same = own_state and (None if layout is None else [list(b) for b in layout]) == mine
+        same = own_state and layout == mine
         if own_state and not same:
             _log.warning("%s: checkpoint saved with another bucketing (overlap=%s): error-feedback buffers "
                          "restart at zero", self.owner, layout is not None)
