@@ -30,7 +30,7 @@ import json
 import statistics
 from pathlib import Path
 
-from onebit.bench._analysis import mean_interval
+from onebit.bench._analysis import mean_interval, step_time
 from onebit.bench._convergence import _gap, _run
 
 # label as run on SETTINGS_DATE -> (outer step, exchange)
@@ -97,15 +97,6 @@ def report(paths: list[Path]) -> str:
             f"per worker. {provenance}; {first['provenance']['machine']}, {first['provenance']['date']}.\n")
 
 
-def _step_ms(summary: dict, records: list[dict]) -> float:
-    """A run's step time as ``onebit compare`` reads it: its last stage's (1-bit Adam's compressed
-    steps), or over all its steps but the first where its stages alternate (DiLoCo's)."""
-    steps = summary["step_time_s"]
-    if "compressed" in steps or "warmup" in steps:
-        return 1e3 * (steps.get("compressed") or steps["warmup"])
-    return 1e3 * statistics.fmean(r["step_time"] for r in records[1:])
-
-
 def _setting(name: str, config: dict) -> str:
     if name == "diloco":
         streamed = f", {config['fragments']} fragments, delay {config['delay']}" if config["fragments"] else ""
@@ -121,8 +112,9 @@ def cluster_report(dirs: list[Path]) -> str:
         sources.append(source)
         if "local_adam" not in summaries:
             raise SystemExit(f"{d}: no local_adam run, the no-communication floor of the comparison")
-        steps = {n: _step_ms(s, [json.loads(line) for line in (d / n / "metrics.jsonl").read_text().splitlines()])
-                 for n, s in summaries.items()}
+        records = {n: [json.loads(line) for line in (d / n / "metrics.jsonl").read_text().splitlines()]
+                   for n in summaries}
+        steps = {n: 1e3 * step_time(s, records[n]) for n, s in summaries.items()}
         link = summaries["local_adam"]["cluster"]["bandwidth"]
         for name, ms in steps.items():
             if summaries[name].get("skipped_steps"):

@@ -66,6 +66,22 @@ def optimizers(rank: int, world: int) -> dict:
     return res
 
 
+def _steps(model, opt, rank: int, steps: int, **stats: str) -> dict:
+    """``steps`` steps on each rank's own batches: the parameters' digest and the bytes sent after
+    each, and each of ``stats`` (``key=stats name``)."""
+    run = {"digests": [], "bytes": [], **{key: [] for key in stats}}
+    for step in range(steps):
+        opt.zero_grad()
+        x = torch.randn(6, 12, generator=torch.Generator().manual_seed(100 * step + rank))
+        model(x).pow(2).mean().backward()
+        opt.step()
+        run["digests"].append(digest([p.detach() for p in model.parameters()]))
+        run["bytes"].append(opt.stats["bytes_sent"])
+        for key, name in stats.items():
+            run[key].append(opt.stats[name])
+    return run
+
+
 def overlap(rank: int, world: int) -> dict:
     """The overlapped exchanges on a 3-layer MLP in 0.004 MB buckets: each bucket's non-blocking
     collectives start during backward, several in flight at once."""
@@ -77,31 +93,15 @@ def overlap(rank: int, world: int) -> dict:
                                         torch.nn.GELU(), torch.nn.Linear(40, 3))
             opt = optimizer_class(name)(model.parameters(), lr=0.01, group=backend, overlap=True,
                                         bucket_cap_mb=0.004, **kwargs)
-            run = {"digests": [], "bytes": [], "in_backward": [], "buckets": len(opt._driver.bounds)}
-            for step in range(6):
-                opt.zero_grad()
-                x = torch.randn(6, 12, generator=torch.Generator().manual_seed(100 * step + rank))
-                model(x).pow(2).mean().backward()
-                opt.step()
-                run["digests"].append(digest([p.detach() for p in model.parameters()]))
-                run["bytes"].append(opt.stats["bytes_sent"])
-                run["in_backward"].append(opt.stats["buckets_in_backward"])
-            res[backend, name] = run
+            run = _steps(model, opt, rank, 6, in_backward="buckets_in_backward")
+            res[backend, name] = {**run, "buckets": len(opt._driver.bounds)}
         # Streaming DiLoCo: each fragment's exchange completed on a thread of its own, across steps
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(12, 48), torch.nn.GELU(), torch.nn.Linear(48, 3))
         opt = onebit.DiLoCo(model.parameters(), lr=0.01, group=backend, sync_every=4, fragments=2, delay=1,
                             check_replicas_every=1)
-        run = {"digests": [], "bytes": []}
-        for step in range(9):
-            opt.zero_grad()
-            x = torch.randn(6, 12, generator=torch.Generator().manual_seed(100 * step + rank))
-            model(x).pow(2).mean().backward()
-            opt.step()
-            run["digests"].append(digest([p.detach() for p in model.parameters()]))
-            run["bytes"].append(opt.stats["bytes_sent"])
+        res[backend, "diloco_streamed"] = _steps(model, opt, rank, 9)
         opt.wait()  # the last step sent a fragment: its exchange completes before the groups go
-        res[backend, "diloco_streamed"] = run
     return res
 
 

@@ -134,14 +134,19 @@ def test_tasks_train_and_write_outputs(task, tmp_path):
     assert summary["config"]["task"] == task and summary["parameters"] > 0 and summary["finite"]
 
 
-def test_resume_continues_the_same_run(tmp_path):
-    common = ["--optimizer", "onebit_adam", "--freeze-step", "2", "--batch-size", "4", "--hidden", "32", "--quiet"]
+def _straight_and_resumed(tmp_path, name, *options):
+    """6 steps of ``onebit train --optimizer name``, straight and split at a checkpoint after
+    step 3 then resumed: each run's records."""
+    common = ["--optimizer", name, *options, "--batch-size", "4", "--hidden", "32", "--quiet"]
     straight, split = tmp_path / "straight", tmp_path / "split"
     assert main(["train", "--steps", "6", "--out", str(straight), *common]) == 0
     assert main(["train", "--steps", "3", "--out", str(split), "--checkpoint-every", "3", *common]) == 0
     assert main(["train", "--steps", "6", "--out", str(split), "--resume", *common]) == 0
-    a = _records(straight / "onebit_adam" / "metrics.jsonl")
-    b = _records(split / "onebit_adam" / "metrics.jsonl")
+    return _records(straight / name / "metrics.jsonl"), _records(split / name / "metrics.jsonl")
+
+
+def test_resume_continues_the_same_run(tmp_path):
+    a, b = _straight_and_resumed(tmp_path, "onebit_adam", "--freeze-step", "2")
     assert [r["step"] for r in b] == list(range(1, 7))
     # Model, optimizer (phase, frozen variance, errors), schedule and data stream all resume exactly.
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
@@ -149,18 +154,11 @@ def test_resume_continues_the_same_run(tmp_path):
 
 
 def test_streamed_diloco_trains_and_resumes_from_a_checkpoint_taken_in_flight(tmp_path):
-    common = ["--optimizer", "diloco", "--sync-every", "4", "--fragments", "2", "--delay", "1", "--batch-size", "4",
-              "--hidden", "32", "--quiet"]
-    straight, split = tmp_path / "straight", tmp_path / "split"
-    assert main(["train", "--steps", "6", "--out", str(straight), *common]) == 0
     # step 3 sends a fragment, which lands at step 4: the checkpoint after step 3 holds it in flight
-    assert main(["train", "--steps", "3", "--out", str(split), "--checkpoint-every", "3", *common]) == 0
-    assert main(["train", "--steps", "6", "--out", str(split), "--resume", *common]) == 0
-    a = _records(straight / "diloco" / "metrics.jsonl")
-    b = _records(split / "diloco" / "metrics.jsonl")
+    a, b = _straight_and_resumed(tmp_path, "diloco", "--sync-every", "4", "--fragments", "2", "--delay", "1")
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
     assert [r["stage"] for r in a] == ["outer", "local"] * 3
-    config = json.loads((straight / "diloco" / "summary.json").read_text())["config"]
+    config = json.loads((tmp_path / "straight" / "diloco" / "summary.json").read_text())["config"]
     assert (config["sync_every"], config["fragments"], config["delay"]) == (4, 2, 1)
 
 

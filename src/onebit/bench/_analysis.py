@@ -11,7 +11,7 @@ from typing import Any
 from ._model import ModelInput, predict
 from ._runs import NO_COMMUNICATION
 
-__all__ = ["compare_rows", "demo_verdict", "fmt", "mean_interval", "ms", "text_table", "time_to_loss"]
+__all__ = ["compare_rows", "demo_verdict", "fmt", "mean_interval", "ms", "step_time", "text_table", "time_to_loss"]
 
 # Student's t at 97.5% by degrees of freedom (two-sided 95% intervals); between entries the
 # smaller df's, a slightly wider interval.
@@ -88,6 +88,15 @@ def time_to_loss(records: list[dict[str, Any]], target: float, window: int = 10)
     return None
 
 
+def step_time(summary: dict[str, Any], records: list[dict[str, Any]]) -> float | None:
+    """A run's step time in seconds as the comparisons read it: its last stage's (1-bit Adam's
+    compressed steps), or, where its steps alternate without a last stage (DiLoCo's inner steps
+    and synchronisations), the mean of all its steps but the first, the synchronisations amortised."""
+    steps = summary["step_time_s"]
+    times = [r["step_time"] for r in records[1:]]
+    return steps.get("compressed") or steps.get("warmup") or (sum(times) / len(times) if times else None)
+
+
 def compare_rows(summaries: dict[str, dict], runs: dict[str, list[dict[str, Any]]], baseline: str,
                  model: ModelInput | None, *, hierarchical: bool = False) -> tuple[list[list[str]], str]:
     """The table of ``onebit compare`` (a header row, then one row per optimizer) and a note on
@@ -114,15 +123,9 @@ def compare_rows(summaries: dict[str, dict], runs: dict[str, list[dict[str, Any]
         return next((p for p in predict(replace(model, compute=compute, **shares)) if p.optimizer == key), None)
 
     # What users run (DDP's overlapped fp32 all-reduce) and the compute floor (no communication),
-    # when they ran in the same comparison: each optimizer's last stage against them; for one
-    # whose steps alternate without a last stage (DiLoCo's inner steps and synchronisations), its
-    # mean step, the synchronisations amortised.
+    # when they ran in the same comparison: each optimizer's step (:func:`step_time`) against them.
     def step_of(name: str) -> float | None:
-        if name not in summaries:
-            return None
-        steps = summaries[name]["step_time_s"]
-        times = [r["step_time"] for r in runs[name][1:]]
-        return steps.get("compressed") or steps.get("warmup") or (sum(times) / len(times) if times else None)
+        return step_time(summaries[name], runs[name]) if name in summaries else None
 
     ddp, floor = step_of("ddp_allreduce"), step_of(NO_COMMUNICATION)
     rows = [["optimizer", "eval loss", "gap", "ms/step warmup", "ms/step compressed", "stage speedup",

@@ -182,7 +182,7 @@ def _rank_main(rank: int, world: int, cfg: TrainConfig, out: Path, per_node: int
     in_interval = not getattr(opt, "synchronised", True)
     if in_interval:
         opt.check_replicas()
-    if hasattr(opt, "wait"):  # DiLoCo: a synchronisation still in flight completes before the group goes
+    if hasattr(opt, "wait"):  # onebit's: an exchange still in flight completes before the group goes
         opt.wait()
     return {"records": records, "eval_loss": sum(losses) / len(losses), "digest": digest.hexdigest(),
             "in_interval": in_interval, "finite": finite, "trace": timeline,

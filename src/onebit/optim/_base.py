@@ -507,6 +507,12 @@ class OnebitOptimizer(Optimizer):
         self._bytes_total += sent
         return loss
 
+    def wait(self) -> None:
+        """Wait for the exchanges still in flight across steps (a wire's ``delay``: DiLoCo's
+        streamed synchronisations) to complete; each still lands at its step. Call it before
+        destroying the process group where a run may end between such a launch and its landing."""
+        self._driver.wait()
+
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Gradient accumulation with ``overlap=True``: backward passes inside the block only
         accumulate; the next one outside it starts the exchange (as ``DistributedDataParallel.no_sync``).

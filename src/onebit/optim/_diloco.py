@@ -220,12 +220,6 @@ class DiLoCo(OnebitOptimizer):
                                                        overlap=False, scales=check_scales(scales), group=stream),
                     fragments=self._fragments, delayed_group=stream)
 
-    def wait(self) -> None:
-        """Wait for the synchronisation in flight, if any (``delay`` > 0), to complete its exchange;
-        it still lands at its step. Call it before destroying the process group when a run may
-        end between a synchronisation's launch and its landing."""
-        self._driver.wait()
-
     @property
     def synchronised(self) -> bool:
         """Whether every rank holds the same parameters now: after a synchronisation of the whole
