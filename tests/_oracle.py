@@ -62,3 +62,25 @@ class SimulatedCompressedAllReduce:
             self.server_err[j] = s - m
             out.append(m)
         return torch.cat(out)
+
+
+class SimulatedCompressedAllGather:
+    """n workers of Comp-AMS's exchange (Algorithm 2, lines 5-11), one process, plain loops: each
+    compresses ``x + e`` (one scale per piece between segment starts, rounded down to ``align``),
+    keeps ``e <- x + e - C(x + e)``, and the average of the compressed values is everyone's."""
+
+    def __init__(self, n_workers: int, numel: int, compress=sign_compress, align: int = 8,
+                 segments: list[int] | None = None) -> None:
+        self.w = n_workers
+        self.pieces = pieces(0, numel, segments or [], align)
+        self.compress = compress
+        self.worker_err = [torch.zeros(numel) for _ in range(n_workers)]
+
+    def __call__(self, xs: list[Tensor]) -> Tensor:
+        sent = []
+        for i, x in enumerate(xs):
+            c = x.float() + self.worker_err[i]
+            q = torch.cat([self.compress(c[a:b]) for a, b in self.pieces])
+            self.worker_err[i] = c - q
+            sent.append(q)
+        return sum(sent) / self.w

@@ -237,6 +237,10 @@ def test_bench_convergence_pairs_seeds_and_reports_intervals(tmp_path, capsys):
                           for label in (name, f"{name}@20%")]
     assert [r["label"] for r in runs] == labels * 4
     assert [(r["seed"], r["perturbation"]) for r in runs[::9]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    # each run records the arguments it was built with, defaults included: its label's meaning of the day
+    assert runs[8]["arguments"] == {**runs[8]["arguments"], "lr": 0.003, "sync_every": 1, "compressor": "sign",
+                                    "collective": "allgather", "error_feedback": False}
+    assert runs[5]["arguments"]["compressor"] == "identity" and runs[0]["arguments"]["freeze_step"] == 10 ** 9
     # "auto" does not freeze in 5 steps; 20% of them is step 1
     assert [r["freeze_step"] for r in runs[:5]] == [None, None, 1, None, 1]
     assert all(r["replicas"] == "identical" and r["first_nonfinite_step"] is None for r in runs)
@@ -304,8 +308,9 @@ def test_convergence_cells_leave_out_the_identity_controls_on_request():
                         "diloco_identity", "diloco", "softsign_sgd", "birder_identity", "birder"]
     assert labels(controls=False) == ["adamw", "onebit_adam", "zero_one_adam", "diloco", "softsign_sgd", "birder"]
     assert labels(optimizers=("diloco",), extended=True) == [
-        "adamw", "diloco_identity", "diloco", "diloco_ef", "diloco_fedavg", "diloco_fedavg_identity",
-        "diloco_fedavg_ef"]  # no_ef and fedavg_no_ef are the defaults: not run twice; no softsign_sgd alone
+        "adamw", "diloco_identity", "diloco", "diloco_ef", "diloco_allreduce", "diloco_allreduce_ef",
+        "diloco_streamed", "diloco_fedavg", "diloco_fedavg_identity", "diloco_fedavg_ef"]  # no_ef and fedavg_no_ef are the defaults: not run twice;
+    # no softsign_sgd alone
     assert labels(optimizers=("diloco_fedavg",), extended=True) == ["adamw", "diloco_fedavg"]
 
 

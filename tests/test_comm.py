@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from _harness import run_ranks
-from _oracle import SimulatedCompressedAllReduce, chunks
+from _oracle import SimulatedCompressedAllGather, SimulatedCompressedAllReduce, chunks
 import onebit
 from onebit import comm, compress
 
@@ -59,8 +59,8 @@ def test_compressed_allreduce_matches_oracle_and_is_identical(world):
         assert torch.allclose(out["state"]["server_error"]["error"], oracle.server_err[r], atol=1e-5)
 
 
-def _segmented_worker(rank, world, n, segments, steps):
-    car = comm.CompressedAllReduce("sign", segments=segments)
+def _segmented_worker(rank, world, n, segments, steps, kind):
+    car = getattr(comm, kind)("sign", segments=segments)
     outs = []
     for step in range(steps):
         x = _inputs(world, n, step)[rank]
@@ -71,13 +71,14 @@ def _segmented_worker(rank, world, n, segments, steps):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_segmented_scales_match_oracle(world):
-    # starts off the byte grid (rounded down to 8) and a piece inside every chunk
+@pytest.mark.parametrize("kind", ["CompressedAllReduce", "CompressedAllGather"])
+def test_segmented_scales_match_oracle(world, kind):
+    # starts off the byte grid (rounded down to 8) and, for the all-reduce, a piece inside every chunk
     n, steps = 10_007, 3
     segments = [0, 2_000, 2_013, n // 3 + 5, 5_004, 9_999]
-    res = run_ranks(_segmented_worker, world, n, segments, steps)
-    oracle = SimulatedCompressedAllReduce(world, n, segments=segments)
-    plain = SimulatedCompressedAllReduce(world, n)
+    res = run_ranks(_segmented_worker, world, n, segments, steps, kind)
+    simulated = SimulatedCompressedAllReduce if kind == "CompressedAllReduce" else SimulatedCompressedAllGather
+    oracle, plain = simulated(world, n, segments=segments), simulated(world, n)
     for step in range(steps):
         xs = _inputs(world, n, step)
         for x in xs:
@@ -85,12 +86,16 @@ def test_segmented_scales_match_oracle(world):
         expect, coarse = oracle(xs), plain(xs)
         got = [r["outs"][step] for r in res]
         assert all(torch.equal(g, got[0]) for g in got), "ranks disagree"
-        assert torch.allclose(got[0], expect, rtol=1e-5, atol=0), (got[0] - expect).abs().max()
-        # the small values of the large layer's chunk keep their own magnitude instead of its
-        truth, small = torch.stack(xs).mean(0), slice(2_008, oracle.bounds[0][1])
+        # atol: the all-gather's average cancels values of ~1e3 (the all-reduce compresses it again)
+        assert torch.allclose(got[0], expect, rtol=1e-5, atol=1e-6 * expect.abs().max()), (got[0] - expect).abs().max()
+        # the small values after the large layer keep their own magnitude instead of its
+        truth, small = torch.stack(xs).mean(0), slice(2_008, n // 3)
         assert (got[0] - truth)[small].norm() < 0.01 * (coarse - truth)[small].norm()
     for r, out in enumerate(res):
         assert torch.allclose(out["state"]["worker_error"]["error"], oracle.worker_err[r], rtol=1e-5, atol=1e-3)
+        if kind == "CompressedAllGather":  # 4 bytes per piece, the whole tensor to each of the w - 1 others
+            assert out["bytes"] == (world - 1) * (compress.get("sign").wire_bytes(n) + 4 * (len(oracle.pieces) - 1))
+            continue
         # 4 bytes per piece: the slot of the chunk with the most pieces, 2 (w - 1) of them
         slot = max(compress.get("sign").wire_bytes(hi - lo) + 4 * (len(p) - 1)
                    for (lo, hi), p in zip(oracle.bounds, oracle.pieces))
@@ -102,6 +107,8 @@ def test_segments_need_a_compressor_with_scales():
         comm.CompressedAllReduce("identity", segments=[0, 10])
     with pytest.raises(ValueError, match="segments must be a sequence of ints >= 0"):
         comm.CompressedAllReduce("sign", segments=[0, -1])
+    with pytest.raises(ValueError, match="segments given for TopKCompressor"):
+        comm.CompressedAllGather("topk", segments=[0, 10])
 
 
 def _small_sizes_worker(rank, world):

@@ -7,7 +7,7 @@ import torch
 
 import onebit
 from _harness import run_ranks
-from _oracle import SimulatedCompressedAllReduce
+from _oracle import SimulatedCompressedAllGather, SimulatedCompressedAllReduce
 
 H = 3  # inner steps per synchronisation
 STEPS = 2 * H + 2  # two synchronisations, then two steps into the third interval
@@ -34,10 +34,23 @@ def _flat(model):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def _oracle(world, compressor, error_feedback):
+def _simulated(collective, world, numel, segments):
+    cls = SimulatedCompressedAllGather if collective == "allgather" else SimulatedCompressedAllReduce
+    return cls(world, numel, segments=segments)
+
+
+def _forget(exchange):
+    """Error feedback off: the errors restart at zero after every synchronisation."""
+    exchange.worker_err = [torch.zeros_like(e) for e in exchange.worker_err]
+    if hasattr(exchange, "server_err"):
+        exchange.server_err = [torch.zeros_like(e) for e in exchange.server_err]
+
+
+def _oracle(world, compressor, collective, error_feedback):
     """Every worker's parameters after every step: H AdamW steps on its own batches, then
-    delta_i = anchor - x_i averaged (exactly, or by the two-sided 1-bit all-reduce with one
-    scale per tensor piece), b <- mu b + delta, anchor <- anchor - lr (delta + mu b), x_i <- anchor."""
+    delta_i = anchor - x_i averaged (exactly; or each rank's 1-bit delta_i with one scale per
+    tensor piece all-gathered and averaged; or by the two-sided 1-bit all-reduce),
+    b <- mu b + delta, anchor <- anchor - lr (delta + mu b), x_i <- anchor."""
     models = [_model() for _ in range(world)]
     inners = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
     anchor = _flat(models[0]).clone()
@@ -45,7 +58,7 @@ def _oracle(world, compressor, error_feedback):
     starts = [0]
     for p in models[0].parameters():
         starts.append(starts[-1] + p.numel())
-    exchange = SimulatedCompressedAllReduce(world, anchor.numel(), segments=starts[:-1])
+    exchange = _simulated(collective, world, anchor.numel(), starts[:-1])
     history = []
     for step in range(1, STEPS + 1):
         for rank in range(world):
@@ -58,8 +71,7 @@ def _oracle(world, compressor, error_feedback):
             else:
                 delta = exchange(deltas)
                 if not error_feedback:
-                    exchange.worker_err = [torch.zeros_like(e) for e in exchange.worker_err]
-                    exchange.server_err = [torch.zeros_like(e) for e in exchange.server_err]
+                    _forget(exchange)
             momentum = OUTER_MOMENTUM * momentum + delta
             anchor = anchor - OUTER_LR * (delta + OUTER_MOMENTUM * momentum)
             for m in models:
@@ -70,11 +82,12 @@ def _oracle(world, compressor, error_feedback):
     return history
 
 
-def _ours(rank, world, compressor, error_feedback):
+def _ours(rank, world, compressor, collective, error_feedback):
     torch.set_num_threads(1)
     model = _model()
     opt = onebit.DiLoCo(torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=H, outer_lr=OUTER_LR,
-                        outer_momentum=OUTER_MOMENTUM, compressor=compressor, error_feedback=error_feedback)
+                        outer_momentum=OUTER_MOMENTUM, compressor=compressor, collective=collective,
+                        error_feedback=error_feedback)
     history, stages = [], []
     for step in range(1, STEPS + 1):
         _inner_step(model, opt, rank, step)
@@ -86,10 +99,12 @@ def _ours(rank, world, compressor, error_feedback):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("compressor,error_feedback", [("identity", True), ("sign", True), ("sign", False)])
-def test_matches_the_algorithm_written_plainly(world, compressor, error_feedback):
-    oracle = _oracle(world, compressor, error_feedback)
-    results = run_ranks(_ours, world, compressor, error_feedback)
+@pytest.mark.parametrize("compressor,collective,error_feedback", [
+    ("identity", "allgather", True), ("sign", "allgather", False), ("sign", "allgather", True),
+    ("sign", "allreduce", False), ("sign", "allreduce", True)])
+def test_matches_the_algorithm_written_plainly(world, compressor, collective, error_feedback):
+    oracle = _oracle(world, compressor, collective, error_feedback)
+    results = run_ranks(_ours, world, compressor, collective, error_feedback)
     for rank, (history, stages) in enumerate(results):
         # an inner step sends nothing, not even the agreement on skipping it
         assert stages == [("outer", True) if s % H == 0 else ("local", False) for s in range(1, STEPS + 1)]
@@ -106,7 +121,7 @@ SH, TAU, ALPHA = 6, 2, 0.5
 S_STEPS = 2 * SH + 2
 
 
-def _streamed_oracle(world, compressor, error_feedback):
+def _streamed_oracle(world, compressor, collective, error_feedback):
     """Algorithm 2 of arXiv 2501.18512 (torchft's schedule): fragment p lands at the steps k SH / 2
     with k = p + 1 modulo 2, its outer gradients formed TAU steps before; the fragments: the
     first layer's weight (48 values, the nearest cut to half of 83), then the rest."""
@@ -115,8 +130,7 @@ def _streamed_oracle(world, compressor, error_feedback):
     anchor = _flat(models[0]).clone()
     momentum = torch.zeros_like(anchor)
     ranges = [(0, 48), (48, 83)]
-    exchanges = [SimulatedCompressedAllReduce(world, 48, segments=[0]),
-                 SimulatedCompressedAllReduce(world, 35, segments=[0, 8, 32])]
+    exchanges = [_simulated(collective, world, 48, [0]), _simulated(collective, world, 35, [0, 8, 32])]
     period, in_flight, history = SH // 2, {}, []
     for step in range(1, S_STEPS + 1):
         for rank in range(world):
@@ -134,8 +148,7 @@ def _streamed_oracle(world, compressor, error_feedback):
             else:
                 delta = exchanges[p](deltas)
                 if not error_feedback:
-                    exchanges[p].worker_err = [torch.zeros_like(e) for e in exchanges[p].worker_err]
-                    exchanges[p].server_err = [torch.zeros_like(e) for e in exchanges[p].server_err]
+                    _forget(exchanges[p])
             momentum[lo:hi] = OUTER_MOMENTUM * momentum[lo:hi] + delta
             anchor[lo:hi] = anchor[lo:hi] - OUTER_LR * (delta + OUTER_MOMENTUM * momentum[lo:hi])
             for m in models:
@@ -144,40 +157,48 @@ def _streamed_oracle(world, compressor, error_feedback):
                     for q, a, value in zip(m.parameters(), [0, 48, 56, 80], merged.split([48, 8, 24, 3])):
                         if lo <= a < hi:
                             q.copy_(value.view_as(q))
-        history.append([_flat(m).clone() for m in models])
+        history.append(([_flat(m).clone() for m in models], anchor.clone()))
     return history
 
 
-def _streamed(rank, world, compressor, error_feedback):
+def _streamed(rank, world, compressor, collective, error_feedback):
     torch.set_num_threads(1)
     model = _model()
     opt = onebit.DiLoCo(torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=SH, outer_lr=OUTER_LR,
                         outer_momentum=OUTER_MOMENTUM, fragments=2, delay=TAU, compressor=compressor,
-                        error_feedback=error_feedback)
-    history, sent = [], []
+                        collective=collective, error_feedback=error_feedback)
+    history, shared, sent = [], [], []
     for step in range(1, S_STEPS + 1):
         _inner_step(model, opt, rank, step)
         opt.step()
         if step == 5 and rank == 0:  # in flight since step 4: rank 0 alone completes it to save (no hang)
             assert opt.state_dict()["onebit"]["arrivals"][0]["lands_at"] == 6
         history.append(_flat(model).clone())
+        with opt.anchored():
+            shared.append(_flat(model).clone())
+        assert torch.equal(_flat(model), history[-1])  # its own values again after the block
         sent.append(opt.stats["bytes_sent"])
         opt.check_replicas()  # the anchors: the same bits on every rank after every step
     opt.wait()
-    return history, sent, opt.merge
+    return history, shared, sent, opt.merge
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("compressor,error_feedback", [("identity", False), ("sign", True), ("sign", False)])
-def test_streamed_fragments_match_the_algorithm_written_plainly(world, compressor, error_feedback):
-    oracle = _streamed_oracle(world, compressor, error_feedback)
-    results = run_ranks(_streamed, world, compressor, error_feedback)
-    for rank, (history, sent, merge) in enumerate(results):
+@pytest.mark.parametrize("compressor,collective,error_feedback", [
+    ("identity", "allgather", False), ("sign", "allgather", False), ("sign", "allgather", True),
+    ("sign", "allreduce", True)])
+def test_streamed_fragments_match_the_algorithm_written_plainly(world, compressor, collective, error_feedback):
+    oracle = _streamed_oracle(world, compressor, collective, error_feedback)
+    results = run_ranks(_streamed, world, compressor, collective, error_feedback)
+    for rank, (history, shared, sent, merge) in enumerate(results):
         assert merge == ALPHA  # the paper's, by default with a delay
-        for step, (ours, expected) in enumerate(zip(history, oracle), start=1):
+        for step, (ours, anchored, (expected, anchor)) in enumerate(zip(history, shared, oracle), start=1):
             assert torch.allclose(ours, expected[rank], rtol=1e-5, atol=1e-6), (rank, step)
+            # anchored(): the model every rank shares, each fragment as its last landing left it
+            assert torch.allclose(anchored, anchor, rtol=1e-5, atol=1e-6)
+            assert torch.equal(anchored, results[0][1][step - 1])
         # launched TAU steps before each landing (steps 1, 4, 7, ...), and only then: the bytes of
-        # that step; the second phase leaves in the next step's step()
+        # that step (the all-reduce's second phase leaves in the next step's step())
         assert all(sent[s - 1] > 0 for s in range(1, S_STEPS + 1, SH // 2))
     assert not torch.equal(results[0][0][-1], results[1][0][-1])  # merged with local steps: they differ
 

@@ -111,6 +111,8 @@ def _training_flags(p: argparse.ArgumentParser, steps: int, out: str, bandwidth:
                    help="diloco: synchronise the model in this many fragments, staggered (default 1)")
     p.add_argument("--delay", type=_nonneg_int, default=None,
                    help="diloco: inner steps each synchronisation stays in flight (default 0)")
+    p.add_argument("--collective", choices=("allgather", "allreduce"), default=None,
+                   help="diloco: the 1-bit outer gradients all-gathered (default) or through the compressed all-reduce")
     p.add_argument("--bucket-cap-mb", type=_positive_float, default=None,
                    help="bucket size of the *_overlap optimizers and of DDP, MB of fp32 values (default 25)")
     p.add_argument("--hierarchical", action="store_true",

@@ -119,7 +119,11 @@ def compare_rows(summaries: dict[str, dict], runs: dict[str, list[dict[str, Any]
         stages = [r["stage"] for r in runs[name]] or [""]
         shares = {k: sum(s == stage for s in stages) / len(stages) for k, stage in
                   (("refresh_fraction", "variance"), ("local_fraction", "local"))}
-        key = "birder_hierarchical" if name == "birder" and hierarchical else name
+        key = name
+        if name == "birder" and hierarchical:
+            key = "birder_hierarchical"
+        elif name == "diloco" and summaries[name]["config"].get("collective") == "allreduce":
+            key = "diloco_allreduce"
         return next((p for p in predict(replace(model, compute=compute, **shares)) if p.optimizer == key), None)
 
     # What users run (DDP's overlapped fp32 all-reduce) and the compute floor (no communication),

@@ -76,7 +76,7 @@ def _config(args: argparse.Namespace, optimizer: str):
         seed=args.seed, topk_ratio=min(args.topk_ratio, 1.0), qadam_bits=args.qadam_bits,
         local_step_scaler=args.local_step_scaler, powersgd_rank=args.powersgd_rank, hierarchical=args.hierarchical,
         bucket_cap_mb=args.bucket_cap_mb, sync_every=args.sync_every, fragments=args.fragments, delay=args.delay,
-        context=args.context,
+        collective=args.collective, context=args.context,
         hidden=args.hidden, d_model=args.d_model, layers=args.layers, heads=args.heads,
         checkpoint_every=args.checkpoint_every, resume=args.resume, backend=getattr(args, "backend", "torch"),
         trace_step=args.trace,

@@ -36,6 +36,7 @@ counterpart's final loss, where the final loss sits close to the text's entropy.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import math
@@ -265,16 +266,32 @@ class ConvergenceTask:
 
 
 # ------------------------------------------------------------------------------------ runs
-def build_optimizer(cell: Cell, params: list[nn.Parameter], steps: int, seed: int,
-                    max_grad_norm: float | None = None) -> torch.optim.Optimizer:
-    """The optimizer of ``cell`` with its default arguments (only ``lr``, the freeze step where
-    the cell fixes one and, when given, ``max_grad_norm`` set)."""
+def _given(cell: Cell, steps: int, seed: int, max_grad_norm: float | None) -> dict[str, Any]:
+    """The arguments ``cell`` gives its registry entry beyond the entry's own: ``lr``, the freeze
+    step where the cell fixes one, ``max_grad_norm`` and the variant's."""
     entry, extra, _ = _VARIANTS[cell.optimizer]
     spec = REGISTRY[entry]
     fixed = {} if cell.freeze_fraction is None or spec.freeze is None else \
         spec.freeze(max(1, round(cell.freeze_fraction * steps)))
-    kw = {"lr": cell.lr, "max_grad_norm": max_grad_norm, **fixed, **({"seed": seed} if spec.seeded else {}), **extra}
-    return make_optimizer(entry, params, **kw)
+    return {"lr": cell.lr, "max_grad_norm": max_grad_norm, **fixed, **({"seed": seed} if spec.seeded else {}), **extra}
+
+
+def build_optimizer(cell: Cell, params: list[nn.Parameter], steps: int, seed: int,
+                    max_grad_norm: float | None = None) -> torch.optim.Optimizer:
+    """The optimizer of ``cell`` with its default arguments (only ``lr``, the freeze step where
+    the cell fixes one and, when given, ``max_grad_norm`` set)."""
+    return make_optimizer(_VARIANTS[cell.optimizer][0], params, **_given(cell, steps, seed, max_grad_norm))
+
+
+def run_arguments(cell: Cell, steps: int, seed: int, max_grad_norm: float | None = None) -> dict[str, Any]:
+    """Every argument the optimizer of ``cell`` was built with that a JSON file can hold (its
+    class's defaults as they are today, the registry entry's, the cell's): what a run records, so
+    that its label keeps its meaning when a default changes."""
+    spec = REGISTRY[_VARIANTS[cell.optimizer][0]]
+    defaults = {k: p.default for k, p in inspect.signature(spec.cls).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    arguments = {**defaults, **spec.kwargs, **_given(cell, steps, seed, max_grad_norm)}
+    return {k: v for k, v in arguments.items() if v is None or isinstance(v, (bool, int, float, str))}
 
 
 def perturb_(model: nn.Module, k: int) -> None:
@@ -295,11 +312,14 @@ def cosine(steps: int) -> Callable[[int], float]:
 
 
 def measure_training(task: ConvergenceTask, model: nn.Module, update: Callable[[Tensor, int], object], *,
-                     steps: int, batch: int, seed: int, rank: int, forward: nn.Module | None = None) -> dict[str, Any]:
+                     steps: int, batch: int, seed: int, rank: int, forward: nn.Module | None = None,
+                     shared: Callable[[], contextlib.AbstractContextManager[Any]] | None = None) -> dict[str, Any]:
     """Train ``steps`` steps on this rank's batches and measure what the matrix reports.
 
     ``update(loss, step)`` runs backward and the optimizer step; ``forward`` (default
-    ``model``) computes the training loss (DeepSpeed's engine, say). Training stops at the
+    ``model``) computes the training loss (DeepSpeed's engine, say); the held-out scores are
+    taken inside ``shared()`` where given: a context in which ``model`` is the model every rank
+    shares (DiLoCo's :meth:`~onebit.DiLoCo.anchored`). Training stops at the
     first non-finite loss, averaged over the default group's ranks -- a 4-byte all-reduce
     outside any optimizer's meter, so that every rank stops at the same step. Returns the
     per-step losses, ``first_nonfinite_step``, ``final_loss`` (mean of the last 10% of the
@@ -315,7 +335,11 @@ def measure_training(task: ConvergenceTask, model: nn.Module, update: Callable[[
         if not math.isfinite(losses[-1]):
             nonfinite = step
             break
-    scores = task.evaluate(model) if nonfinite is None else dict.fromkeys(task.scores, float("nan"))
+    if nonfinite is None:
+        with shared() if shared is not None else contextlib.nullcontext():
+            scores = task.evaluate(model)
+    else:
+        scores = dict.fromkeys(task.scores, float("nan"))
     tail = losses[-max(1, steps // 10):]
     return {"losses": losses, "first_nonfinite_step": nonfinite, **scores,
             "final_loss": sum(tail) / len(tail) if nonfinite is None else float("nan")}
@@ -342,7 +366,9 @@ def _train_cell(task: ConvergenceTask, cell: Cell, steps: int, batch: int, seed:
         if hasattr(opt, "ratio") and step % 10 == 0:
             ratios.append(opt.ratio.tolist())
 
-    run = measure_training(task, model, update, steps=steps, batch=batch, seed=seed, rank=rank)
+    run = measure_training(task, model, update, steps=steps, batch=batch, seed=seed, rank=rank,
+                           shared=getattr(opt, "anchored", None))
+    opt.wait()  # an exchange still in flight (streamed DiLoCo) completes before the group goes
     try:
         opt.check_replicas()
         replicas = "identical"
@@ -357,6 +383,7 @@ def _train_cell(task: ConvergenceTask, cell: Cell, steps: int, batch: int, seed:
     return {
         **asdict(cell),
         "label": cell.label,
+        "arguments": run_arguments(cell, steps, seed, max_grad_norm),
         "seed": seed,
         "perturbation": perturbation,
         **{k: v for k, v in run.items() if k != "losses"},

@@ -51,6 +51,7 @@ class TrainConfig(TaskSpec):
     sync_every: int | None = None  # DiLoCo's inner steps per synchronisation (None: its default, 500)
     fragments: int | None = None  # DiLoCo's streamed fragments (None: its default, 1)
     delay: int | None = None  # DiLoCo's steps each synchronisation stays in flight (None: its default, 0)
+    collective: str | None = None  # DiLoCo's 1-bit exchange, "allgather" or "allreduce" (None: its default)
     # "torch": spawned gloo ranks; "mpi": this process is one rank of an mpirun job
     backend: str = "torch"
     # checkpoints

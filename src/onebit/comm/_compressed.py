@@ -394,6 +394,10 @@ class CompressedAllGather(_Sized):
             or a :class:`onebit.compress.Compressor`.
         group: process group (``None``: default), an :class:`MPIGroup` or a backend name.
         error_feedback: add each rank's compression error to its next input.
+        segments: the offsets in ``tensor`` where its pieces start, each rounded down to the
+            compressor's alignment: every piece gets its own scale (only for a ``blockwise``
+            compressor, such as ``"sign"``; see :class:`CompressedAllReduce`). ``None``: the
+            compressor's own blocks.
         timeout: per-collective timeout (``None``: 300 s).
         **compressor_kwargs: passed to :func:`onebit.compress.get` (``ratio=``, ``block=``).
 
@@ -409,6 +413,7 @@ class CompressedAllGather(_Sized):
         group: Group = None,
         *,
         error_feedback: bool = True,
+        segments: Sequence[int] | None = None,
         timeout: float | timedelta | None = None,
         **compressor_kwargs: Any,
     ) -> None:
@@ -416,9 +421,11 @@ class CompressedAllGather(_Sized):
         if not isinstance(error_feedback, bool):
             raise TypeError(f"error_feedback must be a bool, got {error_feedback!r}")
         self.error_feedback = error_feedback
+        self.segments = _check_segments(segments, self.compressor)
 
     def _size(self, numel: int, device: torch.device) -> None:
-        self._slot_bytes = torch.zeros(self.compressor.wire_bytes(numel), dtype=torch.uint8, device=device)
+        self._codec = chunk_codecs(self.compressor, [(0, numel)], self.segments)[0]
+        self._slot_bytes = torch.zeros(self._codec.wire_bytes(numel), dtype=torch.uint8, device=device)
 
     def __call__(self, tensor: Tensor, out: Tensor | None = None) -> Tensor:
         """Average over the group of every rank's ``C(tensor [+ error])``."""
@@ -431,7 +438,7 @@ class CompressedAllGather(_Sized):
         ``tensor`` and ``out`` must stay untouched until the last stage."""
         tensor = self._prepare(tensor, out)
         flat = tensor.detach().reshape(-1)
-        comp, n = self.compressor, flat.numel()
+        comp, n = self._codec, flat.numel()
         if self.error_feedback:
             payload = self.worker_error.compress(comp, flat)
         else:

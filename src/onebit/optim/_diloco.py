@@ -1,12 +1,13 @@
 """DiLoCo (Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models",
-arXiv 2311.08105) with its outer gradients sent through the error-compensated 1-bit all-reduce.
+arXiv 2311.08105) with its outer gradients sent at 1 bit a value.
 
 Each rank takes ``sync_every`` (H) steps of its own inner optimizer; at every H-th step, after
 its inner step, it sends its outer gradient ``delta_i = anchor - x_i`` (the anchor: the
 parameters of the last synchronisation, Algorithm 1 line 9), the ranks average them
-(line 10; here through the compressed all-reduce with worker and server error feedback, as
-1-bit Adam's momentum), and the outer optimizer moves the anchor with the average in place of a
-gradient (line 12): :func:`outer_step`, Nesterov momentum SGD as ``torch.optim.SGD`` computes it.
+(line 10; here each rank's compressed outer gradient is all-gathered and the average taken
+exactly, or they go through 1-bit Adam's compressed all-reduce, which compresses the average
+again), and the outer optimizer moves the anchor with the average in place of a gradient
+(line 12): :func:`outer_step`, Nesterov momentum SGD as ``torch.optim.SGD`` computes it.
 Every rank then continues from the same new anchor; the inner optimizer's state stays its own.
 
 Streaming DiLoCo (Douillard et al., arXiv 2501.18512, section 2): with ``fragments`` P the
@@ -20,7 +21,8 @@ tau local steps taken meanwhile.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,7 +32,7 @@ from torch.optim import Optimizer
 from .. import comm, compress
 from .._checks import check_bool, check_nonneg, check_positive, check_positive_int, check_scales
 from ._base import OnebitOptimizer
-from ._driver import Wire
+from ._driver import Wire, allgather_factory
 from ._stages import Stage, StepStages
 
 if TYPE_CHECKING:
@@ -61,16 +63,16 @@ def outer_step(anchor: Tensor, momentum: Tensor, delta: Tensor, *, lr: float, mo
 
 
 class DiLoCo(OnebitOptimizer):
-    """DiLoCo's outer loop around any ``torch.optim`` optimizer, its outer gradients averaged by
-    the error-compensated 1-bit all-reduce (section 3, Algorithm 1 of arXiv 2311.08105).
+    """DiLoCo's outer loop around any ``torch.optim`` optimizer, its outer gradients sent at 1 bit
+    a value (section 3, Algorithm 1 of arXiv 2311.08105).
 
     ``params`` is the inner optimizer itself (any ``torch.optim`` optimizer, built on every rank
     over the same parameters), or parameters (or param groups) for ``inner(params, lr=lr)``,
     AdamW by default. ``step()`` is the inner optimizer's step on this rank's own gradients;
     every ``sync_every`` steps it is followed by the synchronisation: ``delta_i = anchor - x_i``
-    is averaged over the group (``compressor="sign"``: 1 bit per value, one scale per tensor
-    piece, with worker and server error feedback; ``"identity"``: the exact fp32 mean, DiLoCo as
-    published) and :func:`outer_step` moves the anchor, which every rank's parameters then take,
+    is averaged over the group (``compressor="sign"``: 1 bit per value and one scale per tensor
+    piece, every rank's all-gathered; ``"identity"``: the exact fp32 mean, DiLoCo as published)
+    and :func:`outer_step` moves the anchor, which every rank's parameters then take,
     bit for bit; :meth:`check_replicas` compares the anchors between synchronisations.
     The inner optimizer's state is never averaged or reset. Its param groups are this
     optimizer's: a learning-rate scheduler built on either schedules the inner steps. An inner
@@ -98,6 +100,12 @@ class DiLoCo(OnebitOptimizer):
             ``"identity"`` (the exact fp32 mean, DiLoCo as published), another name of
             :func:`onebit.compress.available` or a :class:`onebit.compress.Compressor` (e.g.
             ``onebit.compress.get("uniform", bits=8)``, 8-bit pseudo-gradients).
+        collective: how the compressed outer gradients are averaged. ``"allgather"`` (default):
+            every rank's is all-gathered and their average taken exactly, so each value is
+            compressed once; a rank sends ``w - 1`` times its compressed bytes. ``"allreduce"``:
+            1-bit Adam's compressed all-reduce, whose chunk owners compress the average again
+            before the all-gather: ``2 (w - 1) / w`` times, fewer bytes from 3 ranks on, at the
+            cost of the second compression's error (see the DiLoCo page of the docs).
         fragments: synchronise the model in P contiguous fragments of about equal size, each
             every ``sync_every`` steps, fragment p landing at the steps ``k H / P`` with ``k``
             congruent to ``p + 1`` modulo P (Streaming DiLoCo; 1: the whole model at once).
@@ -109,12 +117,11 @@ class DiLoCo(OnebitOptimizer):
             ``delay`` local steps (the paper's alpha): ``x <- merge x + (1 - merge) anchor``.
             Default 0.5 with a delay (the paper's), 0 without (where it must be 0: the
             parameters are the ones the outer gradient was formed from).
-        error_feedback: carry the compression errors (worker and server) from one
-            synchronisation to the next (default False: they restart at zero after each).
-            Measured on a byte-level GPT (4 workers, H of 16 to 256, 4 seeds), carrying them
-            cost 7-20% of held-out loss with the outer Nesterov step, which accelerates the
-            stale errors too; with ``outer_momentum=0`` it helped at H = 16, was about even at
-            64 and hurt at 256.
+        error_feedback: carry the compression errors (each rank's, and with the all-reduce the
+            chunk owners') from one synchronisation to the next (default False: they restart at
+            zero after each). The inner steps between have already moved on from what an error
+            held, and the outer momentum accelerates it again; it cost quality in every
+            setting measured but periodic averaging at H = 16 (the DiLoCo page of the docs).
         scales: ``"tensor"`` (one scale per tensor piece of each chunk) or ``"chunk"``.
         group: the process group the workers average over (``None``: the default group).
         **options: ``timeout``, ``broadcast_parameters``, ``on_nonfinite``,
@@ -148,6 +155,7 @@ class DiLoCo(OnebitOptimizer):
         delay: int = 0,
         merge: float | None = None,
         compressor: str | compress.Compressor = "sign",
+        collective: str = "allgather",
         error_feedback: bool = False,
         scales: str = "tensor",
         group: comm.Group = None,
@@ -194,6 +202,9 @@ class DiLoCo(OnebitOptimizer):
             raise ValueError(f"Invalid compressor value: {compressor!r} (expected one of "
                              f"{', '.join(compress.available())}, or a onebit.compress.Compressor)")
         self.compressor = compressor
+        if collective not in ("allgather", "allreduce"):
+            raise ValueError(f"Invalid collective value: {collective!r} (expected 'allgather' or 'allreduce')")
+        self.collective = collective
         self.error_feedback = check_bool("error_feedback", error_feedback)
         self.inner = inner
         exact = compress.get(compressor).name == "identity"
@@ -216,9 +227,44 @@ class DiLoCo(OnebitOptimizer):
                              "thread of its own: NCCL, or MPI without MPI_THREAD_MULTIPLE, do not allow it); use "
                              "delay=0, or a gloo group")
         stream = comm.duplicate(self.process_group, self.timeout) if delay else None
-        self._drive(None if exact else self._allreduce(compressor, hierarchical=False, ranks_per_node=None,
-                                                       overlap=False, scales=check_scales(scales), group=stream),
-                    fragments=self._fragments, delayed_group=stream)
+        if exact:
+            exchange = None
+        elif collective == "allgather":
+            exchange = allgather_factory(self.flat.offsets, self.process_group if stream is None else stream,
+                                         self.timeout, compressor, error_feedback=self.error_feedback,
+                                         scales=check_scales(scales))
+        else:
+            exchange = self._allreduce(compressor, hierarchical=False, ranks_per_node=None, overlap=False,
+                                       scales=check_scales(scales), group=stream)
+        self._drive(exchange, fragments=self._fragments, delayed_group=stream)
+
+    @contextlib.contextmanager
+    def anchored(self) -> Iterator[None]:
+        """Inside the block, every parameter holds its anchor: the model all ranks share (DiLoCo's
+        global model, each fragment as its last synchronisation left it, without the inner steps
+        since); after it, each its own value again. For evaluating or saving the shared model
+        where each rank's parameters are its own: inside an interval of inner steps, or with
+        fragments at any step.
+
+        Examples:
+            >>> model = torch.nn.Linear(4, 2)
+            >>> opt = onebit.DiLoCo(model.parameters(), sync_every=8)
+            >>> opt.zero_grad(); model(torch.randn(8, 4)).sum().backward(); opt.step()
+            >>> with opt.anchored():
+            ...     shared = model.weight.detach().clone()
+            >>> torch.equal(shared, model.weight)  # an inner step since the anchor
+            False
+        """
+        own = [p.detach().clone() for p in self.flat.params]
+        with torch.no_grad():
+            for p, anchor in zip(self.flat.params, self.flat.views("anchor")):
+                p.copy_(anchor)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, value in zip(self.flat.params, own):
+                    p.copy_(value)
 
     @property
     def synchronised(self) -> bool:

@@ -587,14 +587,33 @@ def allreduce_factory(offsets: Sequence[tuple[int, int]], group: comm.Group, tim
     collective's worker error, which only the flat all-reduce takes. ``scales="tensor"``: a
     compressor with per-block scales gives every parameter's piece of a chunk its own
     (:func:`check_scales`); ``"chunk"``: one per chunk."""
-    per_tensor = check_scales(scales) == "tensor" and compress.get(compressor).blockwise
+    segments = _segmenter(offsets, compressor, scales)
 
     def collective(start: int, end: int) -> Any:
-        segments = [lo - start for lo, _ in offsets if start < lo < end] if per_tensor else None
-        made = comm.compressed_allreduce(compressor, group, hierarchical=hierarchical,
-                                         ranks_per_node=ranks_per_node, segments=segments, timeout=timeout)
+        made = comm.compressed_allreduce(compressor, group, hierarchical=hierarchical, ranks_per_node=ranks_per_node,
+                                         segments=segments(start, end), timeout=timeout)
         if overlap and not made.reduces_added_input:
             raise ValueError(f"Invalid hierarchical value with overlap=True: {hierarchical!r} (the overlapped "
                              "exchange needs the flat compressed all-reduce)")
         return made
     return collective
+
+
+def allgather_factory(offsets: Sequence[tuple[int, int]], group: comm.Group, timeout: timedelta, compressor: Any, *,
+                      error_feedback: bool, scales: str = "chunk") -> Callable[[int, int], comm.CompressedAllGather]:
+    """``collective(start, end)`` for :class:`Driver`: :class:`onebit.comm.CompressedAllGather`
+    (every rank's compressed values, averaged exactly) of the flat values of parameters at
+    ``offsets``; ``scales`` as :func:`allreduce_factory`'s."""
+    segments = _segmenter(offsets, compressor, scales)
+    return lambda start, end: comm.CompressedAllGather(compressor, group, error_feedback=error_feedback,
+                                                       segments=segments(start, end), timeout=timeout)
+
+
+def _segmenter(offsets: Sequence[tuple[int, int]], compressor: Any,
+               scales: str) -> Callable[[int, int], list[int] | None]:
+    """``segments(start, end)`` of a bucket's collective: where the parameters starting inside
+    ``[start, end)`` start, relative to ``start``, for a compressor with per-block scales and
+    ``scales="tensor"``; None (one scale per chunk) otherwise."""
+    if check_scales(scales) != "tensor" or not compress.get(compressor).blockwise:
+        return lambda start, end: None
+    return lambda start, end: [lo - start for lo, _ in offsets if start < lo < end]

@@ -165,7 +165,7 @@ REGISTRY: dict[str, Spec] = {
                    costs={"birder": Cost("onebit", _ONEBIT),
                           "birder_hierarchical": Cost("onebit_hierarchical", "Hierarchical-1-bit-All-Reduce")}),
     # the inner AdamW's m and v, the anchor, the outer momentum (with error_feedback=True also the
-    # worker error and the server error, n/w, between synchronisations);
+    # worker error, and with the all-reduce the server error, n/w, between synchronisations);
     # sync_every=1 in the contract tests: every step synchronises, so replicas match after each
     "diloco": Spec(DiLoCo, "adamw", lambda w: 4.0, freeze=lambda t: {"sync_every": t},
                    test_kwargs={"lr": 0.01, "sync_every": 1}, matrix="diloco",
@@ -174,14 +174,22 @@ REGISTRY: dict[str, Spec] = {
                    variants={"identity": _IDENTITY,
                              "ef": Variant({"error_feedback": True}, extended=True),
                              "no_ef": Variant({"error_feedback": False}, extended=True),
+                             "allreduce": Variant({"collective": "allreduce", "error_feedback": False},
+                                                  extended=True),
+                             "allreduce_ef": Variant({"collective": "allreduce", "error_feedback": True},
+                                                     extended=True),
+                             # Streaming DiLoCo: a quarter of the model every H / 4 steps, a step in flight
+                             "streamed": Variant({"fragments": 4, "delay": 1}, extended=True),
                              "fedavg": Variant(_FEDAVG, extended=True),
                              "fedavg_identity": Variant({**_FEDAVG, "compressor": "identity"}, control=True,
                                                         extended=True),
                              "fedavg_ef": Variant({**_FEDAVG, "error_feedback": True}, extended=True),
                              "fedavg_no_ef": Variant({**_FEDAVG, "error_feedback": False}, extended=True)},
-                   costs={"diloco": Cost("onebit", _ONEBIT, exact="sync"),
+                   costs={"diloco": Cost("allgather_sign", "all-gather of signs+scales", exact="sync"),
+                          "diloco_allreduce": Cost("onebit", _ONEBIT, exact="sync"),
                           "diloco_fp32": Cost("allreduce_fp32", "ring all-reduce fp32", kernels=0.0, exact="sync")},
-                   options={"sync_every": "sync_every", "fragments": "fragments", "delay": "delay"}),
+                   options={"sync_every": "sync_every", "fragments": "fragments", "delay": "delay",
+                            "collective": "collective"}),
 }
 
 # The uncompressed optimizers the convergence matrix compares with, by the name its tables use
