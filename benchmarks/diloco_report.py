@@ -10,10 +10,11 @@ seed, and the bytes a rank sent against DDP AdamW's::
     python benchmarks/diloco_report.py --report benchmarks/results/diloco-convergence/summary.json \\
         benchmarks/results/diloco-convergence-fedavg-no-ef/summary.json
 
-The runs record their matrix labels, not their arguments, and a label's meaning follows the
-defaults of its day: ``SETTINGS`` names each label as run on 2026-11-26, while
-``error_feedback`` defaulted to True (``diloco`` and ``diloco_fedavg`` carried the errors), and
-the report refuses runs of another day.
+Runs record their arguments, and each is named by them. Runs from before they did record only
+their matrix labels, whose meaning follows the defaults of their day: ``SETTINGS`` names each
+label as run on 2026-11-26 before that change, while ``error_feedback`` defaulted to True
+(``diloco`` and ``diloco_fedavg`` carried the errors) and every 1-bit exchange was the
+compressed all-reduce; such runs of another day are refused.
 
 ``--cluster`` reads ``onebit compare`` runs on the emulated cluster instead (each directory one
 comparison, with the no-communication floor ``local_adam`` measured in it) and prints each
@@ -33,36 +34,54 @@ from pathlib import Path
 from onebit.bench._analysis import mean_interval, step_time
 from onebit.bench._convergence import _gap, _run
 
-# label as run on SETTINGS_DATE -> (outer step, exchange)
+# label as run on SETTINGS_DATE, by a run without its arguments -> (outer step, exchange)
 SETTINGS_DATE = "2026-11-26"
 SETTINGS = {
     "diloco_identity": ("paper's", "fp32"),
-    "diloco": ("paper's", "1-bit, error feedback"),
-    "diloco_no_ef": ("paper's", "1-bit"),
+    "diloco": ("paper's", "1-bit all-reduce, error feedback"),
+    "diloco_no_ef": ("paper's", "1-bit all-reduce"),
     "diloco_fedavg_identity": ("averaging", "fp32"),
-    "diloco_fedavg": ("averaging", "1-bit, error feedback"),
-    "diloco_fedavg_no_ef": ("averaging", "1-bit"),
+    "diloco_fedavg": ("averaging", "1-bit all-reduce, error feedback"),
+    "diloco_fedavg_no_ef": ("averaging", "1-bit all-reduce"),
 }
+OUTER = {(0.7, 0.9): "paper's", (1.0, 0.0): "averaging"}
+EXACT = ("paper's", "fp32")  # what "vs fp32 DiLoCo" compares with
+
+
+def setting(run: dict, date: str) -> tuple[str, str] | None:
+    """``(outer step, exchange)`` of a DiLoCo run (None for another optimizer's)."""
+    a = run.get("arguments")
+    if a is None:
+        if run["optimizer"] in SETTINGS and date != SETTINGS_DATE:
+            raise SystemExit(f"a {run['optimizer']} run of {date} without its arguments: SETTINGS names the "
+                             f"labels of {SETTINGS_DATE}")
+        return SETTINGS.get(run["optimizer"])
+    if "sync_every" not in a:
+        return None
+    outer = OUTER.get((a["outer_lr"], a["outer_momentum"]), f"lr {a['outer_lr']}, momentum {a['outer_momentum']}")
+    if a["compressor"] == "identity":
+        return outer, "fp32"
+    exchange = f"1-bit {a['collective'].replace('all', 'all-')}" if a["compressor"] == "sign" else a["compressor"]
+    streamed = f", {a['fragments']} fragments, delay {a['delay']}" if a["fragments"] > 1 else ""
+    return outer, exchange + (", error feedback" if a["error_feedback"] else "") + streamed
 
 
 def report(paths: list[Path]) -> str:
     summaries = [json.loads(p.read_text()) for p in paths]
-    for p, s in zip(paths, summaries):
-        if s["provenance"]["date"] != SETTINGS_DATE:
-            raise SystemExit(f"{p}: run on {s['provenance']['date']}; SETTINGS names the labels of {SETTINGS_DATE}")
     for key in ("steps", "world_size", "batch_per_rank"):
         if len({s[key] for s in summaries}) != 1:
             raise SystemExit(f"the runs differ in {key}: {sorted({s[key] for s in summaries})}")
     total = summaries[0]["steps"]
-    runs = [r for s in summaries for r in s["runs"]]
-    if len({(r["task"], r["lr"]) for r in runs}) != 1:
+    runs = [(r, s["provenance"]["date"]) for s in summaries for r in s["runs"]]
+    if len({(r["task"], r["lr"]) for r, _ in runs}) != 1:
         raise SystemExit("the runs are of several tasks or learning rates: report one at a time")
 
-    adamw = {_run(r): r for r in runs if r["label"] == "adamw"}
-    by: dict[tuple[int, str], dict] = {}
-    for r in runs:
-        if r["optimizer"] in SETTINGS and r["freeze_fraction"] is not None:  # DiLoCo's H, as run
-            by.setdefault((round(r["freeze_fraction"] * total), r["optimizer"]), {})[_run(r)] = r
+    adamw = {_run(r): r for r, _ in runs if r["label"] == "adamw"}
+    by: dict[tuple[int, tuple[str, str]], dict] = {}
+    for r, date in runs:
+        named = setting(r, date)
+        if named is not None and r["freeze_fraction"] is not None:  # DiLoCo's H, as run
+            by.setdefault((round(r["freeze_fraction"] * total), named), {})[_run(r)] = r
 
     def gap(mine: dict, theirs: dict) -> str:
         pairs = [k for k in mine if k in theirs]
@@ -78,17 +97,14 @@ def report(paths: list[Path]) -> str:
     ddp_bytes = statistics.fmean(r["bytes_sent_per_rank"] for r in adamw.values())
     lines = ["| H | outer step | exchange | held-out loss | vs DDP AdamW | vs fp32 DiLoCo | fewer bytes than DDP |",
              "|---|---|---|---|---|---|---|"]
-    for h in sorted({h for h, _ in by}):
-        for label in SETTINGS:
-            mine = by.get((h, label))
-            if not mine:
-                continue
-            exact = by.get((h, "diloco_identity"), {})
-            outer, exchange = SETTINGS[label]
-            loss = statistics.fmean(r["heldout_loss"] for r in mine.values())
-            sent = statistics.fmean(r["bytes_sent_per_rank"] for r in mine.values())
-            lines.append(f"| {h} | {outer} | {exchange} | {loss:.3f} | {gap(mine, adamw)} "
-                         f"| {'—' if label == 'diloco_identity' else gap(mine, exact)} | {ddp_bytes / sent:,.0f}x |")
+    outers = [*OUTER.values()]
+    for h, (outer, exchange) in sorted(by, key=lambda k: (k[0], outers.index(k[1][0]) if k[1][0] in outers
+                                                           else len(outers), k[1][0], k[1][1] != "fp32", k[1][1])):
+        mine, exact = by[h, (outer, exchange)], by.get((h, EXACT), {})
+        loss = statistics.fmean(r["heldout_loss"] for r in mine.values())
+        sent = statistics.fmean(r["bytes_sent_per_rank"] for r in mine.values())
+        lines.append(f"| {h} | {outer} | {exchange} | {loss:.3f} | {gap(mine, adamw)} "
+                     f"| {'—' if (outer, exchange) == EXACT else gap(mine, exact)} | {ddp_bytes / sent:,.0f}x |")
     first = summaries[0]
     provenance = "; ".join(f"`{s['provenance']['command']}`" for s in summaries)
     ddp_loss = statistics.fmean(r["heldout_loss"] for r in adamw.values())
@@ -100,7 +116,10 @@ def report(paths: list[Path]) -> str:
 def _setting(name: str, config: dict) -> str:
     if name == "diloco":
         streamed = f", {config['fragments']} fragments, delay {config['delay']}" if config["fragments"] else ""
-        return f"H = {config['sync_every']}{streamed}"
+        # runs from before the option: the compressed all-reduce, the default then
+        collective = {"allgather": "all-gather", None: "all-gather"}.get(config.get("collective", "allreduce"),
+                                                                         "all-reduce")
+        return f"H = {config['sync_every']}{streamed}, {collective}"
     return {"onebit_adam": "compressed steps", "local_adam": "no communication"}.get(name, "")
 
 
