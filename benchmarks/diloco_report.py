@@ -10,7 +10,8 @@ seed, and the bytes a rank sent against DDP AdamW's::
     python benchmarks/diloco_report.py --report benchmarks/results/diloco-convergence/summary.json \\
         benchmarks/results/diloco-convergence-fedavg-no-ef/summary.json
 
-Runs record their arguments, and each is named by them. Runs from before they did record only
+Runs record their arguments, and each is named by them; a rerun that records them replaces an
+older run of the same setting and seed (the same losses, and today's bytes). Runs from before they did record only
 their matrix labels, whose meaning follows the defaults of their day: ``SETTINGS`` names each
 label as run on 2026-11-26 before that change, while ``error_feedback`` defaulted to True
 (``diloco`` and ``diloco_fedavg`` carried the errors) and every 1-bit exchange was the
@@ -80,8 +81,14 @@ def report(paths: list[Path]) -> str:
     by: dict[tuple[int, tuple[str, str]], dict] = {}
     for r, date in runs:
         named = setting(r, date)
-        if named is not None and r["freeze_fraction"] is not None:  # DiLoCo's H, as run
-            by.setdefault((round(r["freeze_fraction"] * total), named), {})[_run(r)] = r
+        if named is None or r["freeze_fraction"] is None:  # DiLoCo's H, as run
+            continue
+        cell = by.setdefault((round(r["freeze_fraction"] * total), named), {})
+        seen = cell.get(_run(r))
+        if seen is not None and ("arguments" in seen) == ("arguments" in r):
+            raise SystemExit(f"two runs of {named} at {r['label']}, seed {r['seed']}: give each once")
+        if seen is None or "arguments" in r:  # a rerun recording its arguments replaces an older run
+            cell[_run(r)] = r
 
     def gap(mine: dict, theirs: dict) -> str:
         pairs = [k for k in mine if k in theirs]

@@ -363,3 +363,16 @@ def test_bench_memory_of_hsdp_counts_shard_sizes(tmp_path, capsys):
         assert r["shards"] == 2 and r["footprint"] - 0.01 <= r["held"] <= r["footprint"] + 0.1, r
     text = capsys.readouterr().out
     assert "sharded by FSDP2 over 2 ranks of each node" in text and "2 x 2" in text
+
+
+def test_bench_convergence_leaves_out_cells_their_optimizer_refuses(tmp_path, capsys):
+    out = tmp_path / "conv"
+    argv = ["bench", "convergence", "--tasks", "digits", "--families", "adamw", "--optimizers",
+            "diloco_streamed,onebit_adam_overlap", "--extended", "--freeze", "0.5", "--max-grad-norm", "1.0",
+            "--steps", "6", "--seeds", "1", "--batch-size", "4", "--world-size", "2", "--out", str(out), "--quiet"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    # H = 3 steps cannot be cut in 4 fragments; the overlapped exchange cannot clip: each said, not run
+    assert "diloco_streamed@50% left out: Invalid fragments value: 4 (sync_every=3 must be a multiple" in printed
+    assert "onebit_adam_overlap@50% left out: Invalid max_grad_norm value with overlap=True: 1.0" in printed
+    assert [r["label"] for r in json.loads((out / "summary.json").read_text())["runs"]] == ["adamw"]

@@ -314,6 +314,20 @@ def test_a_checkpoint_loads_only_into_the_same_streaming_schedule():
     other = onebit.DiLoCo(torch.optim.AdamW(model.parameters()), sync_every=4)
     with pytest.raises(ValueError, match="saved with fragments=2, delay=1; this optimizer has fragments=1, delay=0"):
         other.load_state_dict(state)
+    # nor into the other collective (their error state differs), before anything is loaded
+    state = onebit.DiLoCo(torch.optim.AdamW(model.parameters()), sync_every=4).state_dict()
+    other = onebit.DiLoCo(torch.optim.AdamW(model.parameters()), sync_every=4, collective="allreduce")
+    before = other.state_dict()
+    with pytest.raises(ValueError, match="saved with collective='allgather'; this optimizer has collective='allred"):
+        other.load_state_dict(state)
+    assert other.state_dict()["onebit"]["collective"] == before["onebit"]["collective"] == "allreduce"
+    state = other.state_dict()
+    del state["onebit"]["collective"]  # a checkpoint from before the option: the all-reduce's
+    with pytest.raises(ValueError, match="saved with collective='allreduce'; this optimizer has collective='allg"):
+        onebit.DiLoCo(torch.optim.AdamW(model.parameters()), sync_every=4).load_state_dict(state)
+    other.load_state_dict(state)
+    exact = onebit.DiLoCo(torch.optim.AdamW(model.parameters()), sync_every=4, compressor="identity")
+    exact.load_state_dict(state)  # the exact exchange holds no error state: either loads
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
@@ -325,6 +339,7 @@ def test_a_checkpoint_loads_only_into_the_same_streaming_schedule():
     ({"outer_momentum": 1.0}, ValueError, "Invalid outer_momentum value: 1.0"),
     ({"compressor": "int8"}, ValueError, "Invalid compressor value: 'int8' \\(expected one of block_sign, "),
     ({"error_feedback": 1}, TypeError, "Invalid error_feedback value: 1"),
+    ({"collective": "ring"}, ValueError, "Invalid collective value: 'ring' \\(expected 'allgather' or 'allreduce'\\)"),
     ({"overlap": True}, TypeError, "unexpected keyword argument 'overlap'"),
     ({"fragments": 0}, ValueError, "Invalid fragments value: 0"),
     ({"fragments": 2, "sync_every": 5}, ValueError, "Invalid fragments value: 2 \\(sync_every=5 must be a"),

@@ -542,6 +542,10 @@ class OnebitOptimizer(Optimizer):
         """Restore :meth:`_extra_state`; ``own_state`` is False when the state was saved by another
         rank or on another world size (the per-rank buffers then restart)."""
 
+    def _check_extra_state(self, state: Mapping[str, Any]) -> None:
+        """Refuse (``ValueError``) a state this optimizer cannot resume from, before anything is
+        loaded: saved with arguments that shape the exchange or its schedule differently."""
+
     def state_dict(self) -> dict[str, Any]:
         """Param groups plus everything needed to resume bit-exactly (loads with ``weights_only=True``)."""
         sd = super().state_dict()
@@ -573,6 +577,7 @@ class OnebitOptimizer(Optimizer):
                 f"incomplete {type(self).__name__} state_dict: missing {sorted(missing) or ['param_groups']} "
                 "(truncated, or saved by another version)"
             )
+        self._check_extra_state(extra)
         flat = extra["flat"]
         saved = [s for s in self._stages.stages if set(s.buffers) == set(flat)]
         if saved:  # the saved stage's layout (its values are loaded below)

@@ -120,9 +120,11 @@ class DiLoCo(OnebitOptimizer):
         error_feedback: carry the compression errors (each rank's, and with the all-reduce the
             chunk owners') from one synchronisation to the next (default False: they restart at
             zero after each). The inner steps between have already moved on from what an error
-            held, and the outer momentum accelerates it again; it cost quality in every
-            setting measured but periodic averaging at H = 16 (the DiLoCo page of the docs).
-        scales: ``"tensor"`` (one scale per tensor piece of each chunk) or ``"chunk"``.
+            held, and the outer momentum accelerates it again; it cost quality in the settings
+            measured, except periodic averaging through the all-reduce at H = 16 (where it
+            helped) and 64 (about even): the DiLoCo page of the docs.
+        scales: ``"tensor"`` (one scale per tensor piece, of each chunk with the all-reduce) or
+            ``"chunk"`` (one per chunk with the all-reduce, per fragment with the all-gather).
         group: the process group the workers average over (``None``: the default group).
         **options: ``timeout``, ``broadcast_parameters``, ``on_nonfinite``,
             ``check_replicas_every``, ``max_grad_norm`` (each rank clips its own gradients
@@ -244,7 +246,8 @@ class DiLoCo(OnebitOptimizer):
         global model, each fragment as its last synchronisation left it, without the inner steps
         since); after it, each its own value again. For evaluating or saving the shared model
         where each rank's parameters are its own: inside an interval of inner steps, or with
-        fragments at any step.
+        fragments at any step. Take no step inside it (the inner step would start from the
+        anchors, and its result be overwritten when the block ends).
 
         Examples:
             >>> model = torch.nn.Linear(4, 2)
@@ -327,14 +330,21 @@ class DiLoCo(OnebitOptimizer):
     # ------------------------------------------------------------------ checkpoints
     def _extra_state(self) -> dict[str, Any]:
         return {"inner": self.inner.state_dict(), "touched": list(self._touched), "sent": list(self._sent),
-                "streaming": [self.fragments, self.delay]}
+                "streaming": [self.fragments, self.delay], "collective": self.collective}
 
-    def _load_extra_state(self, state: Mapping[str, Any], own_state: bool) -> None:
+    def _check_extra_state(self, state: Mapping[str, Any]) -> None:
         saved = list(state.get("streaming", [1, 0]))  # checkpoints from before streaming: the whole model at once
         if saved != [self.fragments, self.delay]:
             raise ValueError(f"DiLoCo state_dict saved with fragments={saved[0]}, delay={saved[1]}; this optimizer has "
                              f"fragments={self.fragments}, delay={self.delay} (its schedule and the exchanges in "
                              "flight depend on them): build it with the saved ones")
+        # checkpoints from before the option: the compressed all-reduce, the only exchange then
+        collective = state.get("collective", "allreduce")
+        if collective != self.collective and self._collectives[0] is not None:  # the exact exchange has neither
+            raise ValueError(f"DiLoCo state_dict saved with collective={collective!r}; this optimizer has "
+                             f"collective={self.collective!r} (their error state differs): build it with the saved one")
+
+    def _load_extra_state(self, state: Mapping[str, Any], own_state: bool) -> None:
         self.inner.load_state_dict(state["inner"])
         self._touched = [bool(t) for t in state["touched"]]
         self._sent = [None if s is None else [bool(t) for t in s] for s in state.get("sent", [None] * self.fragments)]

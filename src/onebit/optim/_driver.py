@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from ._flat import FlatState
 
 __all__ = ["COMPRESSED_FORMED", "COMPRESSED_GRADIENT", "Buckets", "Driver", "EXACT_GRADIENT", "LOCAL", "Plan", "Wire",
-           "allreduce_factory", "bucket_bounds"]
+           "allgather_factory", "allreduce_factory", "bucket_bounds"]
 
 _log = logging.getLogger("onebit.optim")
 
