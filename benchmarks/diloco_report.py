@@ -47,6 +47,7 @@ SETTINGS = {
 }
 OUTER = {(0.7, 0.9): "paper's", (1.0, 0.0): "averaging"}
 EXACT = ("paper's", "fp32")  # what "vs fp32 DiLoCo" compares with
+COLLECTIVES = {"allgather": "all-gather", "allreduce": "all-reduce"}
 
 
 def setting(run: dict, date: str) -> tuple[str, str] | None:
@@ -62,7 +63,7 @@ def setting(run: dict, date: str) -> tuple[str, str] | None:
     outer = OUTER.get((a["outer_lr"], a["outer_momentum"]), f"lr {a['outer_lr']}, momentum {a['outer_momentum']}")
     if a["compressor"] == "identity":
         return outer, "fp32"
-    exchange = f"1-bit {a['collective'].replace('all', 'all-')}" if a["compressor"] == "sign" else a["compressor"]
+    exchange = f"1-bit {COLLECTIVES[a['collective']]}" if a["compressor"] == "sign" else a["compressor"]
     streamed = f", {a['fragments']} fragments, delay {a['delay']}" if a["fragments"] > 1 else ""
     return outer, exchange + (", error feedback" if a["error_feedback"] else "") + streamed
 
@@ -123,9 +124,9 @@ def report(paths: list[Path]) -> str:
 def _setting(name: str, config: dict) -> str:
     if name == "diloco":
         streamed = f", {config['fragments']} fragments, delay {config['delay']}" if config["fragments"] else ""
-        # runs from before the option: the compressed all-reduce, the default then
-        collective = {"allgather": "all-gather", None: "all-gather"}.get(config.get("collective", "allreduce"),
-                                                                         "all-reduce")
+        # no "collective": a run from before the option (the compressed all-reduce, the default then);
+        # None: today's default, the all-gather
+        collective = COLLECTIVES[config.get("collective", "allreduce") or "allgather"]
         return f"H = {config['sync_every']}{streamed}, {collective}"
     return {"onebit_adam": "compressed steps", "local_adam": "no communication"}.get(name, "")
 
