@@ -183,6 +183,7 @@ def _hsdp_worker(rank: int, world: int, out_dir: str) -> None:
 
 
 def _bits(t: torch.Tensor) -> bytes:
+    t = t.to_local() if hasattr(t, "to_local") else t  # an FSDP2 shard (DTensor): this rank's values
     return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 

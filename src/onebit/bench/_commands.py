@@ -96,11 +96,32 @@ def _run_all(args: argparse.Namespace, names: list[str]) -> dict[str, dict]:
     return summaries
 
 
+def _link_use(events: list[dict[str, Any]]) -> list[str]:
+    """Per rank whose link was traced: the bytes it sent in the traced step, the window (ms on the
+    step's clock) in which it sent their middle 98% (a link also carries the acknowledgements of
+    what it receives), and their average rate there -- near the link's own rate, the link was the
+    bottleneck in that window; well below it, the link waited."""
+    lines = []
+    for rank in sorted({e["pid"] for e in events if e["ph"] == "C"}):
+        sent = sorted((e["ts"] / 1e3, e["args"]["bytes"]) for e in events if e["pid"] == rank and e["ph"] == "C")
+        total = sent[-1][1]
+        if not total:
+            lines.append(f"rank {rank}: nothing sent")
+            continue
+        start = next(t for t, b in sent if b >= 0.01 * total)
+        end = next(t for t, b in sent if b >= 0.99 * total)
+        lines.append(f"rank {rank}: {total / 1e6:.2f} MB, 98% of it between {start:.0f} and {end:.0f} ms "
+                     f"({0.98 * total * 8e-3 / max(end - start, 1e-3):.0f} Mbit/s on average)")
+    return lines
+
+
 def _timeline(run: Path) -> None:
-    """Draw ``timeline.png`` from the run's ``trace.json``."""
+    """Draw ``timeline.png`` from the run's ``trace.json``; print what each rank's link carried."""
     from ._plot import plot_trace
 
     events = json.loads((run / "trace.json").read_text())["traceEvents"]
+    for line in _link_use(events):
+        print(f"link, {line}")
     try:
         print(f"timeline: {run / 'trace.json'} (ui.perfetto.dev, chrome://tracing), "
               f"{plot_trace(events, run / 'timeline.png')}")

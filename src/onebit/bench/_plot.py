@@ -113,23 +113,46 @@ def plot_losses(runs: dict[str, list[dict[str, Any]]], path: Path, title: str = 
     return path
 
 
-_LANES = ("step", "backward", "compute", "wire")
+_LANES = ("step", "backward", "compute", "wire", "link")
+
+
+def _rates(sent: list[tuple[float, int]], window: float = 5.0) -> list[tuple[float, float]]:
+    """``(ms, bytes sent so far)`` samples -> ``(ms, Mbit/s)`` over consecutive ``window``-ms bins
+    (a shaped link's token bucket lets bursts out faster than its rate over a millisecond)."""
+    if len(sent) < 2:
+        return []
+    curve, (t, b) = [], sent[0]
+    for t1, b1 in sent[1:]:
+        if t1 - t >= window or (t1, b1) == sent[-1]:
+            curve.append((t, (b1 - b) * 8e-3 / (t1 - t) if t1 > t else 0.0))
+            t, b = t1, b1
+    return curve
 
 
 def plot_trace(events: list[dict[str, Any]], path: Path) -> Path:
     """Write ``path``: a traced step (:func:`onebit.comm.trace`, Chrome's event format) as one row
     per rank and lane -- the optimizer's steps, the buckets ready and launched during backward,
     the compressed collectives' arithmetic and their collectives in flight -- each span coloured
-    by what it is and labelled with its bucket; a bucket's gradients ready are ticks."""
+    by what it is and labelled with its bucket; a bucket's gradients ready are ticks. A traced
+    link is drawn as its rate over 5 ms, every rank's on one scale."""
     plt = _pyplot()
     rows = sorted({(e["pid"], e["tid"]) for e in events}, key=lambda r: (r[0], _LANES.index(r[1])
                                                                            if r[1] in _LANES else len(_LANES)))
     names = sorted({e["name"] for e in events if e["ph"] == "X"})
     colours = {n: plt.get_cmap("tab20")(i % 20) for i, n in enumerate(names)}
+    rates = {(rank, lane): _rates(sorted((e["ts"] / 1e3, e["args"]["bytes"]) for e in events
+                                         if (e["pid"], e["tid"], e["ph"]) == (rank, lane, "C")))
+             for rank, lane in rows}
+    peak = max((r for curve in rates.values() for _, r in curve), default=0.0) or 1.0
     fig, ax = plt.subplots(figsize=(14, 0.5 + 0.45 * len(rows)))
     end = max((e["ts"] + e.get("dur", 0.0)) / 1e3 for e in events)
     for y, (rank, lane) in enumerate(rows):
-        spans = sorted((e for e in events if (e["pid"], e["tid"]) == (rank, lane)), key=lambda e: -e.get("dur", 0))
+        spans = sorted((e for e in events if (e["pid"], e["tid"]) == (rank, lane) and e["ph"] != "C"),
+                       key=lambda e: -e.get("dur", 0))
+        curve = rates[rank, lane]
+        if curve:  # the link's rate, every rank's peak at the row's top
+            ax.fill_between([t for t, _ in curve], y + 0.4, [y + 0.4 - 0.8 * r / peak for _, r in curve],
+                            step="post", color="tab:gray", linewidth=0)
         for k, e in enumerate(spans):  # the longest first: a span inside another drawn over it, thinner
             start = e["ts"] / 1e3
             bucket = e["args"].get("bucket")
@@ -149,7 +172,8 @@ def plot_trace(events: list[dict[str, Any]], path: Path) -> Path:
                 ax.text(start if inner else start + width / 2, y - height / 2 + 0.02 if inner else y, label,
                         ha="left" if inner else "center", va="top" if inner else "center", fontsize=6, clip_on=True)
     ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels([f"rank {rank} {lane}" for rank, lane in rows])
+    ax.set_yticklabels([f"rank {rank} {lane}" + (f" (0-{peak:.0f} Mbit/s)" if lane == "link" else "")
+                        for rank, lane in rows])
     ax.invert_yaxis()
     ax.set_xlim(0, end)
     ax.set_xlabel("ms from the start of the traced step (ticks: a bucket's gradients ready)")

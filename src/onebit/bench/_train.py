@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import json
 import math
+import os
 import pickle
 import statistics
 import time
@@ -133,9 +134,10 @@ def _rank_main(rank: int, world: int, cfg: TrainConfig, out: Path, per_node: int
         bar = tqdm(total=cfg.steps, initial=first - 1, desc=cfg.optimizer, unit="step", leave=False)
     start = time.perf_counter() - (records[-1]["time"] if records else 0.0)
     timeline = None
+    link = os.environ.get("GLOO_SOCKET_IFNAME")  # what the ranks talk over (the launcher's, an emulated node's)
     for step in range(first, cfg.steps + 1):
         t0 = time.perf_counter()
-        with comm.trace(rank) if step == cfg.trace_step else contextlib.nullcontext() as traced:
+        with comm.trace(rank, link=link) if step == cfg.trace_step else contextlib.nullcontext() as traced:
             x, y = task.batch(cfg.batch_size, gen)
             with comm.span("forward", "step"):
                 loss = task.loss(run.module, x, y)

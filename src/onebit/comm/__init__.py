@@ -31,7 +31,7 @@ from ._dist import (
 from ._mpi import MPIGroup
 from ._meter import Meter, measure, record
 from ._nonfinite import agree, nonfinite
-from ._trace import Trace, instant, labelled, span, trace
+from ._trace import Trace, instant, labelled, link_bytes, span, trace
 
 __all__ = [
     "BACKENDS",
@@ -66,6 +66,7 @@ __all__ = [
     "instant",
     "is_distributed",
     "labelled",
+    "link_bytes",
     "measure",
     "nonfinite",
     "record",

@@ -441,14 +441,15 @@ def all_reduce_mean_stages(tensor: Tensor, group: Group = None,
     return inflight.wait()
 
 
-def _all_reduce(tensor: Tensor, op: str, group: Group, timeout: float | timedelta | None, link: str) -> Tensor:
+def _all_reduce(tensor: Tensor, op: str, group: Group, timeout: float | timedelta | None, link: str,
+                async_op: bool = False) -> Tensor | Pending:
     t = _transport(group)
     world = t.size()
     if world == 1:
-        return tensor
-    _start(f"all_reduce({op})", t, timeout, lambda: t.all_reduce(tensor, op), tensor).wait()
+        return _finish(tensor, async_op)
+    pending = _start(f"all_reduce({op})", t, timeout, lambda: t.all_reduce(tensor, op), tensor)
     record("all_reduce", 2 * (world - 1) * tensor.numel() * tensor.element_size() // world, link)
-    return tensor
+    return _finish(pending, async_op)
 
 
 def all_reduce_sum(tensor: Tensor, group: Group = None, timeout: float | timedelta | None = None,
@@ -457,9 +458,10 @@ def all_reduce_sum(tensor: Tensor, group: Group = None, timeout: float | timedel
     return _all_reduce(tensor, "sum", group, timeout, link)
 
 
-def all_reduce_max(tensor: Tensor, group: Group = None, timeout: float | timedelta | None = None) -> Tensor:
-    """In-place element-wise maximum over the group."""
-    return _all_reduce(tensor, "max", group, timeout, "flat")
+def all_reduce_max(tensor: Tensor, group: Group = None, timeout: float | timedelta | None = None,
+                   async_op: bool = False) -> Tensor | Pending:
+    """In-place element-wise maximum over the group (``async_op``: its :class:`Pending`)."""
+    return _all_reduce(tensor, "max", group, timeout, "flat", async_op)
 
 
 def broadcast(tensor: Tensor, src: int = 0, group: Group = None, timeout: float | timedelta | None = None) -> Tensor:

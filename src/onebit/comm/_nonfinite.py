@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from ..ops import max_abs
-from ._dist import Group, all_reduce_max
+from ._dist import Group, Pending, all_reduce_max
 
 __all__ = ["agree", "nonfinite"]
 
@@ -41,7 +41,12 @@ def nonfinite(tensors: Sequence[Tensor], device: torch.device | str) -> Tensor:
     return (~torch.isfinite(torch.stack(peaks))).any()
 
 
-def agree(flags: Tensor, group: Group, timeout: float | timedelta | None) -> list[float]:
+def agree(flags: Tensor, group: Group, timeout: float | timedelta | None, *,
+          async_op: bool = False) -> list[float] | Pending:
     """Every rank's ``flags`` (fp32, one entry per question: "a value here is not finite", "parameter
-    ``i`` has a gradient here") combined by a max over ``group``: one all-reduce, one host read."""
+    ``i`` has a gradient here") combined by a max over ``group``: one all-reduce, one host read.
+    ``async_op``: the all-reduce's :class:`Pending` (its ``wait()`` the combined flags, in place),
+    so that what is issued next leaves behind it."""
+    if async_op:
+        return all_reduce_max(flags, group, timeout, async_op=True)
     return all_reduce_max(flags, group, timeout).tolist()

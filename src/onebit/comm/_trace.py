@@ -6,18 +6,22 @@ collectives in flight, from launch to the wait that returned them.
 https://ui.perfetto.dev or ``chrome://tracing``; ``onebit.bench`` draws it too). Outside a
 block nothing is recorded and every hook is a no-op. Lanes: ``step`` (the optimizer's numbered
 steps), ``compute`` (the phases of the compressed collectives), ``wire`` (collectives in
-flight), ``backward`` (buckets ready and launched during backward).
+flight), ``backward`` (buckets ready and launched during backward), and with ``link`` the bytes
+that actually left through a network interface (``link``: what it carried, as counter events):
+a collective "in flight" may be waiting for a peer while the link idles, and only the interface
+tells the two apart.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Trace", "instant", "labelled", "span", "trace", "traced"]
+__all__ = ["Trace", "instant", "labelled", "link_bytes", "span", "trace", "traced"]
 
 
 @dataclass
@@ -48,17 +52,69 @@ _active: Trace | None = None
 _label: dict[str, Any] = {}  # what the events recorded now belong to (the bucket)
 
 
+def link_bytes(interface: str) -> int:
+    """Bytes transmitted so far through network ``interface`` of this process's network
+    namespace (Linux's ``/proc/self/net/dev``: the interface's counter, every process's bytes)."""
+    try:
+        with open("/proc/self/net/dev") as f:
+            for line in f:
+                name, _, counters = line.partition(":")
+                if counters and name.strip() == interface:
+                    return int(counters.split()[8])  # receive's 8 counters, then transmit's bytes
+    except OSError as exc:
+        raise RuntimeError(f"cannot read the link's counters (Linux's /proc/self/net/dev): {exc}") from None
+    raise ValueError(f"link {interface!r} is not a network interface of this process's namespace")
+
+
+class _LinkSampler:
+    """A thread reading ``interface``'s transmitted bytes every ``interval`` seconds until
+    stopped; the trace gets one counter event per sample: the bytes sent since the trace began."""
+
+    def __init__(self, interface: str, interval: float) -> None:
+        self.interface, self.interval = interface, interval
+        self.samples = [(time.perf_counter(), link_bytes(interface))]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="onebit-link-sampler", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.samples.append((time.perf_counter(), link_bytes(self.interface)))
+
+    def stop(self, into: Trace) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.samples.append((time.perf_counter(), link_bytes(self.interface)))
+        first = self.samples[0][1]
+        for t, sent in self.samples:
+            into.events.append({"name": "link", "cat": "link", "ph": "C", "pid": into.rank, "tid": "link",
+                                "ts": round((t - into.start) * 1e6, 1), "args": {"bytes": sent - first}})
+
+
 @contextlib.contextmanager
-def trace(rank: int = 0) -> Iterator[Trace]:
-    """Record the events of the block (one at a time per process)."""
+def trace(rank: int = 0, *, link: str | None = None, interval: float = 1e-3) -> Iterator[Trace]:
+    """Record the events of the block (one at a time per process).
+
+    ``link``: also sample, every ``interval`` seconds, the bytes leaving network interface
+    ``link`` (e.g. ``os.environ["GLOO_SOCKET_IFNAME"]``; Linux only), as lane ``link``'s counter
+    events (the bytes sent since the block began: where they stay flat, the link idles). The
+    sampler is a thread of this process: on a machine whose cores are all busy it takes a little
+    of their time.
+    """
     global _active
     if _active is not None:
         raise RuntimeError("a trace is already being recorded in this process")
-    _active = Trace(rank)
+    if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not interval > 0:
+        raise ValueError(f"interval must be a positive number of seconds, got {interval!r}")
+    recording = Trace(rank)
+    sampler = None if link is None else _LinkSampler(link, float(interval))
+    _active = recording
     try:
         yield _active
     finally:
         _active = None
+        if sampler is not None:
+            sampler.stop(recording)
 
 
 def traced() -> Trace | None:

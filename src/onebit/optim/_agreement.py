@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,16 +14,17 @@ from .. import comm
 if TYPE_CHECKING:
     from ._base import OnebitOptimizer
 
-__all__ = ["agree_nonfinite", "check_replicas"]
+__all__ = ["check_replicas", "start_agreement"]
 
 _log = logging.getLogger("onebit.optim")
 
 
-def agree_nonfinite(opt: OnebitOptimizer, *, everywhere: bool = True) -> tuple[bool, list[bool]]:
-    """Unscale (GradScaler), then one tiny all-reduce(max) of "some gradient here is not finite"
-    and of "parameter i has a gradient here" (``opt._present()``; :func:`onebit.comm.nonfinite`,
-    :func:`onebit.comm.agree`: the skipped step's one mechanism, the DDP hooks' too); returns
-    whether every rank skips the step and which parameters have a gradient on some rank. Raises
+def start_agreement(opt: OnebitOptimizer, *, everywhere: bool = True) -> Callable[[], tuple[bool, list[bool]]]:
+    """Unscale (GradScaler), then launch one tiny all-reduce(max) of "some gradient here is not
+    finite" and of "parameter i has a gradient here" (``opt._present()``; :func:`onebit.comm.nonfinite`,
+    :func:`onebit.comm.agree`: the skipped step's one mechanism, the DDP hooks' too); returns what
+    waits for it and says whether every rank skips the step and which parameters have a gradient
+    on some rank -- the collectives issued in between leave behind it. Raises
     ``FloatingPointError`` instead of skipping with ``on_nonfinite="raise"``. ``everywhere=False``
     (a step that sends nothing): only the ranks sharing FSDP2 shards agree, inside their node, and
     without shards each rank decides alone, with no collective."""
@@ -46,24 +47,25 @@ def agree_nonfinite(opt: OnebitOptimizer, *, everywhere: bool = True) -> tuple[b
     if found_inf is not None:
         flag[0] = torch.maximum(flag[0], found_inf.reshape(()).to(flag))
     # Over the whole job where the parameters are FSDP2 shards: every shard takes the same steps.
-    if everywhere:
-        values = comm.agree(flag, opt._shards.agreement_group, opt.timeout)
-    elif opt._shards.shard_group is not None:
-        values = comm.agree(flag, opt._shards.shard_group, opt.timeout)
-    else:
-        values = flag.tolist()
-    active = [v > 0 for v in values[1:]]
-    if not values[0]:
-        return False, active
-    step = opt._step_count + 1
-    if opt.on_nonfinite == "raise":
-        local = [i for i, p in enumerate(params) if p.grad is not None and not torch.isfinite(p.grad).all()]
-        where = f"parameter {local[0]} (shape {tuple(params[local[0]].shape)}) on rank {opt.rank}" if local \
-            else f"another rank than {opt.rank}"
-        raise FloatingPointError(f"non-finite gradient at step {step}: {where}")
-    where = "every rank" if everywhere else f"rank {opt.rank}"
-    _log.warning("step %d skipped on %s: non-finite gradient", step, where)
-    return True, active
+    group = opt._shards.agreement_group if everywhere else opt._shards.shard_group
+    pending = comm.agree(flag, group, opt.timeout, async_op=True) if everywhere or group is not None else None
+
+    def result() -> tuple[bool, list[bool]]:
+        values = flag.tolist() if pending is None else pending.wait().tolist()
+        active = [v > 0 for v in values[1:]]
+        if not values[0]:
+            return False, active
+        step = opt._step_count + 1
+        if opt.on_nonfinite == "raise":
+            local = [i for i, p in enumerate(params) if p.grad is not None and not torch.isfinite(p.grad).all()]
+            where = f"parameter {local[0]} (shape {tuple(params[local[0]].shape)}) on rank {opt.rank}" if local \
+                else f"another rank than {opt.rank}"
+            raise FloatingPointError(f"non-finite gradient at step {step}: {where}")
+        where = "every rank" if everywhere else f"rank {opt.rank}"
+        _log.warning("step %d skipped on %s: non-finite gradient", step, where)
+        return True, active
+
+    return result
 
 
 def check_replicas(opt: OnebitOptimizer, tensors: Sequence[Tensor] | None = None) -> str | None:

@@ -37,11 +37,10 @@ from torch.optim import Optimizer
 
 from .. import comm
 from .._checks import COMMON_OPTIONS, check_betas, check_nonneg, check_optional_positive
-from ._agreement import agree_nonfinite, check_replicas
+from ._agreement import check_replicas, start_agreement
 from ._ddp import attach_ddp, check_ddp
 from ._driver import LOCAL, Driver, Plan, Wire, allreduce_factory
 from ._flat import FlatState
-from ._functional import _BLOCK
 from ._shards import Shards
 from ._stages import OneStage, Stage, StepStages, TwoStages
 
@@ -53,6 +52,10 @@ if TYPE_CHECKING:
 __all__ = ["OnebitOptimizer", "ReplicaDivergence"]
 
 _log = logging.getLogger("onebit.optim")
+# Values per block of what a step forms: the passes over a block (the moments' EMA, then its add
+# into the exchange's buffer) find it in the core's cache (256 KB per fp32 buffer) instead of
+# memory: a third less time than 1M-value blocks for a formed bucket on CPU, the same bits.
+_FORM_BLOCK = 1 << 16
 
 
 class ReplicaDivergence(RuntimeError):
@@ -108,6 +111,9 @@ class OnebitOptimizer(Optimizer):
     """
 
     _stages: OneStage | TwoStages | StepStages  # set by the subclass before this constructor runs
+    # Declared capability: _apply_part steps some parameters alone, bit for bit as _apply steps
+    # them; the overlapped exchange then applies each bucket as it lands, under the buckets after it.
+    applies_by_bucket: bool = False
 
     def __init__(
         self,
@@ -265,6 +271,12 @@ class OnebitOptimizer(Optimizer):
         ``delay`` steps later with the average that landed."""
         raise NotImplementedError
 
+    def _apply_part(self, wire: Wire, average: Tensor, members: Sequence[int]) -> None:
+        """Where :attr:`applies_by_bucket`: the step of parameters ``members`` alone, ``average``
+        landed for them (and perhaps not yet elsewhere); every parameter's part, in any order, is
+        :meth:`_apply`'s step."""
+        raise NotImplementedError
+
     def _write(self, wire: Wire, step: int, out: Tensor, base: int, members: Sequence[int], live: Sequence[bool],
                agreed: bool, add: bool) -> None:
         """What parameters ``members`` send at ``step``, written (``add``: added) into ``out`` from
@@ -274,13 +286,13 @@ class OnebitOptimizer(Optimizer):
         if not wire.formed and not add:
             flat.gather_grads(out, members, base=base)
             return
-        scratch = torch.empty(2, min(_BLOCK, out.numel()), dtype=torch.float32, device=out.device)
+        scratch = torch.empty(2, min(_FORM_BLOCK, out.numel()), dtype=torch.float32, device=out.device)
         groups = [g for g in self.param_groups for _ in g["params"]]  # read now: LR schedulers change them
         for i in members:
             p, (first, last) = flat.params[i], flat.offsets[i]
             g = p.grad.reshape(-1) if p.grad is not None else None  # logical order (a copy if channels_last)
-            for at in range(first, last, _BLOCK):
-                to = min(at + _BLOCK, last)
+            for at in range(first, last, _FORM_BLOCK):
+                to = min(at + _FORM_BLOCK, last)
                 grad = None if g is None else g[at - first : to - first]
                 target = out[at - base : to - base]
                 if not wire.formed:  # the gradients, added
@@ -441,7 +453,8 @@ class OnebitOptimizer(Optimizer):
 
         1. **Flush**: launch, in order, the buckets backward did not (``overlap=True``).
         2. **Agree**: one small all-reduce of "a gradient here is not finite" and "parameter
-           ``i`` has a gradient here". If any rank has a non-finite gradient (or its GradScaler
+           ``i`` has a gradient here" (the last bucket's all-gather leaves behind it). If any
+           rank has a non-finite gradient (or its GradScaler
            found one), every rank skips the step and leaves all state untouched
            (``stats["skipped_steps"]`` counts them), or raises ``FloatingPointError`` with
            ``on_nonfinite="raise"``. A stage whose wire is not ``agreed`` (DiLoCo's inner steps,
@@ -454,7 +467,8 @@ class OnebitOptimizer(Optimizer):
            that is ``local_first`` has each rank take its own step before it forms what it sends.
         5. **Apply**: the algorithm's step on it, the only place the state moves; an exchange
            whose wire has a ``delay`` stays in flight and is applied when it lands, that many
-           steps later (DiLoCo's streamed synchronisations).
+           steps later (DiLoCo's streamed synchronisations). An optimizer that
+           :attr:`applies_by_bucket` steps each bucket's parameters as the bucket lands.
         6. **Advance**: the next step's stage (its state laid out where it changes), handed to the
            driver as its plan.
         """
@@ -474,7 +488,12 @@ class OnebitOptimizer(Optimizer):
                                        or getattr(self, "found_inf", None) is not None)
                 wire = self._stages.current.wire
                 with comm.span("agree", "step"):  # 2
-                    nonfinite, self._active = agree_nonfinite(self, everywhere=wire.agreed)
+                    agreement = start_agreement(self, everywhere=wire.agreed)
+                    # The last bucket's all-gather leaves behind the agreement: on a busy link the
+                    # agreement then waits for the bytes before it only, and the buckets before the
+                    # last can be applied while that all-gather is on the wire.
+                    self._driver.gather()
+                    nonfinite, self._active = agreement()
                 if nonfinite and wire.agreed:
                     self._skipped += 1
                     self._driver.abandon()
@@ -489,12 +508,16 @@ class OnebitOptimizer(Optimizer):
                         if wire.local_first:
                             with comm.span("local", "step"):
                                 self._apply(LOCAL, None)
-                        with comm.span("exchange", "step"):  # 4
-                            average = self._driver.run(self._active) if wire.exchanged else None
-                            if average is not None and not wire.formed:
-                                self._clip_grad_(average)
-                        with comm.span("apply", "step"):  # 5
-                            self._apply(wire, average)
+                        if self._by_bucket(wire):  # 4 and 5, each bucket applied as it lands
+                            with comm.span("exchange", "step"):
+                                self._driver.run(self._active, landed=self._apply_landed(wire))
+                        else:
+                            with comm.span("exchange", "step"):  # 4
+                                average = self._driver.run(self._active) if wire.exchanged else None
+                                if average is not None and not wire.formed:
+                                    self._clip_grad_(average)
+                            with comm.span("apply", "step"):  # 5
+                                self._apply(wire, average)
                     self._land()
                     self._advance()  # 6
                     if self.check_replicas_every and self._step_count % self.check_replicas_every == 0:
@@ -506,6 +529,20 @@ class OnebitOptimizer(Optimizer):
         self._bytes_last = sent
         self._bytes_total += sent
         return loss
+
+    def _by_bucket(self, wire: Wire) -> bool:
+        """Whether this step applies each bucket as it lands: a declared capability, for a wire
+        exchanged in this step whose average is not clipped as a whole (``max_grad_norm`` on the
+        averaged gradients)."""
+        return (self.applies_by_bucket and wire.exchanged and not wire.local_first and not wire.delay
+                and (wire.formed or self.max_grad_norm is None))
+
+    def _apply_landed(self, wire: Wire) -> Callable[[Tensor, Sequence[int]], None]:
+        """What the driver calls with each bucket's landed average and its parameters."""
+        def landed(average: Tensor, members: Sequence[int]) -> None:
+            with comm.span("apply", "step"):
+                self._apply_part(wire, average, members)
+        return landed
 
     def wait(self) -> None:
         """Wait for the exchanges still in flight across steps (a wire's ``delay``: DiLoCo's

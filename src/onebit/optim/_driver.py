@@ -24,11 +24,15 @@ still in order and before the step's non-finite agreement, so every rank issues 
 sequence whatever its own timing.
 
 A compressed bucket's second phase (the server average and its all-gather) starts when the
-next bucket's all-to-all has been launched, the last one's in :meth:`Driver.flush`: the order
-is ``a2a(0), a2a(1), ag(0), a2a(2), ag(1), ..., ag(n-1)``, then the step's agreement, on every
-rank whatever its timing, and the link always holds the next bucket's bytes while one is
-averaged. Waiting there for the previous bucket's all-to-all holds backward only while the
-link is busy with the bucket before: where the link is the bottleneck, that costs nothing.
+next bucket's all-to-all has been launched, the last one's in ``step()`` right after the step's
+non-finite agreement is launched (:meth:`Driver.gather`): the order is ``a2a(0), a2a(1), ag(0),
+a2a(2), ag(1), ..., a2a(n-1), ag(n-2)``, the agreement, ``ag(n-1)``, on every rank whatever its
+timing, and the link always holds the next bucket's bytes while one is averaged. The agreement
+then waits on a busy link for the bytes before it only, and an optimizer that
+``applies_by_bucket`` steps each bucket as it lands (:meth:`Driver.run`'s ``landed``), the
+buckets before the last while the last one's all-gather is on the wire. Waiting for the
+previous bucket's all-to-all holds backward only while the link is busy with the bucket
+before: where the link is the bottleneck, that costs nothing.
 """
 
 from __future__ import annotations
@@ -374,7 +378,8 @@ class Driver:
 
     def flush(self, *, scaled: bool = False) -> None:
         """The start of ``step()``, before the non-finite agreement: launch, in order, every
-        bucket backward did not (every rank then issues the same sequence). ``scaled``: a
+        bucket backward did not (every rank then issues the same sequence), and the second phase
+        of every bucket but the last (:meth:`gather` starts it). ``scaled``: a
         GradScaler handed the step gradients still scaled, which buckets sent during backward
         could not wait for."""
         if self.buckets is None:
@@ -383,16 +388,27 @@ class Driver:
             raise ValueError(f"{self.owner}(overlap=True) exchanged the gradients during backward, before "
                              "GradScaler could unscale them or find infs: use overlap=False with GradScaler")
         self.buckets.flush()
-        # The last all-gathers leave before the agreement, which would otherwise hold them while
-        # it queues behind the bytes already on the link.
+        # Every bucket's second phase but the last's, which :meth:`gather` starts behind the agreement.
+        last = max((b for b, flight in enumerate(self._flights) if flight is not None), default=0)
+        self._gather(last)
+
+    def gather(self) -> None:
+        """Start the second phase of every bucket still waiting for it (the last one's, once the
+        step's agreement is launched: see the module docstring)."""
         self._gather(len(self._flights))
 
-    def run(self, live: Sequence[bool]) -> Tensor | None:
+    def run(self, live: Sequence[bool], landed: Callable[[Tensor, Sequence[int]], None] | None = None) -> Tensor | None:
         """The planned step, which every rank agreed to take (``live[i]``: parameter ``i`` has a
         gradient on some rank): launch the one-shot exchange, land every bucket's average;
         returns it (None where it was handed out chunk by chunk, or where the wire's ``delay``
-        keeps it in flight: :meth:`arrivals` hands it out then)."""
+        keeps it in flight: :meth:`arrivals` hands it out then). ``landed(average, members)``,
+        where given, is called as each bucket lands, in bucket order, with the step's buffer
+        (landed for that bucket's parameters ``members``) -- the others may still be in flight;
+        every bucket must then send its own parameters' values (no ``alignment``)."""
         wire = self._plan.wire
+        if landed is not None and self.spans != [(lo, hi) for lo, hi, _ in self.bounds]:
+            raise ValueError(f"{self.owner}: a bucket sends values of another's parameters (alignment): "
+                             "its parameters cannot be applied as it lands")
         if self.buckets is None:
             for b in range(len(self.bounds)) if wire.buckets is None else wire.buckets:
                 with comm.labelled(bucket=b):
@@ -407,6 +423,8 @@ class Driver:
             if flight is not None:
                 with comm.labelled(bucket=b):
                     comm.run_stages(flight.stages)
+                    if landed is not None:
+                        landed(land, self.bounds[b][2])
         self._end_step()
         return land if isinstance(land, Tensor) else None
 

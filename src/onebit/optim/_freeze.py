@@ -26,7 +26,7 @@ import logging
 import math
 import warnings
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from torch import Tensor
@@ -129,23 +129,29 @@ def warn_early_freeze(owner: str, frozen_at: int, beta2: float) -> None:
         )
 
 
-def count_unused(owner: str, frozen: Tensor, value: float) -> bool:
-    """Whether any value of the flat frozen state ``frozen`` equals ``value``: it had a zero
-    variance at the freeze, no gradient through the whole warm-up (an embedding row never looked
-    up, a frozen tensor). No mask is kept: :func:`mask_unused_` re-derives it from the frozen
-    state when needed, at no memory cost between steps."""
-    count = int((frozen == value).sum())
+def count_unused(owner: str, frozen: Tensor, value: float, offsets: Sequence[tuple[int, int]]) -> list[int]:
+    """The parameters (indices into ``offsets``) whose flat frozen state ``frozen`` holds
+    ``value`` somewhere: it had a zero variance at the freeze, no gradient through the whole
+    warm-up (an embedding row never looked up, a frozen tensor). No mask is kept:
+    :func:`mask_unused_` re-derives it from the frozen state of those parameters, at no memory
+    cost between steps."""
+    unused = [i for i, (lo, hi) in enumerate(offsets) if bool((frozen[lo:hi] == value).any())]
+    count = sum(int((frozen[lo:hi] == value).sum()) for lo, hi in (offsets[i] for i in unused))
     if count:
         _log.info("%s: %d values had a zero gradient through the warm-up; their momentum is held at zero",
                   owner, count)
-    return count > 0
+    return unused
 
 
-def mask_unused_(m: Tensor, frozen: Tensor, value: float) -> None:
-    """Zero the averaged momentum where the frozen state equals ``value`` (see :func:`count_unused`).
+def mask_unused_(m: Tensor, frozen: Tensor, value: float, offsets: Sequence[tuple[int, int]],
+                 params: Iterable[int]) -> None:
+    """Zero the averaged momentum where the frozen state equals ``value``, in ``params`` (those
+    :func:`count_unused` found; the others hold no such value and are not read).
 
     1-bit compression gives every value a magnitude; where the frozen variance is zero the
     step would be ``lr * scale / eps``. DeepSpeed asks users for an ``exp_avg_mask``; the zero
     variance is that mask, derived instead of asked for.
     """
-    zero_where_equal_(m, frozen, value)
+    for i in params:
+        lo, hi = offsets[i]
+        zero_where_equal_(m[lo:hi], frozen[lo:hi], value)

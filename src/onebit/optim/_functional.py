@@ -15,8 +15,6 @@ from ..ops import clamp_scaled_
 __all__ = ["UpdateByChunks", "adam_denominator", "adam_denominators", "adam_step_bound", "apply_update_",
            "clip_to_adam_step_", "ema_"]
 
-_BLOCK = 1 << 20  # values per block where a step needs scratch: its size is bounded, not the model's
-
 
 def adam_denominator(exp_avg_sq: Tensor, *, eps: float, bias_correction2: float, out: Tensor | None = None) -> Tensor:
     """``sqrt(v / bias_correction2) + eps`` -- the preconditioner of eq. (1)."""

@@ -117,9 +117,11 @@ class _AdamFamily(OnebitOptimizer):
         """The compressed all-reduce (with ``overlap=True``, the first bucket's)."""
         return self._collectives[0]
 
-    def _adam(self, average: Tensor) -> None:
+    def _adam(self, average: Tensor, active: Sequence[bool] | None = None) -> None:
+        """Eq. (1) on the averaged gradients, for the ``active`` parameters (None: the step's)."""
         b = self.flat.buffers
-        adam(self.flat.params, self.flat.offsets, grads=self.flat.split(average), active=self._active,
+        adam(self.flat.params, self.flat.offsets, grads=self.flat.split(average),
+             active=self._active if active is None else active,
              exp_avg=b["exp_avg"], exp_avg_sq=b["exp_avg_sq"], step=self._step_count, lrs=self._hyper("lr"),
              betas=self._hyper("betas"), weight_decays=self._hyper("weight_decay"), eps=self.eps,
              bias_correction=self.bias_correction)
@@ -209,6 +211,8 @@ class OnebitAdam(_AdamFamily):
         'warmup'
     """
 
+    applies_by_bucket = True  # each parameter's step reads only its own state and average
+
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
@@ -241,7 +245,7 @@ class OnebitAdam(_AdamFamily):
                                                  min_step=min_freeze_step, max_step=max_freeze_step,
                                                  corrected=check_bool("bias_correction", bias_correction)),
                                  watch="exp_avg_sq")
-        self._has_unused = False
+        self._unused: list[tuple[int, int]] = []  # the parameters' spans with values unused in the warm-up
         self._init_adam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, group=group, options=options)
         self._drive(self._allreduce(compressor, hierarchical=hierarchical, ranks_per_node=ranks_per_node,
@@ -261,13 +265,19 @@ class OnebitAdam(_AdamFamily):
         return self._grad if not wire.formed else self.flat.buffers["exp_avg"]
 
     def _apply(self, wire: Wire, average: Tensor | None) -> None:
+        self._apply_part(wire, average, range(len(self.flat.params)))
+
+    def _apply_part(self, wire: Wire, average: Tensor | None, members: Sequence[int]) -> None:
+        """The step of parameters ``members`` alone (each parameter's update reads only its own
+        state and average): the overlapped exchange applies each bucket as it lands."""
+        chosen = set(members)
+        active = [on and i in chosen for i, on in enumerate(self._active)]
         if not wire.formed:
-            self._adam(average)
+            self._adam(average, active)
             return
         b = self.flat.buffers
-        if self._has_unused:
-            mask_unused_(b["exp_avg"], b["frozen_denom"], self.eps)
-        onebit_adam(self.flat.params, self.flat.offsets, active=self._active, exp_avg=b["exp_avg"],
+        mask_unused_(b["exp_avg"], b["frozen_denom"], self.eps, self.flat.offsets, chosen.intersection(self._unused))
+        onebit_adam(self.flat.params, self.flat.offsets, active=active, exp_avg=b["exp_avg"],
                     frozen_denom=b["frozen_denom"], step=self._step_count, lrs=self._hyper("lr"),
                     betas=self._hyper("betas"), weight_decays=self._hyper("weight_decay"),
                     bias_correction=self.bias_correction, clip_update=self.clip_update,
@@ -289,7 +299,8 @@ class OnebitAdam(_AdamFamily):
 
     def _note_unused(self) -> None:
         # sqrt(v_hat) + eps == eps: no gradient through the warm-up (or one below eps's rounding)
-        self._has_unused = count_unused(type(self).__name__, self.flat.buffers["frozen_denom"], self.eps)
+        self._unused = count_unused(type(self).__name__, self.flat.buffers["frozen_denom"], self.eps,
+                                   self.flat.offsets)
 
     def _load_extra_state(self, state: Mapping[str, Any], own_state: bool) -> None:
         if self._stages.frozen_at is not None:

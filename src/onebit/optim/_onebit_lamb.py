@@ -339,7 +339,7 @@ class OnebitLamb(OnebitOptimizer):
             "factor_threshold": float(factor_threshold),
             "scaling_ratio": scaling_ratio,
         }
-        self._has_unused = False
+        self._unused: list[int] = []  # the parameters with values unused through the warm-up
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay}, group=group,
                          **options)
         n, device = len(self.flat.params), self.flat.device
@@ -385,8 +385,8 @@ class OnebitLamb(OnebitOptimizer):
                                       sum_per_param=self._shards.sum_per_param if self._shards.sharded else None,
                                       **common)
             return
-        if self._has_unused:
-            mask_unused_(b["exp_avg"], b["frozen_exp_avg_sq"], 0.0)
+        if self._unused:
+            mask_unused_(b["exp_avg"], b["frozen_exp_avg_sq"], 0.0, self.flat.offsets, self._unused)
         self._coefficients = onebit_lamb(
             self.flat.params, self.flat.offsets, active=self._active, exp_avg=b["exp_avg"],
             exp_avg_sq=b["exp_avg_sq"], frozen_exp_avg_sq=b["frozen_exp_avg_sq"], last_exp_avg=b["last_exp_avg"],
@@ -419,7 +419,8 @@ class OnebitLamb(OnebitOptimizer):
         return [] if self._coefficients is None else self._coefficients.tolist()
 
     def _note_unused(self) -> None:
-        self._has_unused = count_unused(type(self).__name__, self.flat.buffers["frozen_exp_avg_sq"], 0.0)
+        self._unused = count_unused(type(self).__name__, self.flat.buffers["frozen_exp_avg_sq"], 0.0,
+                                   self.flat.offsets)
 
     def _extra_state(self) -> dict[str, Any]:
         return {

@@ -346,7 +346,7 @@ class ZeroOneAdam(OnebitOptimizer):
         n = len(self.flat.params)
         # The interval of local steps so far, per parameter: sum(lr), sum(lr / bc1), any step taken.
         self._lr_sums, self._weight_sums, self._touched = [0.0] * n, [0.0] * n, [False] * n
-        self._has_unused = False
+        self._unused: list[int] = []  # the parameters with values unused before the freeze
         self._drive(self._allreduce(compressor, hierarchical=hierarchical, ranks_per_node=ranks_per_node,
                                     overlap=overlap, scales=scales), overlap=overlap, bucket_cap_mb=bucket_cap_mb)
 
@@ -469,8 +469,8 @@ class ZeroOneAdam(OnebitOptimizer):
         b = self.flat.buffers
         if "exp_avg_sq" in b:
             zero_where_equal_(m, b["exp_avg_sq"], 0.0)
-        elif self._has_unused:
-            mask_unused_(m, denom, self.eps)
+        elif self._unused:
+            mask_unused_(m, denom, self.eps, self.flat.offsets, self._unused)
         if self.clip_update is None:
             return
         k = self.schedule.refreshes_through(step)
@@ -488,7 +488,7 @@ class ZeroOneAdam(OnebitOptimizer):
         if stage is _MOMENTUM:
             _, bc2 = self._corrections(self._step_count)
             adam_denominators(d, self.flat.offsets, eps=self.eps, bias_corrections2=bc2, out=d)
-            self._has_unused = count_unused(type(self).__name__, d, self.eps)
+            self._unused = count_unused(type(self).__name__, d, self.eps, self.flat.offsets)
             return
         anchor = self.flat.buffers["anchor"]
         for p, (lo, hi) in zip(self.flat.params, self.flat.offsets):
@@ -507,7 +507,8 @@ class ZeroOneAdam(OnebitOptimizer):
     def _load_extra_state(self, state: Mapping[str, Any], own_state: bool) -> None:
         b = self.flat.buffers
         frozen = "frozen_denom" in b
-        self._has_unused = frozen and count_unused(type(self).__name__, b["frozen_denom"], self.eps)
+        self._unused = count_unused(type(self).__name__, b["frozen_denom"], self.eps, self.flat.offsets) \
+            if frozen else []
         interval = state["interval"]
         self._lr_sums = [float(x) for x in interval["lr_sums"]]
         self._weight_sums = [float(x) for x in interval["weight_sums"]]
