@@ -171,6 +171,31 @@ def test_several_buckets_keep_replicas_identical_and_send_one_exchange_per_bucke
         assert r0["bytes"][warmup:] == [onebit + agreement] * (len(r0["bytes"]) - warmup), name
 
 
+def _by_bucket(rank, world, steps):
+    """1-bit Adam applying each bucket as it lands, and the same optimizer applying the step at once."""
+    torch.set_num_threads(1)
+    a, b = _model(), _model()
+    oa, ob = _opt(a, overlap=True, bucket_cap_mb=0.004), _opt(b, overlap=True, bucket_cap_mb=0.004)
+    ob.applies_by_bucket = False
+    same = []
+    for step in range(1, steps + 1):
+        x = _batch(rank, step)
+        for model, opt in ((a, oa), (b, ob)):
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+        same.append(torch.equal(_flat(a).view(torch.int32), _flat(b).view(torch.int32)) and all(
+            torch.equal(oa.flat.buffers[k].view(torch.int32), ob.flat.buffers[k].view(torch.int32))
+            for k in ob.flat.buffers))
+    return same, len(oa._driver.bounds), oa._driver.lands_by_bucket, oa.stats["stage"]
+
+
+def test_each_bucket_applied_as_it_lands_gives_the_whole_steps_bits():
+    for same, buckets, lands_by_bucket, stage in run_ranks(_by_bucket, 2, FREEZE + 4):
+        assert buckets >= 3 and lands_by_bucket and stage == "compressed"
+        assert all(same), f"applied by bucket and at once differ at steps {[i + 1 for i, s in enumerate(same) if not s]}"
+
+
 def _uneven(rank, world, steps):
     """Rank 1 leaves the last layer's bias out of the graph on even steps: its first bucket
     cannot start during backward there and goes at step(), after the other rank started it."""

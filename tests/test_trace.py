@@ -51,7 +51,7 @@ def test_a_traced_step_shows_each_bucket_ready_launched_and_exchanged():
         # The wire: a bucket's all-gather leaves right after the next bucket's all-to-all, all during
         # backward but the last bucket's, which leaves in step() right behind the agreement.
         step_lane = [e["name"] for e in sorted((e for e in events if e["tid"] == "step"), key=lambda e: e["ts"])]
-        assert step_lane == ["flush", "agree", "exchange"] + ["apply"] * buckets
+        assert step_lane == ["flush", "agree", "gather", "exchange"] + ["apply"] * buckets
         flush = named("flush", "step")[0]["ts"]
         wire = sorted((e for e in events if e["tid"] == "wire"), key=lambda e: e["ts"])
         order = [(e["name"], e["args"].get("bucket")) for e in wire]
@@ -82,8 +82,8 @@ def test_trace_arguments_are_checked():
     with pytest.raises(ValueError, match="link 'no-such-nic' is not a network interface"):
         with comm.trace(0, link="no-such-nic"):
             pass
-    for bad in (0, -1.0, "1ms", True):
-        with pytest.raises(ValueError, match=f"interval must be a positive number of seconds, got {bad!r}"):
+    for bad in (0, -1.0, float("inf"), "1ms", True):
+        with pytest.raises(ValueError, match=f"interval must be a finite positive number of seconds, got {bad!r}"):
             with comm.trace(0, link="lo", interval=bad):
                 pass
     assert comm._trace.traced() is None  # a refused trace leaves none recording

@@ -28,7 +28,7 @@ def _kernels() -> dict:
 # loaded from numba's cache with their caller, they may never get a signature of their own)
 _ENTRIES = {"_pack_signs_update", "_average_blocks", "_unpack_signs", "_clamp_scaled", "_zero_where_equal",
             "_stochastic_signs_update", "_max_ratio", "_pack_codes", "_unpack_codes"}
-_INNER = {"_pack_range", "_average_range", "_pairs_range", "_unpack_range"}
+_INNER = {"_pack_range", "_average_range", "_few_range", "_few_sum", "_unpack_range"}
 
 OPTIMIZERS = {
     "OnebitAdam": lambda params: onebit.OnebitAdam(params, lr=1e-3, freeze_step=3),

@@ -126,7 +126,7 @@ def _rates(sent: list[tuple[float, int]], window: float = 5.0) -> list[tuple[flo
         if t1 - t >= window or (t1, b1) == sent[-1]:
             curve.append((t, (b1 - b) * 8e-3 / (t1 - t) if t1 > t else 0.0))
             t, b = t1, b1
-    return curve
+    return [*curve, (t, curve[-1][1])]  # the last bin drawn to its end (a "post" step)
 
 
 def plot_trace(events: list[dict[str, Any]], path: Path) -> Path:

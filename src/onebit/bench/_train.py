@@ -134,7 +134,7 @@ def _rank_main(rank: int, world: int, cfg: TrainConfig, out: Path, per_node: int
         bar = tqdm(total=cfg.steps, initial=first - 1, desc=cfg.optimizer, unit="step", leave=False)
     start = time.perf_counter() - (records[-1]["time"] if records else 0.0)
     timeline = None
-    link = os.environ.get("GLOO_SOCKET_IFNAME")  # what the ranks talk over (the launcher's, an emulated node's)
+    link = _traced_link(rank) if cfg.trace_step is not None else None
     for step in range(first, cfg.steps + 1):
         t0 = time.perf_counter()
         with comm.trace(rank, link=link) if step == cfg.trace_step else contextlib.nullcontext() as traced:
@@ -281,3 +281,19 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True, cluster=None) -> d
     with open(out / "summary.json", "w") as f:
         json.dump(summary, f, indent=2)
     return summary
+
+
+def _traced_link(rank: int) -> str | None:
+    """The interface the ranks talk over (the launcher's or an emulated node's
+    ``GLOO_SOCKET_IFNAME``, the first of a list), for the trace's link row; None, said, where this
+    process cannot read its counters."""
+    name = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
+    if not name:
+        return None
+    try:
+        comm.link_bytes(name)
+    except (RuntimeError, ValueError) as exc:
+        if rank == 0:
+            print(f"trace: no link row ({exc})")
+        return None
+    return name

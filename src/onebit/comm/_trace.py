@@ -15,6 +15,7 @@ tells the two apart.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -73,18 +74,30 @@ class _LinkSampler:
     def __init__(self, interface: str, interval: float) -> None:
         self.interface, self.interval = interface, interval
         self.samples = [(time.perf_counter(), link_bytes(interface))]
+        self.error: Exception | None = None  # what stopped the sampling early
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="onebit-link-sampler", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.samples.append((time.perf_counter(), link_bytes(self.interface)))
+        try:
+            while not self._stop.wait(self.interval):
+                self.samples.append((time.perf_counter(), link_bytes(self.interface)))
+        except (OSError, RuntimeError, ValueError) as exc:  # the interface went away: the samples so far
+            self.error = exc
 
     def stop(self, into: Trace) -> None:
         self._stop.set()
         self._thread.join()
-        self.samples.append((time.perf_counter(), link_bytes(self.interface)))
+        if self.error is None:
+            try:
+                self.samples.append((time.perf_counter(), link_bytes(self.interface)))
+            except (RuntimeError, ValueError) as exc:  # never hides what ended the traced block
+                self.error = exc
+        if self.error is not None:
+            into.events.append({"name": "link lost", "cat": "link", "ph": "i", "s": "t", "pid": into.rank,
+                                "tid": "link", "ts": round((self.samples[-1][0] - into.start) * 1e6, 1),
+                                "args": {"error": str(self.error)}})
         first = self.samples[0][1]
         for t, sent in self.samples:
             into.events.append({"name": "link", "cat": "link", "ph": "C", "pid": into.rank, "tid": "link",
@@ -104,8 +117,8 @@ def trace(rank: int = 0, *, link: str | None = None, interval: float = 1e-3) -> 
     global _active
     if _active is not None:
         raise RuntimeError("a trace is already being recorded in this process")
-    if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not interval > 0:
-        raise ValueError(f"interval must be a positive number of seconds, got {interval!r}")
+    if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0 < interval < math.inf:
+        raise ValueError(f"interval must be a finite positive number of seconds, got {interval!r}")
     recording = Trace(rank)
     sampler = None if link is None else _LinkSampler(link, float(interval))
     _active = recording

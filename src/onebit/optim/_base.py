@@ -271,7 +271,7 @@ class OnebitOptimizer(Optimizer):
         ``delay`` steps later with the average that landed."""
         raise NotImplementedError
 
-    def _apply_part(self, wire: Wire, average: Tensor, members: Sequence[int]) -> None:
+    def _apply_part(self, wire: Wire, average: Tensor | None, members: Sequence[int]) -> None:
         """Where :attr:`applies_by_bucket`: the step of parameters ``members`` alone, ``average``
         landed for them (and perhaps not yet elsewhere); every parameter's part, in any order, is
         :meth:`_apply`'s step."""
@@ -492,7 +492,8 @@ class OnebitOptimizer(Optimizer):
                     # The last bucket's all-gather leaves behind the agreement: on a busy link the
                     # agreement then waits for the bytes before it only, and the buckets before the
                     # last can be applied while that all-gather is on the wire.
-                    self._driver.gather()
+                    with comm.span("gather", "step"):
+                        self._driver.gather()
                     nonfinite, self._active = agreement()
                 if nonfinite and wire.agreed:
                     self._skipped += 1
@@ -534,8 +535,8 @@ class OnebitOptimizer(Optimizer):
         """Whether this step applies each bucket as it lands: a declared capability, for a wire
         exchanged in this step whose average is not clipped as a whole (``max_grad_norm`` on the
         averaged gradients)."""
-        return (self.applies_by_bucket and wire.exchanged and not wire.local_first and not wire.delay
-                and (wire.formed or self.max_grad_norm is None))
+        return (self.applies_by_bucket and self._driver.lands_by_bucket and wire.exchanged and not wire.local_first
+                and not wire.delay and (wire.formed or self.max_grad_norm is None))
 
     def _apply_landed(self, wire: Wire) -> Callable[[Tensor, Sequence[int]], None]:
         """What the driver calls with each bucket's landed average and its parameters."""

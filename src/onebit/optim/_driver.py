@@ -349,6 +349,9 @@ class Driver:
             # starts -- at the model's end for the first bucket.
             starts = [min(flat.numel, -(-lo // alignment) * alignment) for lo, _, _ in self.bounds]
             self.spans = list(zip(starts, [flat.numel, *starts]))
+        # Every bucket sends its own parameters' values (no alignment moves some to the next one):
+        # a bucket that has landed holds its parameters' whole average.
+        self.lands_by_bucket = self.spans == [(lo, hi) for lo, hi, _ in self.bounds]
         self.collectives = [None if collective is None else collective(start, end) for start, end in self.spans]
         for c in self.collectives:
             if c is not None:
@@ -404,11 +407,9 @@ class Driver:
         keeps it in flight: :meth:`arrivals` hands it out then). ``landed(average, members)``,
         where given, is called as each bucket lands, in bucket order, with the step's buffer
         (landed for that bucket's parameters ``members``) -- the others may still be in flight;
-        every bucket must then send its own parameters' values (no ``alignment``)."""
+        only where :attr:`lands_by_bucket`. A collective that fails leaves the buckets before
+        its own applied."""
         wire = self._plan.wire
-        if landed is not None and self.spans != [(lo, hi) for lo, hi, _ in self.bounds]:
-            raise ValueError(f"{self.owner}: a bucket sends values of another's parameters (alignment): "
-                             "its parameters cannot be applied as it lands")
         if self.buckets is None:
             for b in range(len(self.bounds)) if wire.buckets is None else wire.buckets:
                 with comm.labelled(bucket=b):

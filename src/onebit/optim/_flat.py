@@ -42,8 +42,11 @@ class FlatState:
         """Per-parameter views (shaped like the parameters) of buffer ``name``."""
         return self.split(self.buffers[name])
 
-    def split(self, flat: Tensor) -> list[Tensor]:
-        """Per-parameter views (shaped like the parameters) of a flat buffer laid out like them."""
+    def split(self, flat: Tensor, indices: Iterable[int] | None = None) -> list[Tensor] | dict[int, Tensor]:
+        """Per-parameter views (shaped like the parameters) of a flat buffer laid out like them; of
+        parameters ``indices`` only, by index (None: a list of all)."""
+        if indices is not None:
+            return {i: flat[self.offsets[i][0] : self.offsets[i][1]].view(self.params[i].shape) for i in indices}
         return [flat[lo:hi].view(p.shape) for p, (lo, hi) in zip(self.params, self.offsets)]
 
     def rename(self, old: str, new: str) -> None:

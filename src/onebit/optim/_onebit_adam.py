@@ -35,7 +35,7 @@ def adam(
     params: Sequence[Tensor],
     offsets: Sequence[tuple[int, int]],
     *,
-    grads: Sequence[Tensor],
+    grads: Sequence[Tensor] | Mapping[int, Tensor],
     active: Sequence[bool],
     exp_avg: Tensor,
     exp_avg_sq: Tensor,
@@ -45,14 +45,17 @@ def adam(
     weight_decays: Sequence[float],
     eps: float,
     bias_correction: bool,
+    indices: Iterable[int] | None = None,
 ) -> None:
     """Adam, eq. (1), with decoupled weight decay (``torch.optim.AdamW``) on the averaged
     gradients ``grads`` (contiguous fp32 views, scratch once used: each denominator is formed
-    in its gradient's place). With ``bias_correction`` the momentum is divided by
-    ``1 - beta1^t`` and the variance by ``1 - beta2^t``."""
-    for i, (p, (lo, hi)) in enumerate(zip(params, offsets)):
+    in its gradient's place; ``grads[i]`` is read for the active parameters only). With
+    ``bias_correction`` the momentum is divided by ``1 - beta1^t`` and the variance by
+    ``1 - beta2^t``. ``indices``: only those parameters (None: all)."""
+    for i in range(len(params)) if indices is None else indices:
         if not active[i]:
             continue
+        p, (lo, hi) = params[i], offsets[i]
         beta1, beta2 = betas[i]
         g = grads[i]
         exp_avg[lo:hi].view(p.shape).lerp_(g, 1.0 - beta1)
@@ -77,15 +80,18 @@ def onebit_adam(
     bias_correction: bool,
     clip_update: float | None = 10.0,
     frozen_at: int = 0,
+    indices: Iterable[int] | None = None,
 ) -> None:
     """Algorithm 1 lines 11-13: ``x <- x - lr m / frozen_denom`` with ``m`` (``exp_avg``) the
     averaged momentum, first clipped to ``clip_update`` times Adam's largest step
     (:func:`clip_to_adam_step_`; None: no clip). ``frozen_denom`` is the preconditioner
     ``sqrt(v_T / bias_correction2) + eps`` of the variance frozen at step ``frozen_at``
-    (:func:`adam_denominator`); with ``bias_correction`` the momentum is divided by ``1 - beta1^t``."""
-    for i, (p, (lo, hi)) in enumerate(zip(params, offsets)):
+    (:func:`adam_denominator`); with ``bias_correction`` the momentum is divided by ``1 - beta1^t``.
+    ``indices``: only those parameters (None: all)."""
+    for i in range(len(params)) if indices is None else indices:
         if not active[i]:
             continue
+        p, (lo, hi) = params[i], offsets[i]
         beta1, beta2 = betas[i]
         bc1 = 1.0 - beta1**step if bias_correction else 1.0
         denom = frozen_denom[lo:hi]
@@ -117,11 +123,11 @@ class _AdamFamily(OnebitOptimizer):
         """The compressed all-reduce (with ``overlap=True``, the first bucket's)."""
         return self._collectives[0]
 
-    def _adam(self, average: Tensor, active: Sequence[bool] | None = None) -> None:
-        """Eq. (1) on the averaged gradients, for the ``active`` parameters (None: the step's)."""
+    def _adam(self, average: Tensor, indices: Sequence[int] | None = None) -> None:
+        """Eq. (1) on the averaged gradients, of parameters ``indices`` (None: all)."""
         b = self.flat.buffers
-        adam(self.flat.params, self.flat.offsets, grads=self.flat.split(average),
-             active=self._active if active is None else active,
+        adam(self.flat.params, self.flat.offsets, grads=self.flat.split(average, indices), active=self._active,
+             indices=indices,
              exp_avg=b["exp_avg"], exp_avg_sq=b["exp_avg_sq"], step=self._step_count, lrs=self._hyper("lr"),
              betas=self._hyper("betas"), weight_decays=self._hyper("weight_decay"), eps=self.eps,
              bias_correction=self.bias_correction)
@@ -245,7 +251,7 @@ class OnebitAdam(_AdamFamily):
                                                  min_step=min_freeze_step, max_step=max_freeze_step,
                                                  corrected=check_bool("bias_correction", bias_correction)),
                                  watch="exp_avg_sq")
-        self._unused: list[tuple[int, int]] = []  # the parameters' spans with values unused in the warm-up
+        self._unused: list[int] = []  # the parameters with values unused through the warm-up
         self._init_adam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, group=group, options=options)
         self._drive(self._allreduce(compressor, hierarchical=hierarchical, ranks_per_node=ranks_per_node,
@@ -265,19 +271,18 @@ class OnebitAdam(_AdamFamily):
         return self._grad if not wire.formed else self.flat.buffers["exp_avg"]
 
     def _apply(self, wire: Wire, average: Tensor | None) -> None:
-        self._apply_part(wire, average, range(len(self.flat.params)))
+        self._apply_part(wire, average, None)
 
-    def _apply_part(self, wire: Wire, average: Tensor | None, members: Sequence[int]) -> None:
-        """The step of parameters ``members`` alone (each parameter's update reads only its own
-        state and average): the overlapped exchange applies each bucket as it lands."""
-        chosen = set(members)
-        active = [on and i in chosen for i, on in enumerate(self._active)]
+    def _apply_part(self, wire: Wire, average: Tensor | None, members: Sequence[int] | None) -> None:
+        """The step of parameters ``members`` alone (None: all; each parameter's update reads only
+        its own state and average): the overlapped exchange applies each bucket as it lands."""
         if not wire.formed:
-            self._adam(average, active)
+            self._adam(average, members)
             return
         b = self.flat.buffers
-        mask_unused_(b["exp_avg"], b["frozen_denom"], self.eps, self.flat.offsets, chosen.intersection(self._unused))
-        onebit_adam(self.flat.params, self.flat.offsets, active=active, exp_avg=b["exp_avg"],
+        unused = self._unused if members is None else set(members).intersection(self._unused)
+        mask_unused_(b["exp_avg"], b["frozen_denom"], self.eps, self.flat.offsets, unused)
+        onebit_adam(self.flat.params, self.flat.offsets, active=self._active, indices=members, exp_avg=b["exp_avg"],
                     frozen_denom=b["frozen_denom"], step=self._step_count, lrs=self._hyper("lr"),
                     betas=self._hyper("betas"), weight_decays=self._hyper("weight_decay"),
                     bias_correction=self.bias_correction, clip_update=self.clip_update,
