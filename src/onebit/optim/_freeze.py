@@ -135,12 +135,11 @@ def count_unused(owner: str, frozen: Tensor, value: float, offsets: Sequence[tup
     warm-up (an embedding row never looked up, a frozen tensor). No mask is kept:
     :func:`mask_unused_` re-derives it from the frozen state of those parameters, at no memory
     cost between steps."""
-    unused = [i for i, (lo, hi) in enumerate(offsets) if bool((frozen[lo:hi] == value).any())]
-    count = sum(int((frozen[lo:hi] == value).sum()) for lo, hi in (offsets[i] for i in unused))
-    if count:
+    counts = [int((frozen[lo:hi] == value).sum()) for lo, hi in offsets]
+    if any(counts):
         _log.info("%s: %d values had a zero gradient through the warm-up; their momentum is held at zero",
-                  owner, count)
-    return unused
+                  owner, sum(counts))
+    return [i for i, count in enumerate(counts) if count]
 
 
 def mask_unused_(m: Tensor, frozen: Tensor, value: float, offsets: Sequence[tuple[int, int]],

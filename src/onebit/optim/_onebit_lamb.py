@@ -385,8 +385,7 @@ class OnebitLamb(OnebitOptimizer):
                                       sum_per_param=self._shards.sum_per_param if self._shards.sharded else None,
                                       **common)
             return
-        if self._unused:
-            mask_unused_(b["exp_avg"], b["frozen_exp_avg_sq"], 0.0, self.flat.offsets, self._unused)
+        mask_unused_(b["exp_avg"], b["frozen_exp_avg_sq"], 0.0, self.flat.offsets, self._unused)
         self._coefficients = onebit_lamb(
             self.flat.params, self.flat.offsets, active=self._active, exp_avg=b["exp_avg"],
             exp_avg_sq=b["exp_avg_sq"], frozen_exp_avg_sq=b["frozen_exp_avg_sq"], last_exp_avg=b["last_exp_avg"],

@@ -469,7 +469,7 @@ class ZeroOneAdam(OnebitOptimizer):
         b = self.flat.buffers
         if "exp_avg_sq" in b:
             zero_where_equal_(m, b["exp_avg_sq"], 0.0)
-        elif self._unused:
+        else:
             mask_unused_(m, denom, self.eps, self.flat.offsets, self._unused)
         if self.clip_update is None:
             return
