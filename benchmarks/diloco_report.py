@@ -23,6 +23,15 @@ optimizer's mean step time against that floor, and against DDP's where a compari
 link timed it (each against its own run's floor)::
 
     python benchmarks/diloco_report.py --cluster benchmarks/results/diloco-cluster-*
+
+``--time-to-loss`` puts the two together for the time to DDP AdamW's final loss on the emulated
+cluster: the loss curves of long ``onebit compare`` runs on an unshaped link (DDP's among them;
+the bits of every step do not depend on the link's speed, which the report checks against the
+cluster runs' losses), and the step times of the short runs on the cluster, each stage's own
+(1-bit Adam's fp32 warm-up and compressed steps, DiLoCo's inner steps and synchronisations)::
+
+    python benchmarks/diloco_report.py --time-to-loss benchmarks/results/diloco-loss-* \
+        --cluster-times benchmarks/results/diloco-time-*
 """
 
 from __future__ import annotations
@@ -163,10 +172,101 @@ def cluster_report(dirs: list[Path]) -> str:
     return "\n".join(lines) + f"\n\n{commands}; {sources[0]['machine']}, {sources[0]['date']}.\n"
 
 
+def _compare_runs(d: Path) -> dict[str, tuple[dict, list[dict]]]:
+    """Each optimizer of the ``onebit compare`` run in ``d``: its summary and per-step records."""
+    summaries = json.loads((d / "summary.json").read_text())
+    return {n: (s, [json.loads(line) for line in (d / n / "metrics.jsonl").read_text().splitlines()])
+            for n, s in summaries.items()}
+
+
+def _steps_to(records: list[dict], target: float, window: int = 10) -> int | None:
+    """The first step whose ``window``-step mean loss is at most ``target`` (``onebit compare``'s
+    time to the baseline's loss, counted in steps)."""
+    for i in range(window, len(records) + 1):
+        if sum(r["loss"] for r in records[i - window : i]) / window <= target:
+            return i
+    return None
+
+
+def _curve_setting(name: str, summary: dict) -> str:
+    if name == "onebit_adam":
+        asked, took = summary["config"]["freeze_step"], summary["freeze_step"]
+        return f"freeze_step={asked}: " + ("never froze" if took is None else f"compressed from step {took + 1}")
+    return _setting(name, summary["config"]) or "every step, fp32"
+
+
+# what must agree between a loss run and the cluster run timing it (the step's work), and DiLoCo's schedule
+_TIMED_AS = ("task", "d_model", "layers", "heads", "context", "batch_size", "world_size", "bucket_cap_mb",
+             "hierarchical")
+_DILOCO = ("sync_every", "fragments", "delay", "collective")
+
+
+def time_report(loss_dirs: list[Path], cluster_dirs: list[Path]) -> str:
+    curves = [(n, summary, records) for d in loss_dirs for n, (summary, records) in _compare_runs(d).items()]
+    ddp = [(summary, records) for n, summary, records in curves if n == "ddp_allreduce"]
+    if len(ddp) != 1:
+        raise SystemExit("--time-to-loss needs one ddp_allreduce run: its final loss is the target")
+    target = ddp[0][0]["final_loss"]
+    timed, sources = [], []  # (link, name, summary, records, the floor's seconds a step)
+    for d in cluster_dirs:
+        sources.append(json.loads((d / "provenance.json").read_text()))
+        runs = _compare_runs(d)
+        if "local_adam" not in runs:
+            raise SystemExit(f"{d}: no local_adam run, the no-communication floor of the comparison")
+        for name, (summary, records) in runs.items():
+            if summary.get("skipped_steps"):
+                raise SystemExit(f"{d}: {name} skipped steps: its speed does not count")
+            timed.append((summary["cluster"]["bandwidth"], name, summary, records,
+                          runs["local_adam"][0]["step_time_s"]["warmup"]))
+    lines = ["| link | optimizer | setting | steps to DDP's loss | time to DDP's loss | its floor | faster than DDP |",
+             "|---|---|---|---|---|---|---|"]
+    same = []
+    for link in sorted({t[0] for t in timed}, reverse=True):
+        rows = []
+        for name, summary, records in curves:
+            keys = _TIMED_AS + (_DILOCO if name == "diloco" else ())
+            match = [t for t in timed if t[0] == link and t[1] == name
+                     and all(t[2]["config"].get(k) == summary["config"].get(k) for k in keys)]
+            if len(match) > 1:
+                raise SystemExit(f"{name} at {link / 1e6:g} Mbit/s: timed by {len(match)} cluster runs, give one")
+            if not match:
+                continue
+            _, _, cluster, cluster_records, floor = match[0]
+            equal = next((i for i, (x, y) in enumerate(zip(cluster_records, records)) if x["loss"] != y["loss"]),
+                         min(len(cluster_records), len(records)))
+            same.append(f"{name} at {link / 1e6:g} Mbit/s ({_curve_setting(name, cluster)}) against "
+                        f"{_curve_setting(name, summary)}: {equal} of {len(cluster_records)}")
+            n = _steps_to(records, target)
+            missing = {r["stage"] for r in records[: n or 0]} - set(cluster["step_time_s"])
+            if missing:
+                raise SystemExit(f"{name} at {link / 1e6:g} Mbit/s: no step time of its {sorted(missing)} steps")
+            took = None if n is None else sum(cluster["step_time_s"][r["stage"]] for r in records[:n])
+            rows.append((name, summary, records, n, took, floor))
+        ddp_took = next((took for name, *_, took, _ in rows if name == "ddp_allreduce"), None)
+        for name, summary, records, n, took, floor in rows:
+            steps = f"{n:,}" if n is not None else f"not in {len(records):,} (final {summary['final_loss']:.3f})"
+            took_text = "—" if took is None else f"{took / 60:,.1f} min"
+            floor_text = "—" if n is None else f"{n * floor / 60:,.1f} min"
+            faster = f"{ddp_took / took:.1f}x" if took and ddp_took else "—"
+            lines.append(f"| {link / 1e6:g} Mbit/s | {name} | {_curve_setting(name, summary)} | {steps} "
+                         f"| {took_text} | {floor_text} | {faster} |")
+    loss_sources = [json.loads((d / "provenance.json").read_text()) for d in loss_dirs]
+    commands = "; ".join(f"`{s['command']}`" for s in loss_sources + sources)
+    return ("\n".join(lines) + f"\n\nDDP AdamW's final loss (the mean of its last 10 steps' training loss after "
+            f"{len(ddp[0][1]):,} steps): {target:.4f}; a run reaches it when the mean of 10 consecutive steps is "
+            f"at most that. Losses identical to the long run's, step for step, in the cluster runs: "
+            f"{'; '.join(same)}. {commands}; {sources[0]['machine']}, {sources[0]['date']}.\n")
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--report", nargs="+", type=Path, metavar="SUMMARY")
     what.add_argument("--cluster", nargs="+", type=Path, metavar="DIR")
+    what.add_argument("--time-to-loss", nargs="+", type=Path, metavar="DIR")
+    parser.add_argument("--cluster-times", nargs="+", type=Path, metavar="DIR", default=[])
     args = parser.parse_args()
-    print(report(args.report) if args.report else cluster_report(args.cluster), end="")
+    if args.time_to_loss:
+        print(time_report(args.time_to_loss, args.cluster_times), end="")
+    else:
+        print(report(args.report) if args.report else cluster_report(args.cluster), end="")
