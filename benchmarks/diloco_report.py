@@ -31,7 +31,9 @@ cluster runs' losses), and the step times of the short runs on the cluster, each
 (1-bit Adam's fp32 warm-up and compressed steps, DiLoCo's inner steps and synchronisations)::
 
     python benchmarks/diloco_report.py --time-to-loss benchmarks/results/diloco-loss-* \
-        --cluster-times benchmarks/results/diloco-time-*
+        --cluster-times benchmarks/results/diloco-cluster-100mbit-ddp benchmarks/results/diloco-cluster-100mbit
+
+(each curve timed by the one cluster run of its optimizer and setting at each link).
 """
 
 from __future__ import annotations
@@ -148,9 +150,7 @@ def cluster_report(dirs: list[Path]) -> str:
         sources.append(source)
         if "local_adam" not in summaries:
             raise SystemExit(f"{d}: no local_adam run, the no-communication floor of the comparison")
-        records = {n: [json.loads(line) for line in (d / n / "metrics.jsonl").read_text().splitlines()]
-                   for n in summaries}
-        steps = {n: 1e3 * step_time(s, records[n]) for n, s in summaries.items()}
+        steps = {n: 1e3 * step_time(s, records) for n, (s, records) in _compare_runs(d).items()}
         link = summaries["local_adam"]["cluster"]["bandwidth"]
         for name, ms in steps.items():
             if summaries[name].get("skipped_steps"):
@@ -198,7 +198,16 @@ def _curve_setting(name: str, summary: dict) -> str:
 # what must agree between a loss run and the cluster run timing it (the step's work), and DiLoCo's schedule
 _TIMED_AS = ("task", "d_model", "layers", "heads", "context", "batch_size", "world_size", "bucket_cap_mb",
              "hierarchical")
-_DILOCO = ("sync_every", "fragments", "delay", "collective")
+_DILOCO = ("sync_every", "fragments", "delay")
+
+
+def _work(name: str, config: dict) -> tuple:
+    """What a step of ``name`` with ``config`` does, for matching a loss run with its cluster run."""
+    if name != "diloco":
+        return tuple(config.get(k) for k in _TIMED_AS)
+    # as _setting reads it: no "collective" is a run from before the option (the all-reduce)
+    collective = config.get("collective", "allreduce") or "allgather"
+    return (*(config.get(k) for k in _TIMED_AS + _DILOCO), collective)
 
 
 def time_report(loss_dirs: list[Path], cluster_dirs: list[Path]) -> str:
@@ -224,9 +233,8 @@ def time_report(loss_dirs: list[Path], cluster_dirs: list[Path]) -> str:
     for link in sorted({t[0] for t in timed}, reverse=True):
         rows = []
         for name, summary, records in curves:
-            keys = _TIMED_AS + (_DILOCO if name == "diloco" else ())
             match = [t for t in timed if t[0] == link and t[1] == name
-                     and all(t[2]["config"].get(k) == summary["config"].get(k) for k in keys)]
+                     and _work(name, t[2]["config"]) == _work(name, summary["config"])]
             if len(match) > 1:
                 raise SystemExit(f"{name} at {link / 1e6:g} Mbit/s: timed by {len(match)} cluster runs, give one")
             if not match:
@@ -267,6 +275,8 @@ if __name__ == "__main__":
     parser.add_argument("--cluster-times", nargs="+", type=Path, metavar="DIR", default=[])
     args = parser.parse_args()
     if args.time_to_loss:
+        if not args.cluster_times:
+            parser.error("--time-to-loss needs --cluster-times")
         print(time_report(args.time_to_loss, args.cluster_times), end="")
     else:
         print(report(args.report) if args.report else cluster_report(args.cluster), end="")
