@@ -43,7 +43,7 @@ import json
 import statistics
 from pathlib import Path
 
-from onebit.bench._analysis import mean_interval, step_time
+from onebit.bench._analysis import mean_interval, step_time, steps_to_loss
 from onebit.bench._convergence import _gap, _run
 
 # label as run on SETTINGS_DATE, by a run without its arguments -> (outer step, exchange)
@@ -179,15 +179,6 @@ def _compare_runs(d: Path) -> dict[str, tuple[dict, list[dict]]]:
             for n, s in summaries.items()}
 
 
-def _steps_to(records: list[dict], target: float, window: int = 10) -> int | None:
-    """The first step whose ``window``-step mean loss is at most ``target`` (``onebit compare``'s
-    time to the baseline's loss, counted in steps)."""
-    for i in range(window, len(records) + 1):
-        if sum(r["loss"] for r in records[i - window : i]) / window <= target:
-            return i
-    return None
-
-
 def _curve_setting(name: str, summary: dict) -> str:
     if name == "onebit_adam":
         asked, took = summary["config"]["freeze_step"], summary["freeze_step"]
@@ -244,7 +235,7 @@ def time_report(loss_dirs: list[Path], cluster_dirs: list[Path]) -> str:
                          min(len(cluster_records), len(records)))
             same.append(f"{name} at {link / 1e6:g} Mbit/s ({_curve_setting(name, cluster)}) against "
                         f"{_curve_setting(name, summary)}: {equal} of {len(cluster_records)}")
-            n = _steps_to(records, target)
+            n = steps_to_loss(records, target)
             missing = {r["stage"] for r in records[: n or 0]} - set(cluster["step_time_s"])
             if missing:
                 raise SystemExit(f"{name} at {link / 1e6:g} Mbit/s: no step time of its {sorted(missing)} steps")

@@ -11,7 +11,8 @@ from typing import Any
 from ._model import ModelInput, predict
 from ._runs import NO_COMMUNICATION
 
-__all__ = ["compare_rows", "demo_verdict", "fmt", "mean_interval", "ms", "step_time", "text_table", "time_to_loss"]
+__all__ = ["compare_rows", "demo_verdict", "fmt", "mean_interval", "ms", "step_time", "steps_to_loss", "text_table",
+           "time_to_loss"]
 
 # Student's t at 97.5% by degrees of freedom (two-sided 95% intervals); between entries the
 # smaller df's, a slightly wider interval.
@@ -76,16 +77,18 @@ def demo_verdict(summaries: dict[str, dict], *, nodes: int | None, world_size: i
     return lines
 
 
+def steps_to_loss(records: list[dict[str, Any]], target: float, window: int = 10) -> int | None:
+    """The first step (counted from 1) whose ``window``-step mean loss is at most ``target``."""
+    for n in range(window, len(records) + 1):
+        if sum(r["loss"] for r in records[n - window : n]) / window <= target:
+            return n
+    return None
+
+
 def time_to_loss(records: list[dict[str, Any]], target: float, window: int = 10) -> float | None:
     """Training time (step times after the first) until the ``window``-step mean loss first reaches ``target``."""
-    elapsed = 0.0
-    for i, r in enumerate(records):
-        if i:
-            elapsed += r["step_time"]
-        recent = records[max(0, i - window + 1) : i + 1]
-        if len(recent) == window and sum(x["loss"] for x in recent) / window <= target:
-            return elapsed
-    return None
+    n = steps_to_loss(records, target, window)
+    return None if n is None else sum(r["step_time"] for r in records[1:n])
 
 
 def step_time(summary: dict[str, Any], records: list[dict[str, Any]]) -> float | None:
