@@ -180,10 +180,34 @@ def _compare_runs(d: Path) -> dict[str, tuple[dict, list[dict]]]:
 
 
 def _curve_setting(name: str, summary: dict) -> str:
+    config = summary["config"]
+    # what the run changed from the defaults of the time-to-loss runs (absent from runs before the option)
+    extra = "".join(f", {key} {config[key]}" for key, default in (("compressor", None), ("schedule", "constant"))
+                    if config.get(key, default) != default)
     if name == "onebit_adam":
-        asked, took = summary["config"]["freeze_step"], summary["freeze_step"]
-        return f"freeze_step={asked}: " + ("never froze" if took is None else f"compressed from step {took + 1}")
-    return _setting(name, summary["config"]) or "every step, fp32"
+        asked, took = config["freeze_step"], summary["freeze_step"]
+        return (f"freeze_step={asked}: " + ("never froze" if took is None else f"compressed from step {took + 1}")
+                + extra)
+    return (_setting(name, config) or "every step, fp32") + extra
+
+
+def curves_report(dirs: list[Path], windows: list[int], width: int = 25) -> str:
+    """Each run's mean training loss over the ``width`` steps up to each step of ``windows``, its
+    held-out loss and skipped steps: where a run leaves another's curve."""
+    lines = ["| optimizer | setting | seed | " + " | ".join(f"steps {w - width + 1}–{w}" for w in windows)
+             + " | held-out | skipped |", "|---|---|---|" + "---|" * len(windows) + "---|---|"]
+    sources = []
+    for d in dirs:
+        sources.append(json.loads((d / "provenance.json").read_text()))
+        for name, (summary, records) in _compare_runs(d).items():
+            if windows[-1] > len(records):
+                raise SystemExit(f"{d}: {name} ran {len(records)} steps, fewer than {windows[-1]}")
+            means = [statistics.fmean(r["loss"] for r in records[w - width: w]) for w in windows]
+            lines.append(f"| {name} | {_curve_setting(name, summary)} | {summary['config']['seed']} | "
+                         + " | ".join(f"{m:.3f}" for m in means)
+                         + f" | {summary['eval_loss']:.3f} | {summary['skipped_steps'] or 0} |")
+    commands = "; ".join(f"`{s['command']}`" for s in sources)
+    return "\n".join(lines) + f"\n\n{commands}; {sources[0]['machine']}, {sources[0]['date']}.\n"
 
 
 # what must agree between a loss run and the cluster run timing it (the step's work), and DiLoCo's schedule
@@ -263,11 +287,16 @@ if __name__ == "__main__":
     what.add_argument("--report", nargs="+", type=Path, metavar="SUMMARY")
     what.add_argument("--cluster", nargs="+", type=Path, metavar="DIR")
     what.add_argument("--time-to-loss", nargs="+", type=Path, metavar="DIR")
+    what.add_argument("--curves", nargs="+", type=Path, metavar="DIR")
+    parser.add_argument("--windows", default=[200, 400, 600, 800, 1024], type=lambda t: [int(w) for w in t.split(",")],
+                        help="--curves: the last step of each window of 25 (default 200,400,600,800,1024)")
     parser.add_argument("--cluster-times", nargs="+", type=Path, metavar="DIR", default=[])
     args = parser.parse_args()
     if args.time_to_loss:
         if not args.cluster_times:
             parser.error("--time-to-loss needs --cluster-times")
         print(time_report(args.time_to_loss, args.cluster_times), end="")
+    elif args.curves:
+        print(curves_report(args.curves, args.windows), end="")
     else:
         print(report(args.report) if args.report else cluster_report(args.cluster), end="")

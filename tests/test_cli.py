@@ -90,6 +90,7 @@ def test_bench_kernels_prints_table(capsys):
         (["model"], "the following arguments are required: --params"),
         (["model", "--params", "10", "--world-size", "3", "--nodes", "2"], "world_size=3 must be a multiple of nodes=2"),
         (["train", "--backend", "nccl"], "invalid choice: 'nccl'"),
+        (["train", "--compressor", "fp8"], "argument --compressor: invalid choice: 'fp8'"),
         (["train", "--backend", "mpi", "--optimizer", "ddp_allreduce"],
          "optimizer 'ddp_allreduce' runs on DDP, which needs backend 'torch', not 'mpi'"),
     ],
@@ -160,6 +161,27 @@ def test_streamed_diloco_trains_and_resumes_from_a_checkpoint_taken_in_flight(tm
     assert [r["stage"] for r in a] == ["outer", "local"] * 3
     config = json.loads((tmp_path / "straight" / "diloco" / "summary.json").read_text())["config"]
     assert (config["sync_every"], config["fragments"], config["delay"]) == (4, 2, 1)
+
+
+def test_compressor_option_reaches_the_optimizer(tmp_path):
+    # identity: the exact exchange (the control), as many bytes as the fp32 warm-up; sign: 1 bit a value
+    sent = {}
+    for name in ("identity", "sign"):
+        out = tmp_path / name
+        assert main(["train", "--optimizer", "onebit_adam", "--compressor", name, "--steps", "3", "--freeze-step", "1",
+                     "--batch-size", "4", "--hidden", "32", "--out", str(out), "--quiet"]) == 0
+        recs = _records(out / "onebit_adam" / "metrics.jsonl")
+        assert [r["stage"] for r in recs] == ["warmup", "compressed", "compressed"]
+        assert json.loads((out / "onebit_adam" / "summary.json").read_text())["config"]["compressor"] == name
+        sent[name] = [r["bytes_sent"] for r in recs]
+    assert sent["identity"][2] >= sent["identity"][0] > 16 * sent["sign"][2]
+
+
+def test_train_config_names_a_bad_compressor():
+    from onebit.bench._train import TrainConfig
+
+    with pytest.raises(ValueError, match="compressor must be one of .*identity.*; got 'fp8'"):
+        TrainConfig(compressor="fp8")
 
 
 @pytest.mark.parametrize("name,per_value", [("ddp_allreduce", 4), ("ddp_fp16", 2)])

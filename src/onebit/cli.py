@@ -89,6 +89,7 @@ def _cluster_flags(p: argparse.ArgumentParser, bandwidth: str = "1gbit") -> None
 # ---------------------------------------------------------------------- training
 def _training_flags(p: argparse.ArgumentParser, steps: int, out: str, bandwidth: str = "1gbit") -> None:
     from .bench._train import SCHEDULES, TASKS
+    from .compress import available
 
     p.add_argument("--task", choices=TASKS, default="mlp", help="mlp (default), gpt, bert or digits")
     p.add_argument("--world-size", type=_positive_int, default=2, help="total ranks (default 2)")
@@ -101,6 +102,10 @@ def _training_flags(p: argparse.ArgumentParser, steps: int, out: str, bandwidth:
                    help="last warm-up step of 1-bit Adam/LAMB: an int or 'auto' (default: 20%% of --steps)")
     p.add_argument("--topk-ratio", type=_positive_float, default=0.01, help="Comp-AMS top-k fraction")
     p.add_argument("--qadam-bits", type=_positive_int, default=1, help="QAdam's bits per value")
+    p.add_argument("--compressor", choices=available(), default=None, metavar="NAME",
+                   help=f"what 1-bit Adam/LAMB, 0/1 Adam, Birder and DiLoCo send: {', '.join(available())} (default: "
+                        "their own; identity: the exact exchange, the control that tells the compression's cost from "
+                        "the algorithm's)")
     p.add_argument("--local-step-scaler", type=_positive_int, default=None,
                    help="0/1 Adam: steps per doubling of the local-step interval (default: a quarter of "
                         "--freeze-step; larger than --steps: no local steps)")

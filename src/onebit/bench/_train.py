@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .. import comm
+from .. import comm, compress
 from ..launch import spawn
 from ._runs import NO_COMMUNICATION, OPTIMIZERS, build_run
 from ._tasks import TASKS, Task, TaskSpec
@@ -44,6 +44,7 @@ class TrainConfig(TaskSpec):
     bias_correction: bool = True
     topk_ratio: float = 0.01
     qadam_bits: int = 1
+    compressor: str | None = None  # what the optimizers that take one send (None: each one's own)
     local_step_scaler: int | None = None  # 0/1 Adam's (None: the registry's, a quarter of freeze_step)
     powersgd_rank: int = 1
     hierarchical: bool = False
@@ -68,6 +69,8 @@ class TrainConfig(TaskSpec):
             raise ValueError(f"task must be one of {', '.join(TASKS)}; got {self.task!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got {self.schedule!r}")
+        if self.compressor is not None and self.compressor not in compress.available():
+            raise ValueError(f"compressor must be one of {', '.join(compress.available())}; got {self.compressor!r}")
         if self.backend not in comm.BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(comm.BACKENDS)}; got {self.backend!r}")
         if self.backend == "mpi" and self.optimizer.startswith("ddp_"):

@@ -110,7 +110,8 @@ class Counterpart:
     lrs: tuple[float, float]
 
 
-_ADAM_OPTIONS = {"bias_correction": "bias_correction"}
+_COMPRESSOR_OPTION = {"compressor": "compressor"}  # what it sends (identity: the exact-exchange control)
+_ADAM_OPTIONS = {"bias_correction": "bias_correction", **_COMPRESSOR_OPTION}
 _COMP_AMS_OPTIONS = {"bias_correction": "bias_correction", "topk_ratio": "ratio"}
 
 REGISTRY: dict[str, Spec] = {
@@ -127,7 +128,7 @@ REGISTRY: dict[str, Spec] = {
     "onebit_lamb": Spec(OnebitLamb, "lamb", lambda w: 5.0 + 1.0 / w, overlap=True, hierarchical=True,
                         freeze=lambda t: {"freeze_step": t}, test_kwargs={"lr": 0.01, "freeze_step": 2},
                         matrix="onebit_lamb", variants={"identity": _IDENTITY, "overlap": _OVERLAP}, target=3.0,
-                        costs={"onebit_lamb": Cost("onebit", _ONEBIT, exact="warmup")}),
+                        costs={"onebit_lamb": Cost("onebit", _ONEBIT, exact="warmup")}, options=_COMPRESSOR_OPTION),
     # m, frozen v, worker and server error (n/w); with local steps the anchor and accumulated momentum
     # (refreshes before the freeze: v and their averaged gradient). After step T the local-step
     # interval doubles every T/4 steps: the footprint measured includes the local steps' buffers.
@@ -163,7 +164,8 @@ REGISTRY: dict[str, Spec] = {
                    test_kwargs={"lr": 0.01, "seed": 1}, matrix="birder",
                    variants={"identity": _IDENTITY, "overlap": _OVERLAP}, target=5.0,
                    costs={"birder": Cost("onebit", _ONEBIT),
-                          "birder_hierarchical": Cost("onebit_hierarchical", "Hierarchical-1-bit-All-Reduce")}),
+                          "birder_hierarchical": Cost("onebit_hierarchical", "Hierarchical-1-bit-All-Reduce")},
+                   options=_COMPRESSOR_OPTION),
     # the inner AdamW's m and v, the anchor, the outer momentum (with error_feedback=True also the
     # worker error, and with the all-reduce the server error, n/w, between synchronisations);
     # sync_every=1 in the contract tests: every step synchronises, so replicas match after each
@@ -189,7 +191,7 @@ REGISTRY: dict[str, Spec] = {
                           "diloco_allreduce": Cost("onebit", _ONEBIT, exact="sync"),
                           "diloco_fp32": Cost("allreduce_fp32", "ring all-reduce fp32", kernels=0.0, exact="sync")},
                    options={"sync_every": "sync_every", "fragments": "fragments", "delay": "delay",
-                            "collective": "collective"}),
+                            "collective": "collective", **_COMPRESSOR_OPTION}),
 }
 
 # The uncompressed optimizers the convergence matrix compares with, by the name its tables use
