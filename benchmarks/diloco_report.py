@@ -143,11 +143,9 @@ def _setting(name: str, config: dict) -> str:
 
 
 def cluster_report(dirs: list[Path]) -> str:
-    rows, ddp, sources = [], {}, []
+    rows, ddp = [], {}
     for d in dirs:
         summaries = json.loads((d / "summary.json").read_text())
-        source = json.loads((d / "provenance.json").read_text())
-        sources.append(source)
         if "local_adam" not in summaries:
             raise SystemExit(f"{d}: no local_adam run, the no-communication floor of the comparison")
         steps = {n: 1e3 * step_time(s, records) for n, (s, records) in _compare_runs(d).items()}
@@ -168,8 +166,16 @@ def cluster_report(dirs: list[Path]) -> str:
                      f"| {against} |")
     for link, ratio in sorted(ddp.items(), reverse=True):
         lines.append(f"| {link / 1e6:g} Mbit/s | ddp_allreduce | every step, fp32 | | | {ratio:.2f} | 1.0x |")
-    commands = "; ".join(f"`{s['command']}`" for s in sources)
-    return "\n".join(lines) + f"\n\n{commands}; {sources[0]['machine']}, {sources[0]['date']}.\n"
+    return "\n".join(lines) + f"\n\n{_sources(dirs)}\n"
+
+
+def _sources(dirs: list[Path]) -> str:
+    """The commands of the ``onebit compare`` runs in ``dirs``, and the machines and dates they ran on."""
+    sources = [json.loads((d / "provenance.json").read_text()) for d in dirs]
+    machines = ", ".join(dict.fromkeys(s["machine"] for s in sources))
+    dates = sorted({s["date"] for s in sources})
+    when = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
+    return "; ".join(f"`{s['command']}`" for s in sources) + f"; {machines}, {when}."
 
 
 def _compare_runs(d: Path) -> dict[str, tuple[dict, list[dict]]]:
@@ -192,22 +198,20 @@ def _curve_setting(name: str, summary: dict) -> str:
 
 
 def curves_report(dirs: list[Path], windows: list[int], width: int = 25) -> str:
-    """Each run's mean training loss over the ``width`` steps up to each step of ``windows``, its
-    held-out loss and skipped steps: where a run leaves another's curve."""
-    lines = ["| optimizer | setting | seed | " + " | ".join(f"steps {w - width + 1}–{w}" for w in windows)
-             + " | held-out | skipped |", "|---|---|---|" + "---|" * len(windows) + "---|---|"]
-    sources = []
+    """Each run's held-out loss, skipped steps and mean training loss over the ``width`` steps up
+    to each step of ``windows``: where a run leaves another's curve."""
+    # the result first: the columns a narrow page shows without scrolling
+    lines = ["| optimizer | setting | seed | held-out | skipped | " + " | ".join(f"{w - width + 1}–{w}" for w in windows)
+             + " |", "|---|---|---|---|---|" + "---|" * len(windows)]
     for d in dirs:
-        sources.append(json.loads((d / "provenance.json").read_text()))
         for name, (summary, records) in _compare_runs(d).items():
             if windows[-1] > len(records):
                 raise SystemExit(f"{d}: {name} ran {len(records)} steps, fewer than {windows[-1]}")
             means = [statistics.fmean(r["loss"] for r in records[w - width: w]) for w in windows]
-            lines.append(f"| {name} | {_curve_setting(name, summary)} | {summary['config']['seed']} | "
-                         + " | ".join(f"{m:.3f}" for m in means)
-                         + f" | {summary['eval_loss']:.3f} | {summary['skipped_steps'] or 0} |")
-    commands = "; ".join(f"`{s['command']}`" for s in sources)
-    return "\n".join(lines) + f"\n\n{commands}; {sources[0]['machine']}, {sources[0]['date']}.\n"
+            lines.append(f"| {name} | {_curve_setting(name, summary)} | {summary['config']['seed']} "
+                         f"| {summary['eval_loss']:.3f} | {summary['skipped_steps'] or 0} | "
+                         + " | ".join(f"{m:.3f}" for m in means) + " |")
+    return "\n".join(lines) + f"\n\n{_sources(dirs)}\n"
 
 
 # what must agree between a loss run and the cluster run timing it (the step's work), and DiLoCo's schedule
@@ -231,9 +235,8 @@ def time_report(loss_dirs: list[Path], cluster_dirs: list[Path]) -> str:
     if len(ddp) != 1:
         raise SystemExit("--time-to-loss needs one ddp_allreduce run: its final loss is the target")
     target = ddp[0][0]["final_loss"]
-    timed, sources = [], []  # (link, name, summary, records, the floor's seconds a step)
+    timed = []  # (link, name, summary, records, the floor's seconds a step)
     for d in cluster_dirs:
-        sources.append(json.loads((d / "provenance.json").read_text()))
         runs = _compare_runs(d)
         if "local_adam" not in runs:
             raise SystemExit(f"{d}: no local_adam run, the no-communication floor of the comparison")
@@ -273,12 +276,10 @@ def time_report(loss_dirs: list[Path], cluster_dirs: list[Path]) -> str:
             faster = f"{ddp_took / took:.1f}x" if took and ddp_took else "—"
             lines.append(f"| {link / 1e6:g} Mbit/s | {name} | {_curve_setting(name, summary)} | {steps} "
                          f"| {took_text} | {floor_text} | {faster} |")
-    loss_sources = [json.loads((d / "provenance.json").read_text()) for d in loss_dirs]
-    commands = "; ".join(f"`{s['command']}`" for s in loss_sources + sources)
     return ("\n".join(lines) + f"\n\nDDP AdamW's final loss (the mean of its last 10 steps' training loss after "
             f"{len(ddp[0][1]):,} steps): {target:.4f}; a run reaches it when the mean of 10 consecutive steps is "
             f"at most that. Losses identical to the long run's, step for step, in the cluster runs: "
-            f"{'; '.join(same)}. {commands}; {sources[0]['machine']}, {sources[0]['date']}.\n")
+            f"{'; '.join(same)}. {_sources(loss_dirs + cluster_dirs)}\n")
 
 
 if __name__ == "__main__":
