@@ -141,6 +141,28 @@ def test_auto_freeze_criterion():
     assert sched.should_freeze(5, 4.1) is True  # 4.1 / 4.0 in [0.96, 1/0.96]
     capped = onebit.optim.FreezeSchedule("auto", threshold=0.96, window=5, min_step=2, max_step=3)
     assert [capped.should_freeze(t, float(t)) for t in (1, 2, 3)] == [False, False, True]
+    assert sched.ratio == 4.1 / 4.0 and capped.ratio is None  # 3 steps of history, the window 5
+    assert onebit.optim.FreezeSchedule(7, threshold=0.96, window=2, min_step=0, max_step=None).ratio is None
+
+
+def test_stats_report_the_auto_criterion():
+    # ||v_t||_1 / ||v_{t-D}||_1 of the bias-corrected variance, written plainly; D = 2
+    beta2 = 0.999
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = onebit.OnebitAdam([p], lr=1e-3, freeze_step="auto", freeze_window=2)
+    v, corrected, seen = torch.zeros(3), [], []
+    for t in range(1, 6):
+        g = torch.tensor([1.0, -2.0, 0.5]) * t
+        p.grad = g.clone()
+        opt.step()
+        v = beta2 * v + (1 - beta2) * g * g
+        corrected.append(float(v.sum()) / (1 - beta2**t))
+        seen.append(opt.stats["variance_ratio"])
+    assert seen[:2] == [None, None]
+    assert seen[2:] == pytest.approx([corrected[t] / corrected[t - 2] for t in (2, 3, 4)], rel=1e-6)
+    assert opt.stats["freeze_step"] is None  # the variance still grows: 2.4x over the last two steps
+    fixed = onebit.OnebitAdam([torch.nn.Parameter(torch.zeros(3))], freeze_step=1)
+    assert fixed.stats["variance_ratio"] is None
 
 
 def _mlp_loss(rank, world, name, steps):

@@ -428,16 +428,19 @@ class OnebitOptimizer(Optimizer):
     @property
     def stats(self) -> dict[str, Any]:
         """``step``, ``stage`` (of the last step), ``bytes_sent`` (this rank, last step),
-        ``bytes_sent_total``, ``freeze_step`` (last warm-up step, once known) and
-        ``skipped_steps``; with ``overlap=True`` also ``overlap``, the fraction of the last
-        step's exchange that ran alongside backward, and ``buckets_in_backward``, the buckets
-        launched there."""
+        ``bytes_sent_total``, ``freeze_step`` (last warm-up step, once known),
+        ``variance_ratio`` (with ``freeze_step="auto"``, the criterion's last
+        ``||v_t||_1 / ||v_{t-D}||_1``: the warm-up ends once it is within ``freeze_threshold``
+        of 1; None before ``D`` steps or without the criterion) and ``skipped_steps``; with
+        ``overlap=True`` also ``overlap``, the fraction of the last step's exchange that ran
+        alongside backward, and ``buckets_in_backward``, the buckets launched there."""
         return {
             "step": self._step_count,
             "stage": self._last_stage or self._stages.current.wire.stage,
             "bytes_sent": self._bytes_last,
             "bytes_sent_total": self._bytes_total,
             "freeze_step": self._stages.frozen_at,
+            "variance_ratio": self._stages.variance_ratio,
             "skipped_steps": self._skipped,
             **self._driver.stats(),
         }

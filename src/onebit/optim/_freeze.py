@@ -77,6 +77,15 @@ class FreezeSchedule:
     def auto(self) -> bool:
         return self.freeze_step == "auto"
 
+    @property
+    def ratio(self) -> float | None:
+        """The automatic criterion's last ``||v_t||_1 / ||v_{t-D}||_1`` (None: no ``"auto"``, or
+        fewer than ``D + 1`` steps of history): the freeze comes when it is inside
+        ``[threshold, 1 / threshold]``."""
+        if not self.auto or len(self.history) <= self.window or self.history[0] <= 0:
+            return None
+        return self.history[-1] / self.history[0]
+
     def should_freeze(self, step: int, variance_l1: float | None) -> bool:
         """Called after warm-up step ``step``: True when the compression stage starts next step."""
         if not self.auto:
@@ -85,12 +94,9 @@ class FreezeSchedule:
         self.history.append(float(variance_l1) / (1.0 if b2 is None else 1.0 - b2**step))
         if self.max_step is not None and step >= self.max_step:
             return True
-        if step < self.min_step or len(self.history) <= self.window:
+        ratio = self.ratio
+        if step < self.min_step or ratio is None:
             return False
-        past = self.history[0]
-        if past <= 0:
-            return False
-        ratio = self.history[-1] / past
         return self.threshold <= ratio <= 1.0 / self.threshold
 
     def state_dict(self) -> dict[str, Any]:

@@ -60,6 +60,7 @@ class OneStage:
 
     frozen_at = None
     schedule = None  # no warm-up to end
+    variance_ratio = None
 
     def __init__(self, stage: Stage) -> None:
         self.current = stage
@@ -88,6 +89,11 @@ class TwoStages:
         self.schedule = schedule
         self.frozen_at: int | None = None
         self.current = warmup
+
+    @property
+    def variance_ratio(self) -> float | None:
+        """The automatic freeze criterion's last ratio (:attr:`FreezeSchedule.ratio`)."""
+        return self.schedule.ratio
 
     def advance(self, step: int, buffers: Mapping[str, Tensor]) -> None:
         """After step ``step``: a warm-up step feeds the criterion ``||v||_1``; the warm-up ends
@@ -118,6 +124,7 @@ class StepStages:
         self.stages, self.stage_of, self.schedule, self.freeze_step = stages, stage_of, schedule, freeze_step
         self.done = 0
         self.current = stage_of(schedule, 1)
+        self.variance_ratio = None  # a fixed schedule: no criterion
 
     @property
     def frozen_at(self) -> int | None:
