@@ -62,6 +62,8 @@ class Run:
     hook_state: Any = None
     # Fraction of the last step's exchange that ran alongside backward (overlapped optimizers).
     overlap: Callable[[], float | None] = lambda: None
+    # What freeze_step="auto" waits on (stats["variance_ratio"]; None without the criterion).
+    variance_ratio: Callable[[], float | None] = lambda: None
 
 
 def _ring(world: int, nbytes: int) -> int:
@@ -207,4 +209,4 @@ def build_run(name: str, model: nn.Module, cfg, per_node: int | None) -> Run:
     if name in ("adam", NO_COMMUNICATION):
         return Run(model, opt, lambda: "warmup", lambda: None)
     return Run(model, opt, lambda: opt.stats["stage"], lambda: opt.stats["freeze_step"],
-               overlap=lambda: opt.stats.get("overlap"))
+               overlap=lambda: opt.stats.get("overlap"), variance_ratio=lambda: opt.stats["variance_ratio"])

@@ -166,6 +166,7 @@ def _rank_main(rank: int, world: int, cfg: TrainConfig, out: Path, per_node: int
             "comm_time": meter.seconds,
             # Fraction of the exchange that ran alongside backward (the overlapped optimizers only).
             "overlap": run.overlap(),
+            "variance_ratio": run.variance_ratio(),
             "samples": step * cfg.batch_size * world,
             "lr": schedule.get_last_lr()[0],
         })
