@@ -119,12 +119,13 @@ class StepStages:
     (0/1 Adam's :class:`~onebit.optim.ZeroOneSchedule`); ``freeze_step``: the last step of the
     stages before the freeze, for ``stats["freeze_step"]`` (None: none)."""
 
+    variance_ratio = None  # a fixed schedule: no freeze criterion
+
     def __init__(self, stages: tuple[Stage, ...], stage_of: Callable[[Any, int], Stage], schedule: Any, *,
                  freeze_step: int | None = None) -> None:
         self.stages, self.stage_of, self.schedule, self.freeze_step = stages, stage_of, schedule, freeze_step
         self.done = 0
         self.current = stage_of(schedule, 1)
-        self.variance_ratio = None  # a fixed schedule: no criterion
 
     @property
     def frozen_at(self) -> int | None:
