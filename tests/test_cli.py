@@ -1,4 +1,6 @@
 import json
+import os
+import statistics
 
 import pytest
 import torch
@@ -186,6 +188,45 @@ def test_records_carry_what_the_automatic_freeze_waits_on(tmp_path):
     assert ratios[:100] == [None] * 100 and all(isinstance(x, float) and x > 0 for x in ratios[100:])
 
 
+def test_records_carry_each_steps_cpu_time_and_the_cores_it_shared(tmp_path):
+    assert main(["train", "--optimizer", "onebit_adam", "--freeze-step", "2", "--steps", "4", "--batch-size", "4",
+                 "--hidden", "32", "--out", str(tmp_path), "--quiet"]) == 0
+    out = tmp_path / "onebit_adam"
+    recs, summary = _records(out / "metrics.jsonl"), json.loads((out / "summary.json").read_text())
+    assert all(isinstance(r["cpu_time"], float) and r["cpu_time"] > 0 for r in recs)
+    compressed = [r["cpu_time"] for r in recs if r["stage"] == "compressed"][1:]
+    assert summary["cpu_time_s"]["compressed"] == statistics.median(compressed)
+    assert summary["host_cores"] == len(os.sched_getaffinity(0))
+
+
+def test_cores_busy_is_every_ranks_cpu_time_over_the_elapsed_cores_time():
+    from onebit.bench._analysis import compare_rows, cores_busy
+
+    def run(cores, stages, times, cpus):
+        summary = {"config": {"world_size": 4}, "eval_loss": 1.0, "final_loss": 1.0, "freeze_step": None,
+                   "bytes_sent_per_rank": 0, "train_time_s": 1.0, "overlap": {}, "host_cores": cores,
+                   "step_time_s": {s: 0.25 for s in stages}, "comm_time_s": {s: 0.0 for s in stages}}
+        records = [{"stage": s, "time": t, "cpu_time": c, "loss": 1.0, "step_time": 0.25}
+                   for s, t, c in zip(stages, times, cpus)]
+        return summary, records
+
+    # 4 ranks each busy 0.1 s of every 0.25 s on 2 cores (0.4 of 0.5 core-seconds), over the
+    # compressed steps after its first: the warm-up's and the first compressed step's left out.
+    stages = ["warmup"] * 2 + ["compressed"] * 4
+    busy = run(2, stages, [0.3, 0.9, 1.5, 1.75, 2.0, 2.25], [0.5, 0.5, 0.5, 0.1, 0.1, 0.1])
+    assert cores_busy(*busy) == pytest.approx(0.8)
+    # summed over the steps, not per step: a rank that times a short window of a step
+    uneven = run(2, ["warmup"] * 4, [0.0, 0.05, 0.5, 0.75], [0.1, 0.1, 0.1, 0.1])
+    assert cores_busy(*uneven) == pytest.approx(4 * 0.3 / (0.75 * 2))
+    unknown = run(None, stages, [0.3, 0.9, 1.5, 1.75, 2.0, 2.25], [0.1] * 6)
+    unrecorded = run(2, stages, [0.3, 0.9, 1.5, 1.75, 2.0, 2.25], [None] * 6)
+    assert cores_busy(*unknown) is None and cores_busy(*unrecorded) is None
+    cases = {"a": busy, "b": unknown, "c": unrecorded}
+    rows, _ = compare_rows({k: v[0] for k, v in cases.items()}, {k: v[1] for k, v in cases.items()}, "a", None)
+    column = rows[0].index("cores busy")
+    assert [row[column] for row in rows[1:]] == ["80%", "-", "-"]
+
+
 def test_train_config_names_a_bad_compressor():
     from onebit.bench._train import TrainConfig
 
@@ -251,6 +292,17 @@ def test_truncated_checkpoint_gives_a_clear_error(tmp_path):
     ckpt.write_bytes(ckpt.read_bytes()[:100])
     with pytest.raises(RankFailure, match="rank1.pt cannot be read"):
         main(["train", "--steps", "4", "--resume", *common])
+
+
+def test_bench_comm_reports_each_collectives_time_bytes_and_cpu(tmp_path, capsys):
+    out = tmp_path / "comm"
+    assert main(["bench", "comm", "--numel", "4099", "--repeat", "2", "--world-size", "2", "--out", str(out)]) == 0
+    results = json.loads((out / "summary.json").read_text())["results"]
+    assert {r["collective"] for r in results} >= {"all_reduce fp32", "compressed_allreduce sign"}
+    # the CPU time each call took a rank (mean over the ranks), beside its wall time
+    assert all(r["cpu_seconds"] > 0 for r in results)
+    header = (out / "table.txt").read_text().splitlines()[1]
+    assert header.split()[:4] == ["collective", "ms", "CPU", "ms/rank"] and "CPU ms/rank" in capsys.readouterr().out
 
 
 def test_bench_convergence_pairs_seeds_and_reports_intervals(tmp_path, capsys):

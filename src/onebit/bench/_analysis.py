@@ -11,8 +11,8 @@ from typing import Any
 from ._model import ModelInput, predict
 from ._runs import NO_COMMUNICATION
 
-__all__ = ["compare_rows", "demo_verdict", "fmt", "mean_interval", "ms", "step_time", "steps_to_loss", "text_table",
-           "time_to_loss"]
+__all__ = ["compare_rows", "cores_busy", "demo_verdict", "fmt", "mean_interval", "ms", "step_time", "steps_to_loss",
+           "text_table", "time_to_loss"]
 
 # Student's t at 97.5% by degrees of freedom (two-sided 95% intervals); between entries the
 # smaller df's, a slightly wider interval.
@@ -100,11 +100,29 @@ def step_time(summary: dict[str, Any], records: list[dict[str, Any]]) -> float |
     return steps.get("compressed") or steps.get("warmup") or (sum(times) / len(times) if times else None)
 
 
+def cores_busy(summary: dict[str, Any], records: list[dict[str, Any]]) -> float | None:
+    """The share of the host's cores a run's ranks kept busy over the steps :func:`step_time`
+    reads (each stage's first left out): every rank's CPU time over the elapsed time times the
+    cores. Summed over the steps, not per step: ranks that never wait for each other (the
+    no-communication floor) each time their own window of a step. Near 1, the step is bound by
+    the arithmetic of ranks sharing cores, which no overlap hides. None where the run did not
+    record its CPU time or its ranks did not share one host (mpirun)."""
+    cores, steps = summary.get("host_cores"), summary["step_time_s"]
+    stage = "compressed" if steps.get("compressed") else "warmup" if steps.get("warmup") else None
+    pairs = [(before, r) for before, r in zip(records, records[1:])
+             if stage is None or before["stage"] == r["stage"] == stage]
+    if not cores or not pairs or any(r.get("cpu_time") is None for _, r in pairs):
+        return None
+    elapsed = sum(r["time"] - before["time"] for before, r in pairs)
+    return summary["config"]["world_size"] * sum(r["cpu_time"] for _, r in pairs) / (elapsed * cores)
+
+
 def compare_rows(summaries: dict[str, dict], runs: dict[str, list[dict[str, Any]]], baseline: str,
                  model: ModelInput | None, *, hierarchical: bool = False) -> tuple[list[list[str]], str]:
     """The table of ``onebit compare`` (a header row, then one row per optimizer) and a note on
     the baseline: each run's loss, step times, speed-ups against the baseline, DDP and the
-    no-communication floor, time to the baseline's final loss, bytes, and with ``model`` (the
+    no-communication floor, the share of the host's cores its ranks kept busy, time to the
+    baseline's final loss, bytes, and with ``model`` (the
     emulated cluster's parameters) the cost model's prediction. ``runs``: each optimizer's
     ``metrics.jsonl`` records; the model's ``compute`` is taken from the baseline's step."""
     base = summaries[baseline]
@@ -136,8 +154,8 @@ def compare_rows(summaries: dict[str, dict], runs: dict[str, list[dict[str, Any]
 
     ddp, floor = step_of("ddp_allreduce"), step_of(NO_COMMUNICATION)
     rows = [["optimizer", "eval loss", "gap", "ms/step warmup", "ms/step compressed", "stage speedup",
-             "vs DDP", "vs no-comm floor", "overlap", "end-to-end", "to baseline loss", "MB/rank", "reduction",
-             "freeze", "model: stage", "model: end-to-end"]]
+             "vs DDP", "vs no-comm floor", "cores busy", "overlap", "end-to-end", "to baseline loss", "MB/rank",
+             "reduction", "freeze", "model: stage", "model: end-to-end"]]
     target = summaries[baseline]["final_loss"]
     for name, s in summaries.items():
         reach = time_to_loss(runs[name], target)
@@ -155,6 +173,7 @@ def compare_rows(summaries: dict[str, dict], runs: dict[str, list[dict[str, Any]
             f"{base_step / stage_time:.2f}x",
             f"{ddp / stage_time:.2f}x" if ddp else "-",
             f"{stage_time / floor:.2f}x" if floor else "-",
+            fmt(cores_busy(s, runs[name]), ".0%"),
             fmt(overlap.get("compressed", overlap.get("warmup")), ".0%"),
             f"{base['train_time_s'] / s['train_time_s']:.2f}x" if s["train_time_s"] else "-",
             f"{base['train_time_s'] / reach:.2f}x" if reach else "never",

@@ -29,6 +29,9 @@ class CommResult:
     # Mean seconds per call of each phase of the compressed all-reduce (compress, all_to_all,
     # server, all_gather, decode), averaged over ranks; empty for the other collectives.
     phases: dict[str, float]
+    # CPU seconds per call, mean over ranks: every thread of a rank's process, gloo's and the
+    # kernel's work on its sockets as the system accounts it (what ranks sharing cores pay).
+    cpu_seconds: float
 
 
 def transformer_starts(numel: int, width: int = 256) -> list[int]:
@@ -82,7 +85,9 @@ def _rank_bench(rank: int, world: int, numel: int, repeat: int, per_node: int | 
         with comm.measure(phases=True) as meter:
             call()
         comm.barrier(group)
-        seconds = median_seconds(lambda: (call(), comm.barrier(group)), repeat)
+        cpu = time.process_time()
+        seconds = median_seconds(lambda: (call(), comm.barrier(group)), repeat, warmup=_WARMUP)
+        cpu = (time.process_time() - cpu) / (repeat + _WARMUP)
         phases = {}
         if meter.phases:  # a collective with phases: timed apart, so their device syncs stay out of the median
             with comm.measure(phases=True) as timed:
@@ -90,7 +95,7 @@ def _rank_bench(rank: int, world: int, numel: int, repeat: int, per_node: int | 
                     call()
             comm.barrier(group)
             phases = {k: v / repeat for k, v in timed.phases.items()}
-        out[name] = (seconds, meter.bytes_sent, meter.by_link.get("inter"), phases)
+        out[name] = (seconds, meter.bytes_sent, meter.by_link.get("inter"), phases, cpu)
     return out
 
 
@@ -100,11 +105,14 @@ def _this_mpi_rank(numel: int, repeat: int) -> list[dict[str, Any]] | None:
     rank, world = comm.get_rank("mpi"), comm.get_world_size("mpi")
     mine = _rank_bench(rank, world, numel, repeat, None, "mpi")
     slowest = comm.all_reduce_max(torch.tensor([t for t, *_ in mine.values()], dtype=torch.float64), "mpi")
+    cpu = comm.all_reduce_mean(torch.tensor([c for *_, c in mine.values()], dtype=torch.float64), "mpi")
     if rank:
         return None
-    return [{name: (float(t), sent, inter, phases) for (name, (_, sent, inter, phases)), t in zip(mine.items(), slowest)}]
+    return [{name: (float(t), sent, inter, phases, float(c))
+             for (name, (_, sent, inter, phases, _)), t, c in zip(mine.items(), slowest, cpu)}]
 
 
+_WARMUP = 2  # untimed calls before the timed ones (their CPU time is counted with them)
 _PIECES = 4
 _PIPELINED = f"compressed_allreduce sign per-tensor, {_PIECES} pieces pipelined"
 # Which cost-model collective each benchmark case runs.
@@ -144,10 +152,11 @@ def bench_comm(numel: int = 10_500_000, world_size: int = 2, repeat: int = 10, c
     results = []
     for name in per_rank[0]:
         seconds = max(r[name][0] for r in per_rank)
-        _, sent, inter, _ = per_rank[0][name]
+        _, sent, inter, _, _ = per_rank[0][name]
         ideal = collective_cost(_KINDS[name], model)[1] if model is not None and model.nodes > 1 else None
         phases = {k: sum(r[name][3].get(k, 0.0) for r in per_rank) / len(per_rank) for k in per_rank[0][name][3]}
-        results.append(CommResult(name, numel, world_size, seconds, sent, inter, base / seconds, ideal, phases))
+        cpu = sum(r[name][4] for r in per_rank) / len(per_rank)
+        results.append(CommResult(name, numel, world_size, seconds, sent, inter, base / seconds, ideal, phases, cpu))
     return results
 
 

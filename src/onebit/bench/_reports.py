@@ -90,10 +90,12 @@ def comm_tables(results: list[dict[str, Any]], backend: str, repeat: int) -> str
     out = []
     for numel in dict.fromkeys(r["numel"] for r in results):
         mine = [r for r in results if r["numel"] == numel]
-        rows = [["collective", "ms", "bytes sent/rank", "inter-node bytes/rank", "vs fp32 all_reduce",
-                 "wire-limited ideal ms", "vs ideal"]]
-        rows += [[r["collective"], f"{r['seconds'] * 1e3:.1f}", str(r["bytes_sent"]), fmt(r["inter_node_bytes"], "d"),
-                  f"{r['vs_fp32']:.2f}x", fmt(None if r["ideal_seconds"] is None else r["ideal_seconds"] * 1e3, ".1f"),
+        cpu = all("cpu_seconds" in r for r in mine)  # recorded since 2026-11-26
+        rows = [["collective", "ms", *(["CPU ms/rank"] if cpu else []), "bytes sent/rank", "inter-node bytes/rank",
+                 "vs fp32 all_reduce", "wire-limited ideal ms", "vs ideal"]]
+        rows += [[r["collective"], f"{r['seconds'] * 1e3:.1f}", *([f"{r['cpu_seconds'] * 1e3:.1f}"] if cpu else []),
+                  str(r["bytes_sent"]), fmt(r["inter_node_bytes"], "d"), f"{r['vs_fp32']:.2f}x",
+                  fmt(None if r["ideal_seconds"] is None else r["ideal_seconds"] * 1e3, ".1f"),
                   f"{r['seconds'] / r['ideal_seconds']:.2f}x" if r["ideal_seconds"] else "-"] for r in mine]
         out.append(f"onebit bench comm: {numel} fp32 values, {mine[0]['world_size']} ranks ({backend}), "
                    f"median of {repeat}\n" + text_table(rows))

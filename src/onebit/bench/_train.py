@@ -139,7 +139,7 @@ def _rank_main(rank: int, world: int, cfg: TrainConfig, out: Path, per_node: int
     timeline = None
     link = _traced_link(rank) if cfg.trace_step is not None else None
     for step in range(first, cfg.steps + 1):
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         with comm.trace(rank, link=link) if step == cfg.trace_step else contextlib.nullcontext() as traced:
             x, y = task.batch(cfg.batch_size, gen)
             with comm.span("forward", "step"):
@@ -154,8 +154,12 @@ def _rank_main(rank: int, world: int, cfg: TrainConfig, out: Path, per_node: int
         timeline = traced.to_json() if traced is not None else timeline
         schedule.step()
         step_time = time.perf_counter() - t0
-        # The logged loss is the average over ranks (a tiny extra all-reduce, outside the meter and the timing).
+        # Every thread of this process (gloo's, the exchange's): what the step took of the cores.
+        cpu_time = time.process_time() - cpu0
+        # The logged loss and CPU time are averages over ranks (tiny extra all-reduces, outside
+        # the meter and the timing).
         mean_loss = comm.all_reduce_mean(loss.detach().reshape(1), cfg.backend).item()
+        mean_cpu = comm.all_reduce_mean(torch.tensor([cpu_time], dtype=torch.float64), cfg.backend).item()
         records.append({
             "step": step,
             "loss": mean_loss,
@@ -163,6 +167,7 @@ def _rank_main(rank: int, world: int, cfg: TrainConfig, out: Path, per_node: int
             "bytes_sent": meter.bytes_sent,
             "time": time.perf_counter() - start,
             "step_time": step_time,
+            "cpu_time": mean_cpu,
             "comm_time": meter.seconds,
             # Fraction of the exchange that ran alongside backward (the overlapped optimizers only).
             "overlap": run.overlap(),
@@ -210,8 +215,9 @@ def _save_checkpoint(path: Path, step, model, opt, schedule, gen, run, records) 
 
 
 def _stage_median(records: list[dict[str, Any]], stage: str, key: str) -> float | None:
-    """Median of ``key`` over the steps of ``stage``, without its first step (which pays set-up)."""
-    values = [r[key] for r in records if r["stage"] == stage][1:]
+    """Median of ``key`` over the steps of ``stage``, without its first step (which pays set-up);
+    steps without it (recorded before it was, and resumed) left out."""
+    values = [v for v in [r.get(key) for r in records if r["stage"] == stage][1:] if v is not None]
     return statistics.median(values) if values else None
 
 
@@ -276,6 +282,10 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True, cluster=None) -> d
         "samples_per_s": {stage: t and per_step / t for stage, t in step_times.items()},
         # Time waiting in onebit's collectives (DDP's own all-reduce runs inside backward, not timed here).
         "comm_time_s": {stage: _stage_median(records, stage, "comm_time") for stage in stages},
+        # CPU time of a step, mean over ranks (every thread of a rank's process).
+        "cpu_time_s": {stage: _stage_median(records, stage, "cpu_time") for stage in stages},
+        # The cores the ranks shared (all spawned on this host); None under mpirun, placed by the job.
+        "host_cores": None if cfg.backend == "mpi" else len(os.sched_getaffinity(0)),
         "overlap": {stage: _stage_median(records, stage, "overlap")
                     for stage in stages if any(r["overlap"] is not None for r in records if r["stage"] == stage)},
         "wall_time_s": records[-1]["time"],
