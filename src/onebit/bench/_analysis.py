@@ -122,9 +122,9 @@ def compare_rows(summaries: dict[str, dict], runs: dict[str, list[dict[str, Any]
     """The table of ``onebit compare`` (a header row, then one row per optimizer) and a note on
     the baseline: each run's loss, step times, speed-ups against the baseline, DDP and the
     no-communication floor, the share of the host's cores its ranks kept busy, time to the
-    baseline's final loss, bytes, and with ``model`` (the
-    emulated cluster's parameters) the cost model's prediction. ``runs``: each optimizer's
-    ``metrics.jsonl`` records; the model's ``compute`` is taken from the baseline's step."""
+    baseline's final loss, bytes, and with ``model`` (the emulated cluster's parameters) the
+    cost model's prediction. ``runs``: each optimizer's ``metrics.jsonl`` records; the model's
+    ``compute`` is taken from the baseline's step."""
     base = summaries[baseline]
     base_step = base["step_time_s"].get("warmup") or next(iter(base["step_time_s"].values()))
     base_comm = base["comm_time_s"].get("warmup") or 0.0
