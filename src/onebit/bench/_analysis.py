@@ -91,13 +91,23 @@ def time_to_loss(records: list[dict[str, Any]], target: float, window: int = 10)
     return None if n is None else sum(r["step_time"] for r in records[1:n])
 
 
-def step_time(summary: dict[str, Any], records: list[dict[str, Any]]) -> float | None:
-    """A run's step time in seconds as the comparisons read it: its last stage's (1-bit Adam's
-    compressed steps), or, where its steps alternate without a last stage (DiLoCo's inner steps
-    and synchronisations), the mean of all its steps but the first, the synchronisations amortised."""
+def _timed_stage(summary: dict[str, Any]) -> str | None:
+    """The stage whose steps the comparisons time: the last one (1-bit Adam's compressed steps),
+    or None where the steps alternate without a last stage (DiLoCo's inner steps and
+    synchronisations): then all the steps."""
     steps = summary["step_time_s"]
+    return "compressed" if steps.get("compressed") else "warmup" if steps.get("warmup") else None
+
+
+def step_time(summary: dict[str, Any], records: list[dict[str, Any]]) -> float | None:
+    """A run's step time in seconds as the comparisons read it: the median of its timed stage's
+    (:func:`_timed_stage`), or the mean of all its steps but the first, the synchronisations
+    amortised."""
+    stage = _timed_stage(summary)
+    if stage is not None:
+        return summary["step_time_s"][stage]
     times = [r["step_time"] for r in records[1:]]
-    return steps.get("compressed") or steps.get("warmup") or (sum(times) / len(times) if times else None)
+    return sum(times) / len(times) if times else None
 
 
 def cores_busy(summary: dict[str, Any], records: list[dict[str, Any]]) -> float | None:
@@ -107,8 +117,7 @@ def cores_busy(summary: dict[str, Any], records: list[dict[str, Any]]) -> float 
     no-communication floor) each time their own window of a step. Near 1, the step is bound by
     the arithmetic of ranks sharing cores, which no overlap hides. None where the run did not
     record its CPU time or its ranks did not share one host (mpirun)."""
-    cores, steps = summary.get("host_cores"), summary["step_time_s"]
-    stage = "compressed" if steps.get("compressed") else "warmup" if steps.get("warmup") else None
+    cores, stage = summary.get("host_cores"), _timed_stage(summary)
     pairs = [(before, r) for before, r in zip(records, records[1:])
              if stage is None or before["stage"] == r["stage"] == stage]
     if not cores or not pairs or any(r.get("cpu_time") is None for _, r in pairs):
