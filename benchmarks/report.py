@@ -6,7 +6,7 @@ directory and the documentation:
 * a convergence matrix's ``summary.json`` (``onebit bench convergence``) gives ``table.md``
   and ``table.txt`` beside it (and ``loss.png`` when writing);
 * a memory, kernel or collective benchmark's ``summary.json`` (``onebit bench memory``,
-  ``kernels --out``, ``comm --out``) gives ``table.txt``;
+  ``kernels --out``, ``comm --out``), or that of ``onebit compare --rounds``, gives ``table.txt``;
 * a generated block of a Markdown file: the lines between ``<!-- report: COMMAND -->`` and
   ``<!-- /report -->`` are what ``COMMAND`` prints -- a benchmark script's ``--report`` over
   its JSON-lines results, ``python benchmarks/SCRIPT.py --report FILE``, or the cost model,

@@ -1,4 +1,5 @@
 import json
+import math
 import os
 import statistics
 
@@ -225,6 +226,47 @@ def test_cores_busy_is_every_ranks_cpu_time_over_the_elapsed_cores_time():
     rows, _ = compare_rows({k: v[0] for k, v in cases.items()}, {k: v[1] for k, v in cases.items()}, "a", None)
     column = rows[0].index("cores busy")
     assert [row[column] for row in rows[1:]] == ["80%", "-", "-"]
+
+
+def test_round_rows_give_each_rounds_ratio_to_the_baseline_of_that_round():
+    from onebit.bench._analysis import round_rows
+    from onebit.bench._reports import rounds_table
+
+    rounds = {"baseline": "floor", "step_time": {"floor": [0.100, 0.120, 0.110], "x": [0.110, 0.144, 0.110]},
+              "cores_busy": {"floor": [0.9, 0.8, None], "x": [None, None, None]},
+              "skipped_steps": {"floor": [0, 0, 0], "x": [0, 2, 0]}}
+    rows = round_rows(rounds)
+    assert rows[1][1:] == ["110.0", "1.000x", "1.000-1.000x", "1.000x [1.000, 1.000]", "85%"]
+    # x against the floor of the same round: 1.1, 1.2, 1.0 -- not against the floor's median
+    logs = [math.log(1.1), math.log(1.2), math.log(1.0)]
+    half = 4.303 * statistics.stdev(logs) / math.sqrt(3)  # Student's t, 2 degrees of freedom
+    mean = statistics.fmean(logs)
+    assert rows[2][1:] == ["110.0", "1.100x", "1.000-1.200x",
+                           f"{math.exp(mean):.3f}x [{math.exp(mean - half):.3f}, {math.exp(mean + half):.3f}]", "-"]
+    text = rounds_table(rounds)
+    assert text.startswith("onebit compare: 3 rounds") and text.endswith("does not count): x round 2: 2")
+
+
+def test_compare_rounds_alternate_the_order_and_keep_each_round(tmp_path, capsys):
+    from onebit.bench._analysis import step_time
+    from onebit.bench._reports import report_files
+
+    out = tmp_path / "rounds"
+    assert main(["compare", "--optimizers", "local_adam,onebit_adam", "--baseline", "local_adam", "--rounds", "2",
+                 "--steps", "4", "--freeze-step", "2", "--batch-size", "4", "--hidden", "32", "--out", str(out),
+                 "--quiet"]) == 0
+    text = capsys.readouterr().out
+    assert "round 1 of 2: local_adam, onebit_adam" in text and "round 2 of 2: onebit_adam, local_adam" in text
+    summary = json.loads((out / "summary.json").read_text())
+    for k in (1, 2):
+        kept = json.loads((out / f"round{k}" / "summary.json").read_text())
+        for name in ("local_adam", "onebit_adam"):
+            records = _records(out / f"round{k}" / name / "metrics.jsonl")
+            assert summary["step_time"][name][k - 1] == step_time(kept[name], records)
+        assert (out / f"round{k}" / "table.txt").exists()
+    # the table is a report: regenerated from the summary, as benchmarks/report.py checks
+    assert (out / "table.txt").read_text() == report_files(summary)["table.txt"]
+    assert "geometric mean, 95% interval" in text and summary["provenance"]["command"].startswith("onebit compare")
 
 
 def test_train_config_names_a_bad_compressor():

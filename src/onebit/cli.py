@@ -181,6 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="comma-separated names (default: all of them)")
     compare.add_argument("--baseline", choices=OPTIMIZERS, default="adam", metavar="NAME",
                          help="what speedups are relative to: one of --optimizers (default adam)")
+    compare.add_argument("--rounds", type=_positive_int, default=1,
+                         help="run the optimizers K times, in alternating order, and give each one's step time "
+                              "against the baseline's of the same round: median, range and 95%% interval "
+                              "(default 1: one run each)")
     _training_flags(compare, 300, "runs/compare")
     compare.set_defaults(func=commands.compare)
 

@@ -11,8 +11,8 @@ from typing import Any
 from ._model import ModelInput, predict
 from ._runs import NO_COMMUNICATION
 
-__all__ = ["compare_rows", "cores_busy", "demo_verdict", "fmt", "mean_interval", "ms", "step_time", "steps_to_loss",
-           "text_table", "time_to_loss"]
+__all__ = ["compare_rows", "cores_busy", "demo_verdict", "fmt", "mean_interval", "ms", "round_rows", "step_time",
+           "steps_to_loss", "text_table", "time_to_loss"]
 
 # Student's t at 97.5% by degrees of freedom (two-sided 95% intervals); between entries the
 # smaller df's, a slightly wider interval.
@@ -193,3 +193,23 @@ def compare_rows(summaries: dict[str, dict], runs: dict[str, list[dict[str, Any]
             f"{pred.end_to_end_speedup:.2f}x" if pred else "-",
         ])
     return rows, note
+
+
+def round_rows(rounds: dict[str, Any]) -> list[list[str]]:
+    """The table of ``onebit compare --rounds``: each optimizer's step time (:func:`step_time`,
+    median over the rounds) and its ratio to the baseline's step *of the same round* -- the
+    median, the range, and the geometric mean with its 95% t-interval over the rounds (a ratio
+    above 1: slower than the baseline). ``rounds``: the ``summary.json`` that command writes
+    (``baseline``; per optimizer, each round's ``step_time`` and ``cores_busy``)."""
+    base = rounds["step_time"][rounds["baseline"]]
+    rows = [["optimizer", "ms/step (median)", "x baseline (median)", "range", "geometric mean, 95% interval",
+             "cores busy (median)"]]
+    for name, times in rounds["step_time"].items():
+        ratios = [t / b for t, b in zip(times, base)]
+        mean, half = mean_interval([math.log(r) for r in ratios])
+        interval = f"{math.exp(mean):.3f}x [{math.exp(mean - half):.3f}, {math.exp(mean + half):.3f}]"
+        busy = [b for b in rounds["cores_busy"][name] if b is not None]
+        rows.append([name, ms(statistics.median(times)), f"{statistics.median(ratios):.3f}x",
+                     f"{min(ratios):.3f}-{max(ratios):.3f}x", interval,
+                     fmt(statistics.median(busy) if busy else None, ".0%")])
+    return rows

@@ -15,7 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ._analysis import compare_rows, demo_verdict, fmt, text_table as _table
+from ._analysis import compare_rows, cores_busy, demo_verdict, fmt, step_time, text_table as _table
 
 __all__ = ["cluster", "comm_bench", "compare", "convergence", "demo", "kernels", "memory", "model", "train_command"]
 
@@ -83,17 +83,20 @@ def _config(args: argparse.Namespace, optimizer: str):
     )
 
 
-def _run_all(args: argparse.Namespace, names: list[str]) -> dict[str, dict]:
+def _train_each(args: argparse.Namespace, names: list[str], out: Path, cluster: Any) -> dict[str, dict]:
     from ._train import train
 
-    out = Path(args.out)
     summaries = {}
-    with _cluster(args) as cluster:
-        for name in names:
-            summaries[name] = train(_config(args, name), out / name, progress=not args.quiet, cluster=cluster)
-            if args.trace and summaries[name] is not None:
-                _timeline(out / name)
+    for name in names:
+        summaries[name] = train(_config(args, name), out / name, progress=not args.quiet, cluster=cluster)
+        if args.trace and summaries[name] is not None:
+            _timeline(out / name)
     return summaries
+
+
+def _run_all(args: argparse.Namespace, names: list[str]) -> dict[str, dict]:
+    with _cluster(args) as cluster:
+        return _train_each(args, names, Path(args.out), cluster)
 
 
 def _link_use(events: list[dict[str, Any]]) -> list[str]:
@@ -192,15 +195,45 @@ def train_command(args: argparse.Namespace) -> int:
 
 
 def compare(args: argparse.Namespace) -> int:
-    from ._model import ModelInput
-    from ._reports import provenance
+    from ._reports import provenance, report_files
     from ._train import OPTIMIZERS
 
     names = list(_names(args.optimizers, OPTIMIZERS, "--optimizers"))
     if args.baseline not in names:
         names.insert(0, args.baseline)
-    summaries = _run_all(args, names)
     out = Path(args.out)
+    if args.rounds == 1:
+        _compare_round(args, names, _run_all(args, names), out)
+        return 0
+    rounds: dict[str, Any] = {"benchmark": "compare-rounds", "baseline": args.baseline,
+                              **{key: {name: [] for name in names} for key in ("step_time", "cores_busy",
+                                                                               "skipped_steps")}}
+    with _cluster(args) as cluster:
+        for k in range(1, args.rounds + 1):
+            # ABBA: each optimizer runs as often early as late in the rounds, so that a drift of the
+            # machine's speed over them (another tenant, the clock) weighs on every one alike.
+            order = names if k % 2 else names[::-1]
+            print(f"round {k} of {args.rounds}: {', '.join(order)}")
+            summaries = _train_each(args, order, out / f"round{k}", cluster)
+            runs = _compare_round(args, names, {name: summaries[name] for name in names}, out / f"round{k}")
+            for name in names:
+                rounds["step_time"][name].append(step_time(summaries[name], runs[name]))
+                rounds["cores_busy"][name].append(cores_busy(summaries[name], runs[name]))
+                rounds["skipped_steps"][name].append(summaries[name].get("skipped_steps") or 0)
+    rounds["provenance"] = provenance(shlex.join(["onebit", *args.argv]))
+    text = report_files(rounds)["table.txt"]  # the table, then the command, machine and date
+    print(text, end="")
+    (out / "table.txt").write_text(text)
+    (out / "summary.json").write_text(json.dumps(rounds, indent=1) + "\n")
+    return 0
+
+
+def _compare_round(args: argparse.Namespace, names: list[str], summaries: dict[str, dict],
+                   out: Path) -> dict[str, list[dict[str, Any]]]:
+    """One comparison's table, summary, provenance and plot in ``out``; returns its runs' records."""
+    from ._model import ModelInput
+    from ._reports import provenance
+
     runs = {}
     for name in summaries:
         with open(out / name / "metrics.jsonl") as f:
@@ -227,7 +260,7 @@ def compare(args: argparse.Namespace) -> int:
     # the command, machine and date of the runs, for the reports made from them
     (out / "provenance.json").write_text(json.dumps(provenance(shlex.join(["onebit", *args.argv])), indent=2) + "\n")
     _plot(out, names, f"{args.task}: " + ", ".join(names))
-    return 0
+    return runs
 
 
 def _write_bench(args: argparse.Namespace, summary: dict[str, Any]) -> None:

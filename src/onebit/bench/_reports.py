@@ -3,9 +3,9 @@ date) and its tables (:func:`report_files`).
 
 A convergence matrix's ``summary.json`` (``onebit bench convergence``) gives ``table.md`` and
 ``table.txt``; a memory, kernel or collective benchmark's (``onebit bench memory``, ``kernels
---out``, ``comm --out``) gives ``table.txt``. Regenerating every committed report from its
-results (and the documentation's generated blocks) needs a checkout:
-``python benchmarks/report.py`` there.
+--out``, ``comm --out``) and ``onebit compare --rounds``' give ``table.txt``. Regenerating
+every committed report from its results (and the documentation's generated blocks) needs a
+checkout: ``python benchmarks/report.py`` there.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ._analysis import fmt, text_table
+from ._analysis import fmt, round_rows, text_table
 
 __all__ = ["comm_tables", "convergence_rows", "is_convergence", "kernel_rows", "memory_rows", "provenance",
-           "report_files"]
+           "report_files", "rounds_table"]
 
 
 def provenance(command: str) -> dict[str, str]:
@@ -109,6 +109,21 @@ def comm_tables(results: list[dict[str, Any]], backend: str, repeat: int) -> str
     return "\n\n".join(out)
 
 
+def rounds_table(summary: dict[str, Any]) -> str:
+    """``onebit compare --rounds``' table (:func:`round_rows`) under a line that says how it was
+    measured, and the rounds in which an optimizer skipped steps (a skipped step sends 4 bytes
+    and looks fast: those rounds' ratios do not count)."""
+    count = len(summary["step_time"][summary["baseline"]])
+    lines = [f"onebit compare: {count} rounds, the optimizers in alternating order; each one's step "
+             f"time against {summary['baseline']}'s in the same round", text_table(round_rows(summary))]
+    skipped = [f"{name} round {k + 1}: {n}" for name, counts in summary["skipped_steps"].items()
+               for k, n in enumerate(counts) if n]
+    if skipped:
+        lines.append("steps skipped for a non-finite gradient (those rounds' speed does not count): " +
+                     ", ".join(skipped))
+    return "\n".join(lines)
+
+
 def _provenance(summary: dict[str, Any]) -> str:
     p = summary.get("provenance")
     if not p:
@@ -139,6 +154,8 @@ def report_files(summary: dict[str, Any]) -> dict[str, str]:
     elif summary.get("benchmark") == "comm":
         meta = summary["settings"]
         tables = {"table.txt": comm_tables(summary["results"], meta["backend"], meta["repeat"])}
+    elif summary.get("benchmark") == "compare-rounds":
+        tables = {"table.txt": rounds_table(summary)}
     else:
         return {}
     note = _provenance(summary)
