@@ -111,6 +111,7 @@ def test_more_argument_errors(argv, msg, capsys):
         (["train", "--world-size", "3", "--nodes", "2"], "--world-size 3 is not a multiple of --nodes 2"),
         (["train", "--hierarchical"], "--hierarchical needs --nodes"),
         (["compare", "--optimizers", "adam,sgd"], "unknown ['sgd']"),
+        (["compare", "--rounds", "2", "--resume"], "--resume cannot continue --rounds 2"),
         # the defaults since error_feedback=False: it would run as diloco_fedavg
         (["bench", "convergence", "--families", "adamw", "--optimizers", "diloco_fedavg_no_ef", "--extended"],
          "diloco_fedavg_no_ef would run nothing"),
@@ -232,19 +233,27 @@ def test_round_rows_give_each_rounds_ratio_to_the_baseline_of_that_round():
     from onebit.bench._analysis import round_rows
     from onebit.bench._reports import rounds_table
 
-    rounds = {"baseline": "floor", "step_time": {"floor": [0.100, 0.120, 0.110], "x": [0.110, 0.144, 0.110]},
-              "cores_busy": {"floor": [0.9, 0.8, None], "x": [None, None, None]},
-              "skipped_steps": {"floor": [0, 0, 0], "x": [0, 2, 0]}}
+    rounds = {"baseline": "floor",
+              "step_time": {"floor": [0.100, 0.120, 0.110], "x": [0.110, 0.144, 0.110], "y": [None, 0.132, 0.121],
+                            "z": [0.1, 0.1, None]},
+              "cores_busy": {"floor": [0.9, 0.8, None], "x": [None, None, None], "y": [0.5, 0.6, 0.7],
+                             "z": [None, None, None]},
+              "skipped_steps": {"floor": [0, 0, 0], "x": [0, 2, 0], "y": [0, 0, 0], "z": [1, 1, 0]}}
     rows = round_rows(rounds)
-    assert rows[1][1:] == ["110.0", "1.000x", "1.000-1.000x", "1.000x [1.000, 1.000]", "85%"]
-    # x against the floor of the same round: 1.1, 1.2, 1.0 -- not against the floor's median
-    logs = [math.log(1.1), math.log(1.2), math.log(1.0)]
-    half = 4.303 * statistics.stdev(logs) / math.sqrt(3)  # Student's t, 2 degrees of freedom
+    assert rows[1][1:] == ["3", "110.0", "1.000x", "1.000-1.000x", "1.000x [1.000, 1.000]", "85%"]
+    # x against the floor of the same round (1.1 and 1.0 -- not against the floor's median), its
+    # round 2 left out: a skipped step sends 4 bytes and looks fast
+    logs = [math.log(1.1), math.log(1.0)]
+    half = 12.706 * statistics.stdev(logs) / math.sqrt(2)  # Student's t, 1 degree of freedom
     mean = statistics.fmean(logs)
-    assert rows[2][1:] == ["110.0", "1.100x", "1.000-1.200x",
+    assert rows[2][1:] == ["2", "110.0", "1.050x", "1.000-1.100x",
                            f"{math.exp(mean):.3f}x [{math.exp(mean - half):.3f}, {math.exp(mean + half):.3f}]", "-"]
+    # y has no step time in round 1: rounds 2 and 3, each 1.1x
+    assert rows[3][1:] == ["2", "126.5", "1.100x", "1.100-1.100x", "1.100x [1.100, 1.100]", "65%"]
+    assert rows[4][1:] == ["0", "-", "-", "-", "-", "-"]
     text = rounds_table(rounds)
-    assert text.startswith("onebit compare: 3 rounds") and text.endswith("does not count): x round 2: 2")
+    assert text.startswith("onebit compare: 3 rounds")
+    assert text.endswith("left out of the figures): x round 2: 2, z round 1: 1, z round 2: 1")
 
 
 def test_compare_rounds_alternate_the_order_and_keep_each_round(tmp_path, capsys):
@@ -257,6 +266,9 @@ def test_compare_rounds_alternate_the_order_and_keep_each_round(tmp_path, capsys
                  "--quiet"]) == 0
     text = capsys.readouterr().out
     assert "round 1 of 2: local_adam, onebit_adam" in text and "round 2 of 2: onebit_adam, local_adam" in text
+    for k, (first, last) in ((1, ("local_adam", "onebit_adam")), (2, ("onebit_adam", "local_adam"))):
+        done = {name: (out / f"round{k}" / name / "summary.json").stat().st_mtime_ns for name in (first, last)}
+        assert done[first] < done[last]  # trained in that order, not only printed so
     summary = json.loads((out / "summary.json").read_text())
     for k in (1, 2):
         kept = json.loads((out / f"round{k}" / "summary.json").read_text())

@@ -199,17 +199,25 @@ def round_rows(rounds: dict[str, Any]) -> list[list[str]]:
     """The table of ``onebit compare --rounds``: each optimizer's step time (:func:`step_time`,
     median over the rounds) and its ratio to the baseline's step *of the same round* -- the
     median, the range, and the geometric mean with its 95% t-interval over the rounds (a ratio
-    above 1: slower than the baseline). ``rounds``: the ``summary.json`` that command writes
-    (``baseline``; per optimizer, each round's ``step_time`` and ``cores_busy``)."""
-    base = rounds["step_time"][rounds["baseline"]]
-    rows = [["optimizer", "ms/step (median)", "x baseline (median)", "range", "geometric mean, 95% interval",
-             "cores busy (median)"]]
+    above 1: slower than the baseline). A round counts only where both runs have a step time
+    and neither skipped a step (a skipped step sends 4 bytes and looks fast). ``rounds``: the
+    ``summary.json`` that command writes (``baseline``; per optimizer, each round's
+    ``step_time``, ``cores_busy`` and ``skipped_steps``)."""
+    baseline = rounds["baseline"]
+    rows = [["optimizer", "rounds", "ms/step (median)", "x baseline (median)", "range",
+             "geometric mean, 95% interval", "cores busy (median)"]]
     for name, times in rounds["step_time"].items():
-        ratios = [t / b for t, b in zip(times, base)]
+        counted = [k for k, (t, b) in enumerate(zip(times, rounds["step_time"][baseline]))
+                   if t is not None and b is not None
+                   and not rounds["skipped_steps"][name][k] and not rounds["skipped_steps"][baseline][k]]
+        if not counted:
+            rows.append([name, "0", "-", "-", "-", "-", "-"])
+            continue
+        ratios = [times[k] / rounds["step_time"][baseline][k] for k in counted]
         mean, half = mean_interval([math.log(r) for r in ratios])
         interval = f"{math.exp(mean):.3f}x [{math.exp(mean - half):.3f}, {math.exp(mean + half):.3f}]"
-        busy = [b for b in rounds["cores_busy"][name] if b is not None]
-        rows.append([name, ms(statistics.median(times)), f"{statistics.median(ratios):.3f}x",
-                     f"{min(ratios):.3f}-{max(ratios):.3f}x", interval,
+        busy = [rounds["cores_busy"][name][k] for k in counted if rounds["cores_busy"][name][k] is not None]
+        rows.append([name, str(len(counted)), ms(statistics.median(times[k] for k in counted)),
+                     f"{statistics.median(ratios):.3f}x", f"{min(ratios):.3f}-{max(ratios):.3f}x", interval,
                      fmt(statistics.median(busy) if busy else None, ".0%")])
     return rows

@@ -198,20 +198,23 @@ def compare(args: argparse.Namespace) -> int:
     from ._reports import provenance, report_files
     from ._train import OPTIMIZERS
 
-    names = list(_names(args.optimizers, OPTIMIZERS, "--optimizers"))
+    names = list(dict.fromkeys(_names(args.optimizers, OPTIMIZERS, "--optimizers")))
     if args.baseline not in names:
         names.insert(0, args.baseline)
     out = Path(args.out)
     if args.rounds == 1:
         _compare_round(args, names, _run_all(args, names), out)
         return 0
+    if args.resume:  # a resumed round would pair one session's steps with another's
+        raise SystemExit(f"onebit: --resume cannot continue --rounds {args.rounds}: run the rounds again")
     rounds: dict[str, Any] = {"benchmark": "compare-rounds", "baseline": args.baseline,
-                              **{key: {name: [] for name in names} for key in ("step_time", "cores_busy",
-                                                                               "skipped_steps")}}
+                              "step_time": {name: [] for name in names},
+                              "cores_busy": {name: [] for name in names},
+                              "skipped_steps": {name: [] for name in names}}
     with _cluster(args) as cluster:
         for k in range(1, args.rounds + 1):
-            # ABBA: each optimizer runs as often early as late in the rounds, so that a drift of the
-            # machine's speed over them (another tenant, the clock) weighs on every one alike.
+            # The order alternates, so that over an even number of rounds each optimizer runs as
+            # often first as last and a steady drift of the machine's speed weighs on each alike.
             order = names if k % 2 else names[::-1]
             print(f"round {k} of {args.rounds}: {', '.join(order)}")
             summaries = _train_each(args, order, out / f"round{k}", cluster)
@@ -221,10 +224,10 @@ def compare(args: argparse.Namespace) -> int:
                 rounds["cores_busy"][name].append(cores_busy(summaries[name], runs[name]))
                 rounds["skipped_steps"][name].append(summaries[name].get("skipped_steps") or 0)
     rounds["provenance"] = provenance(shlex.join(["onebit", *args.argv]))
+    (out / "summary.json").write_text(json.dumps(rounds, indent=1) + "\n")
     text = report_files(rounds)["table.txt"]  # the table, then the command, machine and date
     print(text, end="")
     (out / "table.txt").write_text(text)
-    (out / "summary.json").write_text(json.dumps(rounds, indent=1) + "\n")
     return 0
 
 

@@ -112,14 +112,14 @@ def comm_tables(results: list[dict[str, Any]], backend: str, repeat: int) -> str
 def rounds_table(summary: dict[str, Any]) -> str:
     """``onebit compare --rounds``' table (:func:`round_rows`) under a line that says how it was
     measured, and the rounds in which an optimizer skipped steps (a skipped step sends 4 bytes
-    and looks fast: those rounds' ratios do not count)."""
+    and looks fast: :func:`round_rows` leaves those rounds out)."""
     count = len(summary["step_time"][summary["baseline"]])
     lines = [f"onebit compare: {count} rounds, the optimizers in alternating order; each one's step "
              f"time against {summary['baseline']}'s in the same round", text_table(round_rows(summary))]
     skipped = [f"{name} round {k + 1}: {n}" for name, counts in summary["skipped_steps"].items()
                for k, n in enumerate(counts) if n]
     if skipped:
-        lines.append("steps skipped for a non-finite gradient (those rounds' speed does not count): " +
+        lines.append("steps skipped for a non-finite gradient (those rounds are left out of the figures): " +
                      ", ".join(skipped))
     return "\n".join(lines)
 
