@@ -181,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="comma-separated names (default: all of them)")
     compare.add_argument("--baseline", choices=OPTIMIZERS, default="adam", metavar="NAME",
                          help="what speedups are relative to: one of --optimizers (default adam)")
-    compare.add_argument("--rounds", type=_positive_int, default=1,
+    compare.add_argument("--rounds", type=_positive_int, default=1, metavar="K",
                          help="run the optimizers K times, in alternating order (an even K runs each as often "
                               "first as last), and give each one's step time against the baseline's of the same "
                               "round: median, range and 95%% interval, leaving out rounds with skipped steps "
