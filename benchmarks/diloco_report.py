@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -231,10 +232,20 @@ def _work(name: str, config: dict) -> tuple:
 
 def time_report(loss_dirs: list[Path], cluster_dirs: list[Path]) -> str:
     curves = [(n, summary, records) for d in loss_dirs for n, (summary, records) in _compare_runs(d).items()]
-    ddp = [(summary, records) for n, summary, records in curves if n == "ddp_allreduce"]
-    if len(ddp) != 1:
-        raise SystemExit("--time-to-loss needs one ddp_allreduce run: its final loss is the target")
-    target = ddp[0][0]["final_loss"]
+    targets: dict[int, float] = {}  # each seed's DDP AdamW final loss: that seed's runs' target
+    for name, summary, _ in curves:
+        if name == "ddp_allreduce":
+            seed = summary["config"]["seed"]
+            if seed in targets:
+                raise SystemExit(f"two ddp_allreduce runs of seed {seed}: its final loss is the target, give one")
+            targets[seed] = summary["final_loss"]
+    missing = sorted({s["config"]["seed"] for _, s, _ in curves} - set(targets))
+    if missing:
+        raise SystemExit(f"--time-to-loss needs a ddp_allreduce run of every seed (its final loss is the target): "
+                         f"none of seed {missing[0]}")
+    # the setting's first appearance, then the seed
+    order = list(dict.fromkeys((n, _curve_setting(n, s)) for n, s, _ in curves))
+    curves.sort(key=lambda c: (order.index((c[0], _curve_setting(c[0], c[1]))), c[1]["config"]["seed"]))
     timed = []  # (link, name, summary, records, the floor's seconds a step)
     for d in cluster_dirs:
         runs = _compare_runs(d)
@@ -245,9 +256,9 @@ def time_report(loss_dirs: list[Path], cluster_dirs: list[Path]) -> str:
                 raise SystemExit(f"{d}: {name} skipped steps: its speed does not count")
             timed.append((summary["cluster"]["bandwidth"], name, summary, records,
                           runs["local_adam"][0]["step_time_s"]["warmup"]))
-    lines = ["| link | optimizer | setting | steps to DDP's loss | time to DDP's loss | its floor | faster than DDP |",
-             "|---|---|---|---|---|---|---|"]
-    same = []
+    lines = ["| link | optimizer | setting | seed | steps to DDP's loss | time to DDP's loss | its floor "
+             "| faster than DDP |", "|---|---|---|---|---|---|---|---|"]
+    same, pooled = [], []
     for link in sorted({t[0] for t in timed}, reverse=True):
         rows = []
         for name, summary, records in curves:
@@ -258,28 +269,51 @@ def time_report(loss_dirs: list[Path], cluster_dirs: list[Path]) -> str:
             if not match:
                 continue
             _, _, cluster, cluster_records, floor = match[0]
-            equal = next((i for i, (x, y) in enumerate(zip(cluster_records, records)) if x["loss"] != y["loss"]),
-                         min(len(cluster_records), len(records)))
-            same.append(f"{name} at {link / 1e6:g} Mbit/s ({_curve_setting(name, cluster)}) against "
-                        f"{_curve_setting(name, summary)}: {equal} of {len(cluster_records)}")
-            n = steps_to_loss(records, target)
+            seed = summary["config"]["seed"]
+            if cluster["config"]["seed"] == seed:  # the premise, checked where the cluster ran the same seed
+                equal = next((i for i, (x, y) in enumerate(zip(cluster_records, records)) if x["loss"] != y["loss"]),
+                             min(len(cluster_records), len(records)))
+                same.append(f"{name} at {link / 1e6:g} Mbit/s ({_curve_setting(name, cluster)}) against "
+                            f"{_curve_setting(name, summary)}: {equal} of {len(cluster_records)}")
+            n = steps_to_loss(records, targets[seed])
             missing = {r["stage"] for r in records[: n or 0]} - set(cluster["step_time_s"])
             if missing:
                 raise SystemExit(f"{name} at {link / 1e6:g} Mbit/s: no step time of its {sorted(missing)} steps")
             took = None if n is None else sum(cluster["step_time_s"][r["stage"]] for r in records[:n])
-            rows.append((name, summary, records, n, took, floor))
-        ddp_took = next((took for name, *_, took, _ in rows if name == "ddp_allreduce"), None)
-        for name, summary, records, n, took, floor in rows:
+            rows.append((name, summary, records, n, took, floor, seed))
+        ddp_took = {seed: took for name, *_, took, _, seed in rows if name == "ddp_allreduce"}
+        faster: dict[tuple[str, str], dict[int, float | None]] = {}
+        for name, summary, records, n, took, floor, seed in rows:
             steps = f"{n:,}" if n is not None else f"not in {len(records):,} (final {summary['final_loss']:.3f})"
             took_text = "—" if took is None else f"{took / 60:,.1f} min"
             floor_text = "—" if n is None else f"{n * floor / 60:,.1f} min"
-            faster = f"{ddp_took / took:.1f}x" if took and ddp_took else "—"
-            lines.append(f"| {link / 1e6:g} Mbit/s | {name} | {_curve_setting(name, summary)} | {steps} "
-                         f"| {took_text} | {floor_text} | {faster} |")
-    return ("\n".join(lines) + f"\n\nDDP AdamW's final loss (the mean of its last 10 steps' training loss after "
-            f"{len(ddp[0][1]):,} steps): {target:.4f}; a run reaches it when the mean of 10 consecutive steps is "
-            f"at most that. Losses identical to the long run's, step for step, in the cluster runs: "
-            f"{'; '.join(same)}. {_sources(loss_dirs + cluster_dirs)}\n")
+            ratio = ddp_took[seed] / took if took and ddp_took.get(seed) else None
+            if seed in ddp_took and name != "ddp_allreduce":
+                faster.setdefault((name, _curve_setting(name, summary)), {})[seed] = ratio
+            lines.append(f"| {link / 1e6:g} Mbit/s | {name} | {_curve_setting(name, summary)} | {seed} | {steps} "
+                         f"| {took_text} | {floor_text} | {'—' if ratio is None else f'{ratio:.1f}x'} |")
+        pooled += [_pooled(link, name, setting, ratios) for (name, setting), ratios in faster.items()
+                   if len(ratios) > 1]
+    return ("\n".join(lines) + "\n\n" + "".join(f"{p}\n\n" for p in pooled)
+            + f"Each seed's target: the final loss of DDP AdamW of that seed (the mean of its last 10 steps' "
+            f"training loss; {', '.join(f'seed {k}: {v:.4f}' for k, v in sorted(targets.items()))}); a run reaches "
+            f"it when the mean of 10 consecutive steps is at most that. Losses identical to the long run's, step "
+            f"for step, in the cluster runs (of the seed they ran): {'; '.join(same)}. "
+            f"{_sources(loss_dirs + cluster_dirs)}\n")
+
+
+def _pooled(link: float, name: str, setting: str, ratios: dict[int, float | None]) -> str:
+    """How much sooner than DDP AdamW ``name`` reached each seed's target, over the paired seeds:
+    the geometric mean of the ratios with its 95% t-interval, and the worst seed."""
+    head = f"{name} ({setting}) at {link / 1e6:g} Mbit/s, {len(ratios)} paired seeds: "
+    unreached = [seed for seed, r in ratios.items() if r is None]
+    if unreached:
+        return head + f"not pooled (seed {unreached[0]} did not reach DDP AdamW's loss)."
+    mean, half = mean_interval([math.log(r) for r in ratios.values()])
+    worst = min(ratios, key=ratios.get)
+    return (head + f"**{math.exp(mean):.2f}x faster than DDP AdamW** (geometric mean, 95% interval "
+            f"[{math.exp(mean - half):.2f}, {math.exp(mean + half):.2f}]; worst seed {worst}, {ratios[worst]:.2f}x; "
+            f"each seed {', '.join(f'{r:.2f}x' for r in ratios.values())}).")
 
 
 if __name__ == "__main__":

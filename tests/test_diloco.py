@@ -119,18 +119,33 @@ def test_matches_the_algorithm_written_plainly(world, compressor, collective, er
 # exchange sent TAU steps before it lands; on arrival x <- ALPHA x + (1 - ALPHA) anchor.
 SH, TAU, ALPHA = 6, 2, 0.5
 S_STEPS = 2 * SH + 2
+STARTS = [0, 48, 56, 80, 83]  # of the model's four parameters in the flat values
+CONTIGUOUS = [[0], [1, 2, 3]]  # the first layer's weight (48 values, the nearest cut to half of 83), then the rest
+GIVEN = [[1, 2], [0, 3]]  # the first bias and second weight; the first weight and second bias (two pieces)
 
 
-def _streamed_oracle(world, compressor, collective, error_feedback):
-    """Algorithm 2 of arXiv 2501.18512 (torchft's schedule): fragment p lands at the steps k SH / 2
-    with k = p + 1 modulo 2, its outer gradients formed TAU steps before; the fragments: the
-    first layer's weight (48 values, the nearest cut to half of 83), then the rest."""
+def _pieces(members):
+    """(lo, hi, each parameter's start from lo) of each run of consecutive parameters in ``members``:
+    what one collective sends."""
+    runs = []
+    for i in sorted(members):
+        if runs and runs[-1][-1] == i - 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return [(STARTS[r[0]], STARTS[r[-1] + 1], [STARTS[i] - STARTS[r[0]] for i in r]) for r in runs]
+
+
+def _streamed_oracle(world, compressor, collective, error_feedback, fragments=CONTIGUOUS):
+    """Algorithm 2 of arXiv 2501.18512 (torchft's schedule): fragment p (parameters
+    ``fragments[p]``) lands at the steps k SH / 2 with k = p + 1 modulo 2, its outer gradients
+    formed TAU steps before, each run of consecutive parameters compressed on its own."""
     models = [_model() for _ in range(world)]
     inners = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
     anchor = _flat(models[0]).clone()
     momentum = torch.zeros_like(anchor)
-    ranges = [(0, 48), (48, 83)]
-    exchanges = [_simulated(collective, world, 48, [0]), _simulated(collective, world, 35, [0, 8, 32])]
+    pieces = [_pieces(members) for members in fragments]
+    exchanges = [[_simulated(collective, world, hi - lo, starts) for lo, hi, starts in f] for f in pieces]
     period, in_flight, history = SH // 2, {}, []
     for step in range(1, S_STEPS + 1):
         for rank in range(world):
@@ -138,35 +153,40 @@ def _streamed_oracle(world, compressor, collective, error_feedback):
             inners[rank].step()
         if (step + TAU) % period == 0:
             p = ((step + TAU) // period - 1) % 2
-            lo, hi = ranges[p]
-            in_flight[step + TAU] = p, [anchor[lo:hi] - _flat(m)[lo:hi] for m in models]
+            in_flight[step + TAU] = p, [[anchor[lo:hi] - _flat(m)[lo:hi] for m in models] for lo, hi, _ in pieces[p]]
         if step in in_flight:
-            p, deltas = in_flight.pop(step)
-            lo, hi = ranges[p]
-            if compressor == "identity":
-                delta = sum(deltas) / world
-            else:
-                delta = exchanges[p](deltas)
-                if not error_feedback:
-                    _forget(exchanges[p])
-            momentum[lo:hi] = OUTER_MOMENTUM * momentum[lo:hi] + delta
-            anchor[lo:hi] = anchor[lo:hi] - OUTER_LR * (delta + OUTER_MOMENTUM * momentum[lo:hi])
+            p, sent = in_flight.pop(step)
+            for (lo, hi, _), deltas, exchange in zip(pieces[p], sent, exchanges[p]):
+                if compressor == "identity":
+                    delta = sum(deltas) / world
+                else:
+                    delta = exchange(deltas)
+                    if not error_feedback:
+                        _forget(exchange)
+                momentum[lo:hi] = OUTER_MOMENTUM * momentum[lo:hi] + delta
+                anchor[lo:hi] = anchor[lo:hi] - OUTER_LR * (delta + OUTER_MOMENTUM * momentum[lo:hi])
             for m in models:
                 merged = ALPHA * _flat(m) + (1 - ALPHA) * anchor
                 with torch.no_grad():
-                    for q, a, value in zip(m.parameters(), [0, 48, 56, 80], merged.split([48, 8, 24, 3])):
-                        if lo <= a < hi:
-                            q.copy_(value.view_as(q))
+                    for i, q in enumerate(m.parameters()):
+                        if i in fragments[p]:
+                            q.copy_(merged[STARTS[i] : STARTS[i + 1]].view_as(q))
         history.append(([_flat(m).clone() for m in models], anchor.clone()))
     return history
 
 
-def _streamed(rank, world, compressor, collective, error_feedback):
+def _given(model, fragments):
+    """``fragments`` of parameter indices as lists of ``model``'s parameters (None: the int 2)."""
+    params = list(model.parameters())
+    return 2 if fragments is None else [[params[i] for i in members] for members in fragments]
+
+
+def _streamed(rank, world, compressor, collective, error_feedback, fragments=None):
     torch.set_num_threads(1)
     model = _model()
     opt = onebit.DiLoCo(torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=SH, outer_lr=OUTER_LR,
-                        outer_momentum=OUTER_MOMENTUM, fragments=2, delay=TAU, compressor=compressor,
-                        collective=collective, error_feedback=error_feedback)
+                        outer_momentum=OUTER_MOMENTUM, fragments=_given(model, fragments), delay=TAU,
+                        compressor=compressor, collective=collective, error_feedback=error_feedback)
     history, shared, sent = [], [], []
     for step in range(1, S_STEPS + 1):
         _inner_step(model, opt, rank, step)
@@ -203,13 +223,30 @@ def test_streamed_fragments_match_the_algorithm_written_plainly(world, compresso
     assert not torch.equal(results[0][0][-1], results[1][0][-1])  # merged with local steps: they differ
 
 
-def _streamed_resumed(rank, world):
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("compressor,collective,error_feedback", [
+    ("identity", "allgather", False), ("sign", "allgather", True), ("sign", "allreduce", True)])
+def test_fragments_given_as_parameters_match_the_algorithm_written_plainly(world, compressor, collective,
+                                                                          error_feedback):
+    # fragment 1 in two pieces around fragment 0's: each piece a collective of its own
+    oracle = _streamed_oracle(world, compressor, collective, error_feedback, GIVEN)
+    contiguous = _streamed_oracle(world, compressor, collective, error_feedback)
+    assert not torch.allclose(oracle[-1][1], contiguous[-1][1])  # a different schedule of the same model
+    results = run_ranks(_streamed, world, compressor, collective, error_feedback, GIVEN)
+    for rank, (history, shared, _, _) in enumerate(results):
+        for step, (ours, anchored, (expected, anchor)) in enumerate(zip(history, shared, oracle), start=1):
+            assert torch.allclose(ours, expected[rank], rtol=1e-5, atol=1e-6), (rank, step)
+            assert torch.allclose(anchored, anchor, rtol=1e-5, atol=1e-6)
+            assert torch.equal(anchored, results[0][1][step - 1])
+
+
+def _streamed_resumed(rank, world, fragments=None):
     torch.set_num_threads(1)
 
     def build():
         model = _model()
-        return model, onebit.DiLoCo(torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=SH, fragments=2,
-                                    delay=TAU, error_feedback=True)
+        return model, onebit.DiLoCo(torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=SH,
+                                    fragments=_given(model, fragments), delay=TAU, error_feedback=True)
 
     model, opt = build()
     for step in range(1, S_STEPS + 1):
@@ -234,8 +271,9 @@ def _streamed_resumed(rank, world):
     return straight, _flat(model), skipped, saved["opt"]["onebit"]["arrivals"][0]["lands_at"]
 
 
-def test_streamed_skips_alone_and_resumes_inside_a_flight_bit_for_bit():
-    for rank, (straight, resumed, skipped, lands_at) in enumerate(run_ranks(_streamed_resumed, 2)):
+@pytest.mark.parametrize("fragments", [None, GIVEN])
+def test_streamed_skips_alone_and_resumes_inside_a_flight_bit_for_bit(fragments):
+    for rank, (straight, resumed, skipped, lands_at) in enumerate(run_ranks(_streamed_resumed, 2, fragments)):
         assert skipped == (rank == 0)
         assert lands_at == 9  # sent at step 7, saved in flight
         assert torch.equal(straight, resumed)
@@ -328,6 +366,15 @@ def test_a_checkpoint_loads_only_into_the_same_streaming_schedule():
     other.load_state_dict(state)
     exact = onebit.DiLoCo(torch.optim.AdamW(model.parameters()), sync_every=4, compressor="identity")
     exact.load_state_dict(state)  # the exact exchange holds no error state: either loads
+    # fragments given as parameters: only into the same ones
+    state = onebit.DiLoCo(torch.optim.AdamW(model.parameters()), sync_every=4, fragments=_given(model, GIVEN),
+                          delay=1).state_dict()
+    with pytest.raises(ValueError, match=r"saved with the fragments \[1, 0, 0, 1\] of its parameters; this "
+                                         "optimizer has contiguous fragments"):
+        onebit.DiLoCo(torch.optim.AdamW(model.parameters()), sync_every=4, fragments=2, delay=1).load_state_dict(state)
+    swapped = [[1, 2], [3, 0]]  # the same fragments, each parameter listed in another order: the same schedule
+    onebit.DiLoCo(torch.optim.AdamW(model.parameters()), sync_every=4, fragments=_given(model, swapped),
+                  delay=1).load_state_dict(state)
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
@@ -356,3 +403,27 @@ def test_bad_arguments_are_named(kwargs, error, match):
         onebit.DiLoCo(**kwargs)
     with pytest.raises(TypeError, match="exchanges itself"):
         onebit.DiLoCo(onebit.OnebitAdam(model.parameters()))
+
+
+@pytest.mark.parametrize("fragments,error,match", [
+    ([[0, 1], [2]], ValueError, r"parameters \[3\] of the inner optimizer are in no fragment"),
+    ([[0, 1], [1, 2, 3]], ValueError, "parameter 1 is in fragments 0 and 1"),
+    ([[0, 1, 2, 3], []], ValueError, "fragment 1 is empty"),
+    ([[0, 1], [2, 3, "other"]], ValueError, r"fragment 1 holds a tensor of shape \(2,\) that is not a parameter"),
+    ([[0, 1], [2, 3, "seven"]], TypeError, "fragment 1 holds a str"),
+    ([0, 1], TypeError, "fragment 0 is a Parameter"),
+    ("ab", TypeError, "Invalid fragments value: 'ab' \\(expected an int, or a list of lists of parameters"),
+    ([[0], [1], [2, 3]], ValueError, "Invalid fragments value: 3 lists \\(sync_every=4 must be a multiple of it"),
+])
+def test_fragments_given_as_parameters_are_checked(fragments, error, match):
+    model = _model()
+    params, stray = list(model.parameters()), torch.zeros(2, requires_grad=True)
+    named = {"other": stray, "seven": "seven"}
+
+    def given(x):
+        return params[x] if isinstance(x, int) else named[x]
+
+    if isinstance(fragments, list):
+        fragments = [given(f) if isinstance(f, int) else [given(i) for i in f] for f in fragments]
+    with pytest.raises(error, match=match):
+        onebit.DiLoCo(torch.optim.AdamW(model.parameters()), sync_every=4, fragments=fragments)

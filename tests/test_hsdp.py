@@ -169,19 +169,25 @@ def test_every_optimizer_on_hsdp_agrees_skips_and_resumes():
             assert not moved["frozen.weight"] and not moved["unused"], (name, moved)
 
 
-def _streamed_diloco(rank, world):
+def _streamed_diloco(rank, world, strided):
     mesh = _mesh()
-    model, opt = _hsdp("diloco", mesh, sync_every=4, fragments=2, delay=1, check_replicas_every=1)
+    model = _sharded(mesh["shard"])
+    params = list(model.parameters())
+    # strided: every other parameter in one fragment, the fragments given as the sharded parameters
+    fragments = [params[0::2], params[1::2]] if strided else 2
+    opt = onebit.optim.make_optimizer("diloco", params, group=mesh["replicate"].get_group(), sync_every=4,
+                                      fragments=fragments, delay=1, check_replicas_every=1)
     # fragments sent at the odd steps, landing at the even ones: step 4 is an inner step, where fragment 1 lands
     _train(model, opt, rank, 10, nan_at=4)
     return opt.stats["skipped_steps"], opt.stats["step"]
 
 
-def test_streamed_diloco_on_hsdp_skips_an_inner_step_per_node_and_keeps_the_anchors_identical():
+@pytest.mark.parametrize("strided", [False, True])
+def test_streamed_diloco_on_hsdp_skips_an_inner_step_per_node_and_keeps_the_anchors_identical(strided):
     # rank 1's NaN at an inner step: the two ranks holding node 0's shards skip it together (their
     # shards must take the same steps), node 1 does not wait for them; every step counts, and the
     # anchors of the replicas are compared after every step (check_replicas_every=1)
-    results = run_ranks(_streamed_diloco, 4)
+    results = run_ranks(_streamed_diloco, 4, strided)
     assert results == [(1, 10), (1, 10), (0, 10), (0, 10)]
 
 

@@ -11,12 +11,13 @@ again), and the outer optimizer moves the anchor with the average in place of a 
 Every rank then continues from the same new anchor; the inner optimizer's state stays its own.
 
 Streaming DiLoCo (Douillard et al., arXiv 2501.18512, section 2): with ``fragments`` P the
-model is cut into P contiguous fragments, each synchronised every H steps on its own
-schedule, staggered by H / P, so one synchronisation sends 1 / P of the model; with ``delay``
-tau its exchange is launched tau steps before it lands and stays in flight under the inner
-steps between; on arrival the outer step moves the fragment's anchor and the fragment's
-parameters become ``merge * x + (1 - merge) * anchor`` (the paper's alpha), keeping part of the
-tau local steps taken meanwhile.
+model is cut into P fragments (contiguous ones of about equal size, or the parameters the
+user groups, e.g. the paper's strided fragments of every P-th layer), each synchronised
+every H steps on its own schedule, staggered by H / P, so one synchronisation sends 1 / P of
+the model; with ``delay`` tau its exchange is launched tau steps before it lands and stays in
+flight under the inner steps between; on arrival the outer step moves the fragment's anchor
+and the fragment's parameters become ``merge * x + (1 - merge) * anchor`` (the paper's
+alpha), keeping part of the tau local steps taken meanwhile.
 """
 
 from __future__ import annotations
@@ -106,9 +107,13 @@ class DiLoCo(OnebitOptimizer):
             1-bit Adam's compressed all-reduce, whose chunk owners compress the average again
             before the all-gather: ``2 (w - 1) / w`` times, fewer bytes from 3 ranks on, at the
             cost of the second compression's error (see the DiLoCo page of the docs).
-        fragments: synchronise the model in P contiguous fragments of about equal size, each
-            every ``sync_every`` steps, fragment p landing at the steps ``k H / P`` with ``k``
-            congruent to ``p + 1`` modulo P (Streaming DiLoCo; 1: the whole model at once).
+        fragments: synchronise the model in P fragments, each every ``sync_every`` steps,
+            fragment p landing at the steps ``k H / P`` with ``k`` congruent to ``p + 1`` modulo P
+            (Streaming DiLoCo; 1: the whole model at once). An int P: contiguous fragments of
+            about equal size, cut at parameter boundaries in parameter order. A list of P lists
+            of parameters: those fragments, every parameter of the inner optimizer in exactly
+            one (the paper's strided fragments: every P-th layer in one); each
+            contiguous run of a fragment's parameters is exchanged as one piece.
             ``sync_every`` must be a multiple of P.
         delay: inner steps each synchronisation stays in flight (the paper's tau, below
             ``sync_every / fragments``): its outer gradients are formed and sent ``delay``
@@ -124,7 +129,8 @@ class DiLoCo(OnebitOptimizer):
             measured, except periodic averaging through the all-reduce at H = 16 (where it
             helped) and 64 (about even): the DiLoCo page of the docs.
         scales: ``"tensor"`` (one scale per tensor piece, of each chunk with the all-reduce) or
-            ``"chunk"`` (one per chunk with the all-reduce, per fragment with the all-gather).
+            ``"chunk"`` (one per chunk with the all-reduce, per contiguous piece of a fragment with
+            the all-gather).
         group: the process group the workers average over (``None``: the default group).
         **options: ``timeout``, ``broadcast_parameters``, ``on_nonfinite``,
             ``check_replicas_every``, ``max_grad_norm`` (each rank clips its own gradients
@@ -153,7 +159,7 @@ class DiLoCo(OnebitOptimizer):
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         nesterov: bool = True,
-        fragments: int = 1,
+        fragments: int | Sequence[Iterable[Tensor]] = 1,
         delay: int = 0,
         merge: float | None = None,
         compressor: str | compress.Compressor = "sign",
@@ -187,9 +193,12 @@ class DiLoCo(OnebitOptimizer):
         if self.outer_momentum >= 1:
             raise ValueError(f"Invalid outer_momentum value: {outer_momentum} (expected a number in [0, 1))")
         self.nesterov = check_bool("nesterov", nesterov)
-        self.fragments = check_positive_int("fragments", fragments)
+        # each parameter's fragment, where the user gave them (None: contiguous, cut by size below)
+        self._fragment_of = None if isinstance(fragments, int) else _fragment_of(fragments, inner.param_groups)
+        self.fragments = check_positive_int("fragments", fragments) if self._fragment_of is None else len(fragments)
         if self.sync_every % self.fragments:
-            raise ValueError(f"Invalid fragments value: {fragments} (sync_every={sync_every} must be a multiple of it)")
+            shown = fragments if self._fragment_of is None else f"{self.fragments} lists"
+            raise ValueError(f"Invalid fragments value: {shown} (sync_every={sync_every} must be a multiple of it)")
         period = self.sync_every // self.fragments  # steps between two landings
         if isinstance(delay, bool) or not isinstance(delay, int) or not 0 <= delay < period:
             raise ValueError(f"Invalid delay value: {delay!r} (expected an int in [0, {period}): "
@@ -210,8 +219,12 @@ class DiLoCo(OnebitOptimizer):
         self.error_feedback = check_bool("error_feedback", error_feedback)
         self.inner = inner
         exact = compress.get(compressor).name == "identity"
-        outer = tuple(Stage(Wire("outer", formed=True, exact=exact, local_first=True, buckets=(p,), delay=delay),
-                            _BUFFERS) for p in range(self.fragments))
+        # The driver's buckets: each fragment's contiguous runs of parameters (one a fragment, cut by size)
+        runs = None if self._fragment_of is None else _runs(self._fragment_of)
+        self._bucket_fragment = list(range(self.fragments)) if runs is None else [f for f, _ in runs]
+        outer = tuple(Stage(Wire("outer", formed=True, exact=exact, local_first=True, delay=delay,
+                                 buckets=tuple(b for b, f in enumerate(self._bucket_fragment) if f == p)), _BUFFERS)
+                      for p in range(self.fragments))
         self._stages = StepStages((_INNER, *outer), _stage_of(outer, period, delay), self.sync_every)
         super().__init__(inner.param_groups, dict(inner.defaults), group=group, **options)
         # Per parameter: a gradient here since its fragment was last sent (on some rank, once the
@@ -220,7 +233,8 @@ class DiLoCo(OnebitOptimizer):
         self._sent: list[list[bool] | None] = [None] * self.fragments
         for anchor, p in zip(self.flat.views("anchor"), self.flat.params):
             anchor.copy_(p.detach())  # the parameters every rank starts from (rank 0's, broadcast)
-        self._fragments = fragment_bounds(self.flat.offsets, self.fragments)
+        self._buckets = fragment_bounds(self.flat.offsets, self.fragments) if runs is None else \
+            [(self.flat.offsets[m[0]][0], self.flat.offsets[m[-1]][1], m) for _, m in runs]
         # An exchange in flight across inner steps is completed on a thread (the driver's), over a
         # group of its own: when each rank issues its collectives there differs, their order does not.
         if delay and self.world_size > 1 and not comm.concurrent(self.process_group):
@@ -238,7 +252,7 @@ class DiLoCo(OnebitOptimizer):
         else:
             exchange = self._allreduce(compressor, hierarchical=False, ranks_per_node=None, overlap=False,
                                        scales=check_scales(scales), group=stream)
-        self._drive(exchange, fragments=self._fragments, delayed_group=stream)
+        self._drive(exchange, fragments=self._buckets, delayed_group=stream)
 
     @contextlib.contextmanager
     def anchored(self) -> Iterator[None]:
@@ -285,7 +299,7 @@ class DiLoCo(OnebitOptimizer):
         torch.sub(self.flat.buffers["anchor"][lo:hi], x, out=out)
 
     def _landing(self, wire: Wire) -> Tensor:
-        # the outer gradients of the fragment sent, averaged in place (its range alone is written and read)
+        # the outer gradients of the fragment sent, averaged in place (its ranges alone are written and read)
         return torch.empty(self.flat.numel, dtype=torch.float32, device=self.flat.device)
 
     def _present(self) -> list[bool]:
@@ -297,8 +311,9 @@ class DiLoCo(OnebitOptimizer):
             self.inner.step()
             self._touched = [t or a for t, a in zip(self._touched, self._active)]
             return
-        f = wire.buckets[0]
-        lo, hi, members = self._fragments[f]
+        f = self._bucket_fragment[wire.buckets[0]]
+        pieces = [self._buckets[k] for k in wire.buckets]
+        members = [i for _, _, m in pieces for i in m]
         if average is None or not wire.delay:  # sent: what was touched is agreed now, the rest starts again
             self._sent[f] = [self._touched[i] for i in members]
             for i in members:
@@ -311,13 +326,10 @@ class DiLoCo(OnebitOptimizer):
         # gives it its neighbours' scale and the outer momentum would move it.
         b, step = self.flat.buffers, {"lr": self.outer_lr, "momentum_factor": self.outer_momentum,
                                       "nesterov": self.nesterov}
-        if all(touched.values()):
+        spans = [(lo, hi) for lo, hi, _ in pieces] if all(touched.values()) else \
+            [self.flat.offsets[i] for i in members if touched[i]]
+        for lo, hi in spans:
             outer_step(b["anchor"][lo:hi], b["outer_momentum"][lo:hi], average[lo:hi], **step)
-        else:
-            for i in members:
-                if touched[i]:
-                    a, z = self.flat.offsets[i]
-                    outer_step(b["anchor"][a:z], b["outer_momentum"][a:z], average[a:z], **step)
         anchors = self.flat.views("anchor")
         for i in members:
             if touched[i]:
@@ -330,7 +342,8 @@ class DiLoCo(OnebitOptimizer):
     # ------------------------------------------------------------------ checkpoints
     def _extra_state(self) -> dict[str, Any]:
         return {"inner": self.inner.state_dict(), "touched": list(self._touched), "sent": list(self._sent),
-                "streaming": [self.fragments, self.delay], "collective": self.collective}
+                "streaming": [self.fragments, self.delay], "fragment_of": self._fragment_of,
+                "collective": self.collective}
 
     def _check_extra_state(self, state: Mapping[str, Any]) -> None:
         saved = list(state.get("streaming", [1, 0]))  # checkpoints from before streaming: the whole model at once
@@ -338,6 +351,10 @@ class DiLoCo(OnebitOptimizer):
             raise ValueError(f"DiLoCo state_dict saved with fragments={saved[0]}, delay={saved[1]}; this optimizer has "
                              f"fragments={self.fragments}, delay={self.delay} (its schedule and the exchanges in "
                              "flight depend on them): build it with the saved ones")
+        saved = state.get("fragment_of")  # None: contiguous fragments (and checkpoints from before the option)
+        if saved != self._fragment_of:
+            raise ValueError(f"DiLoCo state_dict saved with {_described(saved)}; this optimizer has "
+                             f"{_described(self._fragment_of)}: build it with the saved ones")
         # checkpoints from before the option: the compressed all-reduce, the only exchange then
         collective = state.get("collective", "allreduce")
         if collective != self.collective and self._collectives[0] is not None:  # the exact exchange has neither
@@ -367,6 +384,54 @@ def fragment_bounds(offsets: Sequence[tuple[int, int]], fragments: int) -> list[
     firsts = [0, *(c + 1 for c in cuts)]
     lasts = [*cuts, n - 1]
     return [(offsets[a][0], offsets[z][1], list(range(a, z + 1))) for a, z in zip(firsts, lasts)]
+
+
+def _fragment_of(fragments: Sequence[Iterable[Tensor]], param_groups: list[dict[str, Any]]) -> list[int]:
+    """Each parameter's fragment (in param-group order), from ``fragments`` given as lists of
+    parameters: every parameter of the inner optimizer in exactly one."""
+    if isinstance(fragments, (str, Tensor)) or not isinstance(fragments, Sequence):
+        raise TypeError(f"Invalid fragments value: {fragments!r} (expected an int, or a list of lists of parameters)")
+    index = {id(p): i for i, p in enumerate(p for g in param_groups for p in g["params"])}
+    fragment_of: list[int | None] = [None] * len(index)
+    for f, members in enumerate(fragments):
+        if isinstance(members, Tensor) or not isinstance(members, Iterable):
+            raise TypeError(f"Invalid fragments value: fragment {f} is a {type(members).__name__} (expected a list "
+                            "of parameters)")
+        members = list(members)
+        if not members:
+            raise ValueError(f"Invalid fragments value: fragment {f} is empty (expected a list of parameters)")
+        for p in members:
+            if not isinstance(p, Tensor):
+                raise TypeError(f"Invalid fragments value: fragment {f} holds a {type(p).__name__} (expected "
+                                "parameters)")
+            i = index.get(id(p))
+            if i is None:
+                raise ValueError(f"Invalid fragments value: fragment {f} holds a tensor of shape {tuple(p.shape)} "
+                                 "that is not a parameter of the inner optimizer")
+            if fragment_of[i] is not None:
+                raise ValueError(f"Invalid fragments value: parameter {i} is in fragments {fragment_of[i]} and {f} "
+                                 "(each parameter in exactly one)")
+            fragment_of[i] = f
+    missing = [i for i, f in enumerate(fragment_of) if f is None]
+    if missing:
+        raise ValueError(f"Invalid fragments value: parameters {missing} of the inner optimizer are in no fragment "
+                         "(each parameter in exactly one)")
+    return fragment_of
+
+
+def _runs(fragment_of: Sequence[int]) -> list[tuple[int, list[int]]]:
+    """``(fragment, parameter indices)`` of each run of consecutive parameters in one fragment."""
+    runs: list[tuple[int, list[int]]] = []
+    for i, f in enumerate(fragment_of):
+        if runs and runs[-1][0] == f:
+            runs[-1][1].append(i)
+        else:
+            runs.append((f, [i]))
+    return runs
+
+
+def _described(fragment_of: Sequence[int] | None) -> str:
+    return "contiguous fragments" if fragment_of is None else f"the fragments {list(fragment_of)} of its parameters"
 
 
 def _stage_of(outer: tuple[Stage, ...], period: int, delay: int):
