@@ -239,10 +239,10 @@ def time_report(loss_dirs: list[Path], cluster_dirs: list[Path]) -> str:
             if seed in targets:
                 raise SystemExit(f"two ddp_allreduce runs of seed {seed}: its final loss is the target, give one")
             targets[seed] = summary["final_loss"]
-    missing = sorted({s["config"]["seed"] for _, s, _ in curves} - set(targets))
-    if missing:
+    untargeted = sorted({s["config"]["seed"] for _, s, _ in curves} - set(targets))
+    if untargeted:
         raise SystemExit(f"--time-to-loss needs a ddp_allreduce run of every seed (its final loss is the target): "
-                         f"none of seed {missing[0]}")
+                         f"none of seed {untargeted[0]}")
     # the setting's first appearance, then the seed
     order = list(dict.fromkeys((n, _curve_setting(n, s)) for n, s, _ in curves))
     curves.sort(key=lambda c: (order.index((c[0], _curve_setting(c[0], c[1]))), c[1]["config"]["seed"]))
@@ -289,7 +289,10 @@ def time_report(loss_dirs: list[Path], cluster_dirs: list[Path]) -> str:
             floor_text = "—" if n is None else f"{n * floor / 60:,.1f} min"
             ratio = ddp_took[seed] / took if took and ddp_took.get(seed) else None
             if seed in ddp_took and name != "ddp_allreduce":
-                faster.setdefault((name, _curve_setting(name, summary)), {})[seed] = ratio
+                ratios = faster.setdefault((name, _curve_setting(name, summary)), {})
+                if seed in ratios:
+                    raise SystemExit(f"two {name} runs ({_curve_setting(name, summary)}) of seed {seed}: give one")
+                ratios[seed] = ratio
             lines.append(f"| {link / 1e6:g} Mbit/s | {name} | {_curve_setting(name, summary)} | {seed} | {steps} "
                          f"| {took_text} | {floor_text} | {'—' if ratio is None else f'{ratio:.1f}x'} |")
         pooled += [_pooled(link, name, setting, ratios) for (name, setting), ratios in faster.items()
@@ -298,7 +301,8 @@ def time_report(loss_dirs: list[Path], cluster_dirs: list[Path]) -> str:
             + f"Each seed's target: the final loss of DDP AdamW of that seed (the mean of its last 10 steps' "
             f"training loss; {', '.join(f'seed {k}: {v:.4f}' for k, v in sorted(targets.items()))}); a run reaches "
             f"it when the mean of 10 consecutive steps is at most that. Losses identical to the long run's, step "
-            f"for step, in the cluster runs (of the seed they ran): {'; '.join(same)}. "
+            f"for step, in the cluster runs (of the seed they ran): "
+            f"{'; '.join(same) or 'none checked (no long run of their seed)'}. "
             f"{_sources(loss_dirs + cluster_dirs)}\n")
 
 
@@ -313,7 +317,8 @@ def _pooled(link: float, name: str, setting: str, ratios: dict[int, float | None
     worst = min(ratios, key=ratios.get)
     return (head + f"**{math.exp(mean):.2f}x faster than DDP AdamW** (geometric mean, 95% interval "
             f"[{math.exp(mean - half):.2f}, {math.exp(mean + half):.2f}]; worst seed {worst}, {ratios[worst]:.2f}x; "
-            f"each seed {', '.join(f'{r:.2f}x' for r in ratios.values())}).")
+            f"{', '.join(f'seed {k} {r:.2f}x' for k, r in ratios.items())}). The interval is the seeds' spread in "
+            f"the steps each needed; every seed's steps are timed by the same cluster runs.")
 
 
 if __name__ == "__main__":

@@ -366,15 +366,20 @@ def test_a_checkpoint_loads_only_into_the_same_streaming_schedule():
     other.load_state_dict(state)
     exact = onebit.DiLoCo(torch.optim.AdamW(model.parameters()), sync_every=4, compressor="identity")
     exact.load_state_dict(state)  # the exact exchange holds no error state: either loads
-    # fragments given as parameters: only into the same ones
-    state = onebit.DiLoCo(torch.optim.AdamW(model.parameters()), sync_every=4, fragments=_given(model, GIVEN),
-                          delay=1).state_dict()
-    with pytest.raises(ValueError, match=r"saved with the fragments \[1, 0, 0, 1\] of its parameters; this "
-                                         "optimizer has contiguous fragments"):
-        onebit.DiLoCo(torch.optim.AdamW(model.parameters()), sync_every=4, fragments=2, delay=1).load_state_dict(state)
-    swapped = [[1, 2], [3, 0]]  # the same fragments, each parameter listed in another order: the same schedule
-    onebit.DiLoCo(torch.optim.AdamW(model.parameters()), sync_every=4, fragments=_given(model, swapped),
-                  delay=1).load_state_dict(state)
+    # fragments given as parameters: only into the same ones, however they were given
+    def built(fragments):
+        return onebit.DiLoCo(torch.optim.AdamW(model.parameters()), sync_every=4, fragments=fragments, delay=1)
+
+    state = built(_given(model, GIVEN)).state_dict()
+    with pytest.raises(ValueError, match=r"saved with its parameters in the fragments \[1, 0, 0, 1\]; this "
+                                         r"optimizer has them in \[0, 1, 1, 1\]"):
+        built(2).load_state_dict(state)
+    built(iter(iter(f) for f in _given(model, [[2, 1], [3, 0]]))).load_state_dict(state)  # listed in another order
+    built(2).load_state_dict(built(_given(model, CONTIGUOUS)).state_dict())  # the fragments 2 cuts by size
+    del state["onebit"]["fragment_of"]  # a checkpoint from before the option: its fragments cut by size
+    with pytest.raises(ValueError, match=r"saved with its parameters in the fragments \[0, 1, 1, 1\]; this "):
+        built(_given(model, GIVEN)).load_state_dict(state)
+    built(2).load_state_dict(state)
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
@@ -408,11 +413,14 @@ def test_bad_arguments_are_named(kwargs, error, match):
 @pytest.mark.parametrize("fragments,error,match", [
     ([[0, 1], [2]], ValueError, r"parameters \[3\] of the inner optimizer are in no fragment"),
     ([[0, 1], [1, 2, 3]], ValueError, "parameter 1 is in fragments 0 and 1"),
+    ([[0, 1, 1], [2, 3]], ValueError, "parameter 1 is listed twice in fragment 0"),
+    ([], ValueError, r"Invalid fragments value: \[\] \(expected an int, or lists of parameters"),
     ([[0, 1, 2, 3], []], ValueError, "fragment 1 is empty"),
     ([[0, 1], [2, 3, "other"]], ValueError, r"fragment 1 holds a tensor of shape \(2,\) that is not a parameter"),
     ([[0, 1], [2, 3, "seven"]], TypeError, "fragment 1 holds a str"),
     ([0, 1], TypeError, "fragment 0 is a Parameter"),
-    ("ab", TypeError, "Invalid fragments value: 'ab' \\(expected an int, or a list of lists of parameters"),
+    ("ab", TypeError, "Invalid fragments value: a str \\(expected an int, or lists of parameters"),
+    (2.0, TypeError, "Invalid fragments value: a float \\(expected an int, or lists of parameters"),
     ([[0], [1], [2, 3]], ValueError, "Invalid fragments value: 3 lists \\(sync_every=4 must be a multiple of it"),
 ])
 def test_fragments_given_as_parameters_are_checked(fragments, error, match):

@@ -1,7 +1,8 @@
 """``benchmarks/report.py``: the committed reports are what their results give, and the
-script finds and rewrites a stale one."""
+script finds and rewrites a stale one; the statistics a report script computes itself."""
 
 import json
+import math
 import runpy
 import shutil
 from pathlib import Path
@@ -89,3 +90,13 @@ def test_bad_blocks_are_refused(block, message, tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         main(["--check", "--docs", "page.md"])
     assert message in capsys.readouterr().err
+
+
+def test_the_time_to_loss_pools_paired_seeds_by_their_ratios():
+    pooled = runpy.run_path(str(ROOT / "benchmarks" / "diloco_report.py"))["_pooled"]
+    # log ratios ln 4 + ln 2 * (0, -1, 1): mean ln 4, standard deviation ln 2, t(2) = 4.303
+    half = 4.303 * math.log(2) / math.sqrt(3)
+    text = pooled(1e8, "diloco", "H = 16", {0: 4.0, 1: 2.0, 2: 8.0})
+    assert text.startswith("diloco (H = 16) at 100 Mbit/s, 3 paired seeds: **4.00x faster than DDP AdamW**")
+    assert f"[{4 * math.exp(-half):.2f}, {4 * math.exp(half):.2f}]; worst seed 1, 2.00x" in text
+    assert "not pooled (seed 1 did not reach" in pooled(1e8, "diloco", "H = 16", {0: 4.0, 1: None})

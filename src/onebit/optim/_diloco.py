@@ -159,7 +159,7 @@ class DiLoCo(OnebitOptimizer):
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         nesterov: bool = True,
-        fragments: int | Sequence[Iterable[Tensor]] = 1,
+        fragments: int | Iterable[Iterable[Tensor]] = 1,
         delay: int = 0,
         merge: float | None = None,
         compressor: str | compress.Compressor = "sign",
@@ -193,11 +193,11 @@ class DiLoCo(OnebitOptimizer):
         if self.outer_momentum >= 1:
             raise ValueError(f"Invalid outer_momentum value: {outer_momentum} (expected a number in [0, 1))")
         self.nesterov = check_bool("nesterov", nesterov)
-        # each parameter's fragment, where the user gave them (None: contiguous, cut by size below)
-        self._fragment_of = None if isinstance(fragments, int) else _fragment_of(fragments, inner.param_groups)
-        self.fragments = check_positive_int("fragments", fragments) if self._fragment_of is None else len(fragments)
+        # each parameter's fragment, where the user gave them (None: cut by size once the layout is known)
+        given = None if isinstance(fragments, int) else _fragment_of(fragments, inner.param_groups)
+        self.fragments = check_positive_int("fragments", fragments) if given is None else max(given) + 1
         if self.sync_every % self.fragments:
-            shown = fragments if self._fragment_of is None else f"{self.fragments} lists"
+            shown = fragments if given is None else f"{self.fragments} lists"
             raise ValueError(f"Invalid fragments value: {shown} (sync_every={sync_every} must be a multiple of it)")
         period = self.sync_every // self.fragments  # steps between two landings
         if isinstance(delay, bool) or not isinstance(delay, int) or not 0 <= delay < period:
@@ -219,11 +219,11 @@ class DiLoCo(OnebitOptimizer):
         self.error_feedback = check_bool("error_feedback", error_feedback)
         self.inner = inner
         exact = compress.get(compressor).name == "identity"
-        # The driver's buckets: each fragment's contiguous runs of parameters (one a fragment, cut by size)
-        runs = None if self._fragment_of is None else _runs(self._fragment_of)
-        self._bucket_fragment = list(range(self.fragments)) if runs is None else [f for f, _ in runs]
+        # The driver's buckets are the fragments' runs of consecutive parameters, in order: where the
+        # fragments are cut by size each is one run, and fragment p sends bucket p
+        owners = list(range(self.fragments)) if given is None else [f for f, _ in _runs(given)]
         outer = tuple(Stage(Wire("outer", formed=True, exact=exact, local_first=True, delay=delay,
-                                 buckets=tuple(b for b, f in enumerate(self._bucket_fragment) if f == p)), _BUFFERS)
+                                 buckets=tuple(b for b, f in enumerate(owners) if f == p)), _BUFFERS)
                       for p in range(self.fragments))
         self._stages = StepStages((_INNER, *outer), _stage_of(outer, period, delay), self.sync_every)
         super().__init__(inner.param_groups, dict(inner.defaults), group=group, **options)
@@ -233,8 +233,10 @@ class DiLoCo(OnebitOptimizer):
         self._sent: list[list[bool] | None] = [None] * self.fragments
         for anchor, p in zip(self.flat.views("anchor"), self.flat.params):
             anchor.copy_(p.detach())  # the parameters every rank starts from (rank 0's, broadcast)
-        self._buckets = fragment_bounds(self.flat.offsets, self.fragments) if runs is None else \
-            [(self.flat.offsets[m[0]][0], self.flat.offsets[m[-1]][1], m) for _, m in runs]
+        self._fragment_of = given or _by_size(self.flat.offsets, self.fragments)
+        runs = _runs(self._fragment_of)
+        self._buckets = [(self.flat.offsets[m[0]][0], self.flat.offsets[m[-1]][1], m) for _, m in runs]
+        self._bucket_fragment = [f for f, _ in runs]
         # An exchange in flight across inner steps is completed on a thread (the driver's), over a
         # group of its own: when each rank issues its collectives there differs, their order does not.
         if delay and self.world_size > 1 and not comm.concurrent(self.process_group):
@@ -351,10 +353,11 @@ class DiLoCo(OnebitOptimizer):
             raise ValueError(f"DiLoCo state_dict saved with fragments={saved[0]}, delay={saved[1]}; this optimizer has "
                              f"fragments={self.fragments}, delay={self.delay} (its schedule and the exchanges in "
                              "flight depend on them): build it with the saved ones")
-        saved = state.get("fragment_of")  # None: contiguous fragments (and checkpoints from before the option)
-        if saved != self._fragment_of:
-            raise ValueError(f"DiLoCo state_dict saved with {_described(saved)}; this optimizer has "
-                             f"{_described(self._fragment_of)}: build it with the saved ones")
+        # a checkpoint from before the option: its fragments cut by size
+        saved = state.get("fragment_of") or _by_size(self.flat.offsets, self.fragments)
+        if list(saved) != self._fragment_of:
+            raise ValueError(f"DiLoCo state_dict saved with its parameters in the fragments {list(saved)}; this "
+                             f"optimizer has them in {self._fragment_of}: build it with the saved fragments")
         # checkpoints from before the option: the compressed all-reduce, the only exchange then
         collective = state.get("collective", "allreduce")
         if collective != self.collective and self._collectives[0] is not None:  # the exact exchange has neither
@@ -386,11 +389,15 @@ def fragment_bounds(offsets: Sequence[tuple[int, int]], fragments: int) -> list[
     return [(offsets[a][0], offsets[z][1], list(range(a, z + 1))) for a, z in zip(firsts, lasts)]
 
 
-def _fragment_of(fragments: Sequence[Iterable[Tensor]], param_groups: list[dict[str, Any]]) -> list[int]:
+def _fragment_of(fragments: Iterable[Iterable[Tensor]], param_groups: list[dict[str, Any]]) -> list[int]:
     """Each parameter's fragment (in param-group order), from ``fragments`` given as lists of
     parameters: every parameter of the inner optimizer in exactly one."""
-    if isinstance(fragments, (str, Tensor)) or not isinstance(fragments, Sequence):
-        raise TypeError(f"Invalid fragments value: {fragments!r} (expected an int, or a list of lists of parameters)")
+    if isinstance(fragments, (str, Tensor)) or not isinstance(fragments, Iterable):
+        raise TypeError(f"Invalid fragments value: a {type(fragments).__name__} (expected an int, or lists of "
+                        "parameters)")
+    fragments = list(fragments)
+    if not fragments:
+        raise ValueError("Invalid fragments value: [] (expected an int, or lists of parameters)")
     index = {id(p): i for i, p in enumerate(p for g in param_groups for p in g["params"])}
     fragment_of: list[int | None] = [None] * len(index)
     for f, members in enumerate(fragments):
@@ -409,8 +416,9 @@ def _fragment_of(fragments: Sequence[Iterable[Tensor]], param_groups: list[dict[
                 raise ValueError(f"Invalid fragments value: fragment {f} holds a tensor of shape {tuple(p.shape)} "
                                  "that is not a parameter of the inner optimizer")
             if fragment_of[i] is not None:
-                raise ValueError(f"Invalid fragments value: parameter {i} is in fragments {fragment_of[i]} and {f} "
-                                 "(each parameter in exactly one)")
+                where = f"listed twice in fragment {f}" if fragment_of[i] == f else \
+                    f"in fragments {fragment_of[i]} and {f}"
+                raise ValueError(f"Invalid fragments value: parameter {i} is {where} (each parameter in exactly one)")
             fragment_of[i] = f
     missing = [i for i, f in enumerate(fragment_of) if f is None]
     if missing:
@@ -430,8 +438,9 @@ def _runs(fragment_of: Sequence[int]) -> list[tuple[int, list[int]]]:
     return runs
 
 
-def _described(fragment_of: Sequence[int] | None) -> str:
-    return "contiguous fragments" if fragment_of is None else f"the fragments {list(fragment_of)} of its parameters"
+def _by_size(offsets: Sequence[tuple[int, int]], fragments: int) -> list[int]:
+    """Each parameter's fragment where ``fragments`` are cut by size (:func:`fragment_bounds`)."""
+    return [f for f, (_, _, members) in enumerate(fragment_bounds(offsets, fragments)) for _ in members]
 
 
 def _stage_of(outer: tuple[Stage, ...], period: int, delay: int):
