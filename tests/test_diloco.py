@@ -46,6 +46,16 @@ def _forget(exchange):
         exchange.server_err = [torch.zeros_like(e) for e in exchange.server_err]
 
 
+def _average(deltas, exchange, compressor, error_feedback):
+    """The ranks' outer gradients averaged: exactly, or through the simulated 1-bit ``exchange``."""
+    if compressor == "identity":
+        return sum(deltas) / len(deltas)
+    delta = exchange(deltas)
+    if not error_feedback:
+        _forget(exchange)
+    return delta
+
+
 def _oracle(world, compressor, collective, error_feedback):
     """Every worker's parameters after every step: H AdamW steps on its own batches, then
     delta_i = anchor - x_i averaged (exactly; or each rank's 1-bit delta_i with one scale per
@@ -65,13 +75,7 @@ def _oracle(world, compressor, collective, error_feedback):
             _inner_step(models[rank], inners[rank], rank, step)
             inners[rank].step()
         if step % H == 0:
-            deltas = [anchor - _flat(m) for m in models]
-            if compressor == "identity":
-                delta = sum(deltas) / world
-            else:
-                delta = exchange(deltas)
-                if not error_feedback:
-                    _forget(exchange)
+            delta = _average([anchor - _flat(m) for m in models], exchange, compressor, error_feedback)
             momentum = OUTER_MOMENTUM * momentum + delta
             anchor = anchor - OUTER_LR * (delta + OUTER_MOMENTUM * momentum)
             for m in models:
@@ -157,12 +161,7 @@ def _streamed_oracle(world, compressor, collective, error_feedback, fragments=CO
         if step in in_flight:
             p, sent = in_flight.pop(step)
             for (lo, hi, _), deltas, exchange in zip(pieces[p], sent, exchanges[p]):
-                if compressor == "identity":
-                    delta = sum(deltas) / world
-                else:
-                    delta = exchange(deltas)
-                    if not error_feedback:
-                        _forget(exchange)
+                delta = _average(deltas, exchange, compressor, error_feedback)
                 momentum[lo:hi] = OUTER_MOMENTUM * momentum[lo:hi] + delta
                 anchor[lo:hi] = anchor[lo:hi] - OUTER_LR * (delta + OUTER_MOMENTUM * momentum[lo:hi])
             for m in models:
