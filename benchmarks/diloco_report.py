@@ -281,22 +281,30 @@ def time_report(loss_dirs: list[Path], cluster_dirs: list[Path]) -> str:
                 raise SystemExit(f"{name} at {link / 1e6:g} Mbit/s: no step time of its {sorted(missing)} steps")
             took = None if n is None else sum(cluster["step_time_s"][r["stage"]] for r in records[:n])
             rows.append((name, summary, records, n, took, floor, seed))
+        took_by: dict[tuple[str, str], dict[int, float | None]] = {}  # each setting's seeds' times
+        for name, summary, _, _, took, _, seed in rows:
+            seeds = took_by.setdefault((name, _curve_setting(name, summary)), {})
+            if seed in seeds:
+                raise SystemExit(f"two {name} runs ({_curve_setting(name, summary)}) of seed {seed}: give one")
+            seeds[seed] = took
         ddp_took = {seed: took for name, *_, took, _, seed in rows if name == "ddp_allreduce"}
-        faster: dict[tuple[str, str], dict[int, float | None]] = {}
         for name, summary, records, n, took, floor, seed in rows:
             steps = f"{n:,}" if n is not None else f"not in {len(records):,} (final {summary['final_loss']:.3f})"
             took_text = "—" if took is None else f"{took / 60:,.1f} min"
             floor_text = "—" if n is None else f"{n * floor / 60:,.1f} min"
             ratio = ddp_took[seed] / took if took and ddp_took.get(seed) else None
-            if seed in ddp_took and name != "ddp_allreduce":
-                ratios = faster.setdefault((name, _curve_setting(name, summary)), {})
-                if seed in ratios:
-                    raise SystemExit(f"two {name} runs ({_curve_setting(name, summary)}) of seed {seed}: give one")
-                ratios[seed] = ratio
             lines.append(f"| {link / 1e6:g} Mbit/s | {name} | {_curve_setting(name, summary)} | {seed} | {steps} "
                          f"| {took_text} | {floor_text} | {'—' if ratio is None else f'{ratio:.1f}x'} |")
-        pooled += [_pooled(link, name, setting, ratios) for (name, setting), ratios in faster.items()
-                   if len(ratios) > 1]
+        # each setting against DDP AdamW and against every setting after it, over the seeds both ran
+        others = [key for key in took_by if key[0] != "ddp_allreduce"]
+        for i, (name, setting) in enumerate(others):
+            mine = took_by[name, setting]
+            later = [(f"{n} ({s})", took_by[n, s]) for n, s in others[i + 1:]]
+            for against, theirs in [("DDP AdamW", ddp_took), *later]:
+                shared = [seed for seed in mine if seed in theirs]
+                if len(shared) > 1:
+                    pooled.append(_pooled(link, f"{name} ({setting})", against, {
+                        seed: theirs[seed] / mine[seed] if mine[seed] and theirs[seed] else None for seed in shared}))
     return ("\n".join(lines) + "\n\n" + "".join(f"{p}\n\n" for p in pooled)
             + f"Each seed's target: the final loss of DDP AdamW of that seed (the mean of its last 10 steps' "
             f"training loss; {', '.join(f'seed {k}: {v:.4f}' for k, v in sorted(targets.items()))}); a run reaches "
@@ -306,20 +314,19 @@ def time_report(loss_dirs: list[Path], cluster_dirs: list[Path]) -> str:
             f"{_sources(loss_dirs + cluster_dirs)}\n")
 
 
-def _pooled(link: float, name: str, setting: str, ratios: dict[int, float | None]) -> str:
-    """How much sooner than DDP AdamW ``name`` reached each seed's target, over the paired seeds:
-    the geometric mean of the ratios with its 95% t-interval, and the worst seed."""
-    head = f"{name} ({setting}) at {link / 1e6:g} Mbit/s, {len(ratios)} paired seeds: "
+def _pooled(link: float, who: str, against: str, ratios: dict[int, float | None]) -> str:
+    """How much sooner than ``against`` the runs of ``who`` reached each seed's target, over the
+    paired seeds: the geometric mean of the ratios with its 95% t-interval, and the worst seed."""
+    head = f"{who} at {link / 1e6:g} Mbit/s against {against}, {len(ratios)} paired seeds: "
     unreached = [seed for seed, r in ratios.items() if r is None]
     if unreached:
-        return head + f"not pooled (seed {unreached[0]} did not reach DDP AdamW's loss)."
+        return head + f"not pooled (seed {unreached[0]}: a run did not reach DDP AdamW's loss)."
     mean, half = mean_interval([math.log(r) for r in ratios.values()])
     worst = min(ratios, key=ratios.get)
-    return (head + f"**{math.exp(mean):.2f}x faster than DDP AdamW** (geometric mean, 95% interval "
+    return (head + f"**{math.exp(mean):.2f}x faster** (geometric mean, 95% interval "
             f"[{math.exp(mean - half):.2f}, {math.exp(mean + half):.2f}]; worst seed {worst}, {ratios[worst]:.2f}x; "
             f"{', '.join(f'seed {k} {r:.2f}x' for k, r in ratios.items())}). The interval is the seeds' spread in "
             f"the steps each needed; every seed's steps are timed by the same cluster runs.")
-
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -96,7 +96,7 @@ def test_the_time_to_loss_pools_paired_seeds_by_their_ratios():
     pooled = runpy.run_path(str(ROOT / "benchmarks" / "diloco_report.py"))["_pooled"]
     # log ratios ln 4 + ln 2 * (0, -1, 1): mean ln 4, standard deviation ln 2, t(2) = 4.303
     half = 4.303 * math.log(2) / math.sqrt(3)
-    text = pooled(1e8, "diloco", "H = 16", {0: 4.0, 1: 2.0, 2: 8.0})
-    assert text.startswith("diloco (H = 16) at 100 Mbit/s, 3 paired seeds: **4.00x faster than DDP AdamW**")
+    text = pooled(1e8, "diloco (H = 16)", "DDP AdamW", {0: 4.0, 1: 2.0, 2: 8.0})
+    assert text.startswith("diloco (H = 16) at 100 Mbit/s against DDP AdamW, 3 paired seeds: **4.00x faster**")
     assert f"[{4 * math.exp(-half):.2f}, {4 * math.exp(half):.2f}]; worst seed 1, 2.00x" in text
-    assert "not pooled (seed 1 did not reach" in pooled(1e8, "diloco", "H = 16", {0: 4.0, 1: None})
+    assert "not pooled (seed 1: a run did not reach" in pooled(1e8, "diloco (H = 16)", "DDP AdamW", {0: 4.0, 1: None})
