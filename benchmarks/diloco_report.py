@@ -33,7 +33,10 @@ cluster runs' losses), and the step times of the short runs on the cluster, each
     python benchmarks/diloco_report.py --time-to-loss benchmarks/results/diloco-loss-* \
         --cluster-times benchmarks/results/diloco-cluster-100mbit-ddp benchmarks/results/diloco-cluster-100mbit
 
-(each curve timed by the one cluster run of its optimizer and setting at each link).
+(each curve timed by the one cluster run of its optimizer and setting at each link). A long run
+made on the cluster itself (its ``summary.json`` names the cluster) is not added up: the time its
+own clock took to the target is printed beside what the table adds up for the same setting, seed
+and link.
 """
 
 from __future__ import annotations
@@ -180,9 +183,11 @@ def _sources(dirs: list[Path]) -> str:
 
 
 def _compare_runs(d: Path) -> dict[str, tuple[dict, list[dict]]]:
-    """Each optimizer of the ``onebit compare`` run in ``d``: its summary and per-step records."""
+    """Each optimizer of the ``onebit compare`` run in ``d``: its summary, with the ``machine`` it
+    ran on, and per-step records."""
     summaries = json.loads((d / "summary.json").read_text())
-    return {n: (s, [json.loads(line) for line in (d / n / "metrics.jsonl").read_text().splitlines()])
+    machine = json.loads((d / "provenance.json").read_text())["machine"]
+    return {n: ({**s, "machine": machine}, [json.loads(r) for r in (d / n / "metrics.jsonl").read_text().splitlines()])
             for n, s in summaries.items()}
 
 
@@ -232,6 +237,9 @@ def _work(name: str, config: dict) -> tuple:
 
 def time_report(loss_dirs: list[Path], cluster_dirs: list[Path]) -> str:
     curves = [(n, summary, records) for d in loss_dirs for n, (summary, records) in _compare_runs(d).items()]
+    # a long run on the emulated cluster itself: its own clock, set beside the sum of the short runs' step times
+    on_cluster = [c for c in curves if c[1].get("cluster")]
+    curves = [c for c in curves if not c[1].get("cluster")]
     targets: dict[int, float] = {}  # each seed's DDP AdamW final loss: that seed's runs' target
     for name, summary, _ in curves:
         if name == "ddp_allreduce":
@@ -239,7 +247,7 @@ def time_report(loss_dirs: list[Path], cluster_dirs: list[Path]) -> str:
             if seed in targets:
                 raise SystemExit(f"two ddp_allreduce runs of seed {seed}: its final loss is the target, give one")
             targets[seed] = summary["final_loss"]
-    untargeted = sorted({s["config"]["seed"] for _, s, _ in curves} - set(targets))
+    untargeted = sorted({s["config"]["seed"] for _, s, _ in curves + on_cluster} - set(targets))
     if untargeted:
         raise SystemExit(f"--time-to-loss needs a ddp_allreduce run of every seed (its final loss is the target): "
                          f"none of seed {untargeted[0]}")
@@ -259,6 +267,7 @@ def time_report(loss_dirs: list[Path], cluster_dirs: list[Path]) -> str:
     lines = ["| link | optimizer | setting | seed | steps to DDP's loss | time to DDP's loss | its floor "
              "| faster than DDP |", "|---|---|---|---|---|---|---|---|"]
     same, pooled = [], []
+    summed: dict[tuple, float | None] = {}  # (link, name, setting, seed): the time added up
     for link in sorted({t[0] for t in timed}, reverse=True):
         rows = []
         for name, summary, records in curves:
@@ -270,17 +279,19 @@ def time_report(loss_dirs: list[Path], cluster_dirs: list[Path]) -> str:
                 continue
             _, _, cluster, cluster_records, floor = match[0]
             seed = summary["config"]["seed"]
-            if cluster["config"]["seed"] == seed:  # the premise, checked where the cluster ran the same seed
-                equal = next((i for i, (x, y) in enumerate(zip(cluster_records, records)) if x["loss"] != y["loss"]),
-                             min(len(cluster_records), len(records)))
+            # the premise, checked where the cluster ran the same seed on the same machine (another
+            # CPU rounds differently: its bits are its own whatever the link)
+            if cluster["config"]["seed"] == seed and cluster["machine"] == summary["machine"]:
                 same.append(f"{name} at {link / 1e6:g} Mbit/s ({_curve_setting(name, cluster)}) against "
-                            f"{_curve_setting(name, summary)}: {equal} of {len(cluster_records)}")
+                            f"{_curve_setting(name, summary)}: {_same_losses(cluster_records, records)} of "
+                            f"{len(cluster_records)}")
             n = steps_to_loss(records, targets[seed])
             missing = {r["stage"] for r in records[: n or 0]} - set(cluster["step_time_s"])
             if missing:
                 raise SystemExit(f"{name} at {link / 1e6:g} Mbit/s: no step time of its {sorted(missing)} steps")
             took = None if n is None else sum(cluster["step_time_s"][r["stage"]] for r in records[:n])
             rows.append((name, summary, records, n, took, floor, seed))
+            summed[link, name, _curve_setting(name, summary), seed] = took
         took_by: dict[tuple[str, str], dict[int, float | None]] = {}  # each setting's seeds' times
         for name, summary, _, _, took, _, seed in rows:
             seeds = took_by.setdefault((name, _curve_setting(name, summary)), {})
@@ -305,13 +316,43 @@ def time_report(loss_dirs: list[Path], cluster_dirs: list[Path]) -> str:
                 if len(shared) > 1:
                     pooled.append(_pooled(link, f"{name} ({setting})", against, {
                         seed: theirs[seed] / mine[seed] if mine[seed] and theirs[seed] else None for seed in shared}))
-    return ("\n".join(lines) + "\n\n" + "".join(f"{p}\n\n" for p in pooled)
+    measured = [_measured(c, curves, targets[c[1]["config"]["seed"]], summed) for c in on_cluster]
+    return ("\n".join(lines) + "\n\n" + "".join(f"{p}\n\n" for p in pooled + measured)
             + f"Each seed's target: the final loss of DDP AdamW of that seed (the mean of its last 10 steps' "
             f"training loss; {', '.join(f'seed {k}: {v:.4f}' for k, v in sorted(targets.items()))}); a run reaches "
             f"it when the mean of 10 consecutive steps is at most that. Losses identical to the long run's, step "
             f"for step, in the cluster runs (of the seed they ran): "
-            f"{'; '.join(same) or 'none checked (no long run of their seed)'}. "
+            f"{'; '.join(same) or 'none checked (no long run of their seed on their machine)'}. "
             f"{_sources(loss_dirs + cluster_dirs)}\n")
+
+
+def _same_losses(records: list[dict], others: list[dict]) -> int:
+    """How many first steps of two runs logged the same loss, bit for bit."""
+    return next((i for i, (x, y) in enumerate(zip(records, others)) if x["loss"] != y["loss"]),
+                min(len(records), len(others)))
+
+
+def _measured(run: tuple[str, dict, list[dict]], curves: list[tuple[str, dict, list[dict]]], target: float,
+              summed: dict[tuple, float | None]) -> str:
+    """When a long run on the emulated cluster reached its seed's target by its own clock, beside
+    the time the report adds up for the same setting, seed and link, and how many of its steps'
+    losses are those of the unshaped run on the same machine."""
+    name, summary, records = run
+    setting, seed, link = _curve_setting(name, summary), summary["config"]["seed"], summary["cluster"]["bandwidth"]
+    head = f"{name} ({setting}), seed {seed}, run on the cluster at {link / 1e6:g} Mbit/s: "
+    if summary.get("skipped_steps"):
+        raise SystemExit(head + "skipped steps: its speed does not count")
+    n = steps_to_loss(records, target)
+    if n is None:
+        return head + f"did not reach DDP AdamW's loss in {len(records):,} steps."
+    added = summed.get((link, name, setting, seed))
+    twin = next((r for m, s, r in curves if m == name and _curve_setting(m, s) == setting
+                 and s["config"]["seed"] == seed and s["machine"] == summary["machine"]), None)
+    equal = "no run of it on an unshaped link on that machine" if twin is None else \
+        f"losses identical to the unshaped run's for {_same_losses(records, twin):,} of {len(records):,} steps"
+    return (head + f"reached DDP AdamW's loss at step {n:,} after **{records[n - 1]['time'] / 60:.1f} min** by its "
+            f"own clock (the table adds up {'—' if added is None else f'{added / 60:.1f} min'} for it from the "
+            f"short cluster runs' step times); {equal}.")
 
 
 def _pooled(link: float, who: str, against: str, ratios: dict[int, float | None]) -> str:

@@ -100,3 +100,23 @@ def test_the_time_to_loss_pools_paired_seeds_by_their_ratios():
     assert text.startswith("diloco (H = 16) at 100 Mbit/s against DDP AdamW, 3 paired seeds: **4.00x faster**")
     assert f"[{4 * math.exp(-half):.2f}, {4 * math.exp(half):.2f}]; worst seed 1, 2.00x" in text
     assert "not pooled (seed 1: a run did not reach" in pooled(1e8, "diloco (H = 16)", "DDP AdamW", {0: 4.0, 1: None})
+
+
+def test_a_run_on_the_cluster_itself_is_timed_by_its_own_clock():
+    measured = runpy.run_path(str(ROOT / "benchmarks" / "diloco_report.py"))["_measured"]
+    config = {"seed": 0, "sync_every": 16, "fragments": 4, "delay": 3, "collective": None}
+    losses = [3.0] * 10 + [1.0] * 10  # the 10-step mean first reaches 2.0 at step 15
+    run = [{"loss": loss, "time": 60.0 * step} for step, loss in enumerate(losses, 1)]
+    summary = {"config": config, "cluster": {"bandwidth": 1e8}, "skipped_steps": 0, "machine": "vm"}
+    twin = [{"loss": loss} for loss in losses[:12] + [9.0] * 8]  # the unshaped run: 12 equal steps
+    setting = "H = 16, 4 fragments, delay 3, all-gather"
+    text = measured(("diloco", summary, run), [("diloco", {"config": config, "machine": "vm"}, twin)], 2.0,
+                    {(1e8, "diloco", setting, 0): 840.0})
+    assert text == (f"diloco ({setting}), seed 0, run on the cluster at 100 Mbit/s: reached DDP AdamW's loss at "
+                    "step 15 after **15.0 min** by its own clock (the table adds up 14.0 min for it from the short "
+                    "cluster runs' step times); losses identical to the unshaped run's for 12 of 20 steps.")
+    elsewhere = measured(("diloco", summary, run), [("diloco", {"config": config, "machine": "pc"}, twin)], 2.0, {})
+    assert "(the table adds up — for it" in elsewhere and "no run of it on an unshaped link on that machine" in elsewhere
+    assert "did not reach" in measured(("diloco", summary, run), [], 0.5, {})
+    with pytest.raises(SystemExit, match="skipped steps"):
+        measured(("diloco", {**summary, "skipped_steps": 1}, run), [], 2.0, {})
