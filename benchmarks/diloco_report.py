@@ -34,9 +34,9 @@ cluster runs' losses), and the step times of the short runs on the cluster, each
         --cluster-times benchmarks/results/diloco-cluster-100mbit-ddp benchmarks/results/diloco-cluster-100mbit
 
 (each curve timed by the one cluster run of its optimizer and setting at each link). A long run
-made on the cluster itself (its ``summary.json`` names the cluster) is not added up: the time its
-own clock took to the target is printed beside what the table adds up for the same setting, seed
-and link.
+made on the cluster itself (its ``summary.json`` names the cluster) is not a curve: the time its
+own clock took to the target is printed beside its steps added up at the step times of the short
+cluster run of its setting and link on the same machine.
 """
 
 from __future__ import annotations
@@ -267,7 +267,6 @@ def time_report(loss_dirs: list[Path], cluster_dirs: list[Path]) -> str:
     lines = ["| link | optimizer | setting | seed | steps to DDP's loss | time to DDP's loss | its floor "
              "| faster than DDP |", "|---|---|---|---|---|---|---|---|"]
     same, pooled = [], []
-    summed: dict[tuple, float | None] = {}  # (link, name, setting, seed): the time added up
     for link in sorted({t[0] for t in timed}, reverse=True):
         rows = []
         for name, summary, records in curves:
@@ -291,7 +290,6 @@ def time_report(loss_dirs: list[Path], cluster_dirs: list[Path]) -> str:
                 raise SystemExit(f"{name} at {link / 1e6:g} Mbit/s: no step time of its {sorted(missing)} steps")
             took = None if n is None else sum(cluster["step_time_s"][r["stage"]] for r in records[:n])
             rows.append((name, summary, records, n, took, floor, seed))
-            summed[link, name, _curve_setting(name, summary), seed] = took
         took_by: dict[tuple[str, str], dict[int, float | None]] = {}  # each setting's seeds' times
         for name, summary, _, _, took, _, seed in rows:
             seeds = took_by.setdefault((name, _curve_setting(name, summary)), {})
@@ -314,14 +312,20 @@ def time_report(loss_dirs: list[Path], cluster_dirs: list[Path]) -> str:
             for against, theirs in [("DDP AdamW", ddp_took), *later]:
                 shared = [seed for seed in mine if seed in theirs]
                 if len(shared) > 1:
-                    pooled.append(_pooled(link, f"{name} ({setting})", against, {
-                        seed: theirs[seed] / mine[seed] if mine[seed] and theirs[seed] else None for seed in shared}))
-    measured = [_measured(c, curves, targets[c[1]["config"]["seed"]], summed) for c in on_cluster]
-    return ("\n".join(lines) + "\n\n" + "".join(f"{p}\n\n" for p in pooled + measured)
+                    ratios = {seed: theirs[seed] / mine[seed] if mine[seed] and theirs[seed] else None
+                              for seed in shared}
+                    who = f"{name} ({setting})"
+                    if against != "DDP AdamW" and None not in ratios.values() and math.prod(ratios.values()) < 1:
+                        who, against, ratios = against, who, {seed: 1 / r for seed, r in ratios.items()}  # sooner first
+                    pooled.append(_pooled(link, who, against, ratios))
+    measured = [_measured(c, timed, targets[c[1]["config"]["seed"]]) for c in on_cluster]
+    table = "\n".join(lines) + "\n\n" if len(lines) > 2 else ""  # no curve timed: the runs on the cluster alone
+    return (table + "".join(f"{p}\n\n" for p in pooled + measured)
             + f"Each seed's target: the final loss of DDP AdamW of that seed (the mean of its last 10 steps' "
             f"training loss; {', '.join(f'seed {k}: {v:.4f}' for k, v in sorted(targets.items()))}); a run reaches "
-            f"it when the mean of 10 consecutive steps is at most that. Losses identical to the long run's, step "
-            f"for step, in the cluster runs (of the seed they ran): "
+            f"it when the mean of 10 consecutive steps is at most that. A pooled interval is the seeds' spread in "
+            f"the steps each needed: every seed's steps are timed by the same cluster runs. Losses identical to the "
+            f"long run's, step for step, in the cluster runs (of the seed they ran, on the same machine): "
             f"{'; '.join(same) or 'none checked (no long run of their seed on their machine)'}. "
             f"{_sources(loss_dirs + cluster_dirs)}\n")
 
@@ -332,11 +336,10 @@ def _same_losses(records: list[dict], others: list[dict]) -> int:
                 min(len(records), len(others)))
 
 
-def _measured(run: tuple[str, dict, list[dict]], curves: list[tuple[str, dict, list[dict]]], target: float,
-              summed: dict[tuple, float | None]) -> str:
+def _measured(run: tuple[str, dict, list[dict]], timed: list[tuple], target: float) -> str:
     """When a long run on the emulated cluster reached its seed's target by its own clock, beside
-    the time the report adds up for the same setting, seed and link, and how many of its steps'
-    losses are those of the unshaped run on the same machine."""
+    its steps added up at the step times of the short cluster run of the same setting, link and
+    machine, and how many of that short run's losses are the long run's."""
     name, summary, records = run
     setting, seed, link = _curve_setting(name, summary), summary["config"]["seed"], summary["cluster"]["bandwidth"]
     head = f"{name} ({setting}), seed {seed}, run on the cluster at {link / 1e6:g} Mbit/s: "
@@ -345,14 +348,17 @@ def _measured(run: tuple[str, dict, list[dict]], curves: list[tuple[str, dict, l
     n = steps_to_loss(records, target)
     if n is None:
         return head + f"did not reach DDP AdamW's loss in {len(records):,} steps."
-    added = summed.get((link, name, setting, seed))
-    twin = next((r for m, s, r in curves if m == name and _curve_setting(m, s) == setting
-                 and s["config"]["seed"] == seed and s["machine"] == summary["machine"]), None)
-    equal = "no run of it on an unshaped link on that machine" if twin is None else \
-        f"losses identical to the unshaped run's for {_same_losses(records, twin):,} of {len(records):,} steps"
+    short = [t for t in timed if t[0] == link and t[1] == name and t[2]["machine"] == summary["machine"]
+             and _work(name, t[2]["config"]) == _work(name, summary["config"])]
+    if len(short) != 1:
+        raise SystemExit(head + f"timed by {len(short)} short cluster runs on its machine, give one")
+    _, _, cluster, cluster_records, _ = short[0]
+    added = sum(cluster["step_time_s"][r["stage"]] for r in records[:n])
+    equal = (f"; its losses are the short run's for {_same_losses(cluster_records, records)} of "
+             f"{len(cluster_records)} steps" if cluster["config"]["seed"] == seed else "")
     return (head + f"reached DDP AdamW's loss at step {n:,} after **{records[n - 1]['time'] / 60:.1f} min** by its "
-            f"own clock (the table adds up {'—' if added is None else f'{added / 60:.1f} min'} for it from the "
-            f"short cluster runs' step times); {equal}.")
+            f"own clock; its steps at the short cluster run's step times add up to {added / 60:.1f} min "
+            f"(**{records[n - 1]['time'] / added:.3f}x** that){equal}.")
 
 
 def _pooled(link: float, who: str, against: str, ratios: dict[int, float | None]) -> str:
@@ -366,8 +372,8 @@ def _pooled(link: float, who: str, against: str, ratios: dict[int, float | None]
     worst = min(ratios, key=ratios.get)
     return (head + f"**{math.exp(mean):.2f}x faster** (geometric mean, 95% interval "
             f"[{math.exp(mean - half):.2f}, {math.exp(mean + half):.2f}]; worst seed {worst}, {ratios[worst]:.2f}x; "
-            f"{', '.join(f'seed {k} {r:.2f}x' for k, r in ratios.items())}). The interval is the seeds' spread in "
-            f"the steps each needed; every seed's steps are timed by the same cluster runs.")
+            f"{', '.join(f'seed {k} {r:.2f}x' for k, r in ratios.items())}).")
+
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

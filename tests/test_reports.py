@@ -106,17 +106,74 @@ def test_a_run_on_the_cluster_itself_is_timed_by_its_own_clock():
     measured = runpy.run_path(str(ROOT / "benchmarks" / "diloco_report.py"))["_measured"]
     config = {"seed": 0, "sync_every": 16, "fragments": 4, "delay": 3, "collective": None}
     losses = [3.0] * 10 + [1.0] * 10  # the 10-step mean first reaches 2.0 at step 15
-    run = [{"loss": loss, "time": 60.0 * step} for step, loss in enumerate(losses, 1)]
+    run = [{"loss": loss, "time": 60.0 * step, "stage": "local"} for step, loss in enumerate(losses, 1)]
     summary = {"config": config, "cluster": {"bandwidth": 1e8}, "skipped_steps": 0, "machine": "vm"}
-    twin = [{"loss": loss} for loss in losses[:12] + [9.0] * 8]  # the unshaped run: 12 equal steps
-    setting = "H = 16, 4 fragments, delay 3, all-gather"
-    text = measured(("diloco", summary, run), [("diloco", {"config": config, "machine": "vm"}, twin)], 2.0,
-                    {(1e8, "diloco", setting, 0): 840.0})
-    assert text == (f"diloco ({setting}), seed 0, run on the cluster at 100 Mbit/s: reached DDP AdamW's loss at "
-                    "step 15 after **15.0 min** by its own clock (the table adds up 14.0 min for it from the short "
-                    "cluster runs' step times); losses identical to the unshaped run's for 12 of 20 steps.")
-    elsewhere = measured(("diloco", summary, run), [("diloco", {"config": config, "machine": "pc"}, twin)], 2.0, {})
-    assert "(the table adds up — for it" in elsewhere and "no run of it on an unshaped link on that machine" in elsewhere
-    assert "did not reach" in measured(("diloco", summary, run), [], 0.5, {})
+    # the short cluster run of the same setting on the same machine: 56 s a step, its first 6 losses the run's
+    short = {"config": config, "machine": "vm", "step_time_s": {"local": 56.0}}
+    timed = [(1e8, "diloco", short, [{"loss": loss} for loss in losses[:6] + [9.0] * 2], 0.5)]
+    text = measured(("diloco", summary, run), timed, 2.0)
+    assert text == ("diloco (H = 16, 4 fragments, delay 3, all-gather), seed 0, run on the cluster at 100 Mbit/s: "
+                    "reached DDP AdamW's loss at step 15 after **15.0 min** by its own clock; its steps at the short "
+                    "cluster run's step times add up to 14.0 min (**1.071x** that); its losses are the short run's "
+                    "for 6 of 8 steps.")
+    assert "did not reach" in measured(("diloco", summary, run), timed, 0.5)
+    elsewhere = [(1e8, "diloco", {**short, "machine": "pc"}, [], 0.5)]  # timed on another machine only
+    with pytest.raises(SystemExit, match="timed by 0 short cluster runs on its machine"):
+        measured(("diloco", summary, run), elsewhere, 2.0)
     with pytest.raises(SystemExit, match="skipped steps"):
-        measured(("diloco", {**summary, "skipped_steps": 1}, run), [], 2.0, {})
+        measured(("diloco", {**summary, "skipped_steps": 1}, run), timed, 2.0)
+
+
+def _compare_dir(path: Path, machine: str, runs: dict[str, tuple[dict, list[float]]]) -> Path:
+    """An ``onebit compare`` result: each run's summary and per-step losses (one stage, "s")."""
+    path.mkdir()
+    (path / "provenance.json").write_text(json.dumps({"command": f"onebit compare {path.name}", "machine": machine,
+                                                      "date": "2026-11-27"}))
+    (path / "summary.json").write_text(json.dumps({name: summary for name, (summary, _) in runs.items()}))
+    for name, (_, losses) in runs.items():
+        (path / name).mkdir()
+        (path / name / "metrics.jsonl").write_text(
+            "".join(json.dumps({"loss": loss, "stage": "s", "time": float(i)}) + "\n" for i, loss in enumerate(losses)))
+    return path
+
+
+def test_the_time_to_loss_pairs_each_setting_with_ddp_and_the_others_over_shared_seeds(tmp_path):
+    time_report = runpy.run_path(str(ROOT / "benchmarks" / "diloco_report.py"))["time_report"]
+    diloco = {"sync_every": 16, "fragments": 0, "delay": 0, "collective": None}
+    adam = {"freeze_step": 5}
+
+    def curve(seed: int, config: dict, before: int, **summary) -> tuple[dict, list[float]]:
+        # loss 2 for ``before`` steps, then 0.5: the 10-step mean reaches 1.0 at step before + 7
+        return {"config": {**config, "seed": seed}, "final_loss": 1.0, **summary}, [2.0] * before + [0.5] * 40
+
+    loss_dirs = [_compare_dir(tmp_path / f"{name}{seed}", "vm", {name: curve(seed, config, before, **extra)})
+                 for name, config, extra, befores in (
+                     ("ddp_allreduce", {}, {}, (3, 13)),  # 10 and 20 steps
+                     ("onebit_adam", adam, {"freeze_step": 5}, (3, 8)),  # 10 and 15
+                     ("diloco", diloco, {}, (13, 23)))  # 20 and 30
+                 for seed, before in enumerate(befores)]
+
+    def timing(machine: str) -> Path:  # 4, 3 and 1 s a step; seed 0 for 8 steps, DDP's losses
+        timed = {name: ({"config": {**config, "seed": 0}, "cluster": {"bandwidth": 1e8}, "skipped_steps": 0,
+                         "step_time_s": {"s": seconds, "warmup": seconds}, "freeze_step": 5}, [2.0] * 3 + [0.5] * 5)
+                 for name, config, seconds in (("local_adam", {}, 1.0), ("ddp_allreduce", {}, 4.0),
+                                               ("onebit_adam", adam, 3.0), ("diloco", diloco, 1.0))}
+        return _compare_dir(tmp_path / f"cluster-{machine}", machine, timed)
+
+    text = time_report(loss_dirs, [timing("vm")])
+    # seconds to the target: DDP 40 / 80, 1-bit Adam 30 / 45, DiLoCo 20 / 30
+    assert "| 100 Mbit/s | diloco | H = 16, all-gather | 1 | 30 | 0.5 min | 0.5 min | 2.7x |" in text
+    assert ("onebit_adam (freeze_step=5: compressed from step 6) at 100 Mbit/s against DDP AdamW, 2 paired "
+            "seeds: **1.54x faster**") in text  # sqrt(4/3 * 16/9)
+    # listed after 1-bit Adam, DiLoCo is the sooner: it comes first, 1.5x in both seeds
+    assert ("diloco (H = 16, all-gather) at 100 Mbit/s against onebit_adam (freeze_step=5: compressed from step 6), "
+            "2 paired seeds: **1.50x faster**") in text
+    assert text.count("paired seeds") == 3  # DiLoCo and 1-bit Adam against DDP, and against each other
+    assert "ddp_allreduce at 100 Mbit/s (every step, fp32) against every step, fp32: 8 of 8" in text
+    elsewhere = time_report(loss_dirs, [timing("pc")])  # another machine: its bits are not compared
+    assert "none checked (no long run of their seed on their machine)" in elsewhere
+
+    seed2 = {"config": {**diloco, "seed": 2}, "cluster": {"bandwidth": 1e8}, "skipped_steps": 0, "final_loss": 1.0}
+    on_cluster = _compare_dir(tmp_path / "diloco-on-cluster", "vm", {"diloco": (seed2, [1.0] * 20)})
+    with pytest.raises(SystemExit, match="none of seed 2"):
+        time_report(loss_dirs + [on_cluster], [timing("vm2")])
