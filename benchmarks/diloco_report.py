@@ -270,8 +270,7 @@ def time_report(loss_dirs: list[Path], cluster_dirs: list[Path]) -> str:
     for link in sorted({t[0] for t in timed}, reverse=True):
         rows = []
         for name, summary, records in curves:
-            match = [t for t in timed if t[0] == link and t[1] == name
-                     and _work(name, t[2]["config"]) == _work(name, summary["config"])]
+            match = _timing(timed, link, name, summary)
             if len(match) > 1:
                 raise SystemExit(f"{name} at {link / 1e6:g} Mbit/s: timed by {len(match)} cluster runs, give one")
             if not match:
@@ -285,10 +284,7 @@ def time_report(loss_dirs: list[Path], cluster_dirs: list[Path]) -> str:
                             f"{_curve_setting(name, summary)}: {_same_losses(cluster_records, records)} of "
                             f"{len(cluster_records)}")
             n = steps_to_loss(records, targets[seed])
-            missing = {r["stage"] for r in records[: n or 0]} - set(cluster["step_time_s"])
-            if missing:
-                raise SystemExit(f"{name} at {link / 1e6:g} Mbit/s: no step time of its {sorted(missing)} steps")
-            took = None if n is None else sum(cluster["step_time_s"][r["stage"]] for r in records[:n])
+            took = None if n is None else _added_up(f"{name} at {link / 1e6:g} Mbit/s", cluster, records[:n])
             rows.append((name, summary, records, n, took, floor, seed))
         took_by: dict[tuple[str, str], dict[int, float | None]] = {}  # each setting's seeds' times
         for name, summary, _, _, took, _, seed in rows:
@@ -330,6 +326,20 @@ def time_report(loss_dirs: list[Path], cluster_dirs: list[Path]) -> str:
             f"{_sources(loss_dirs + cluster_dirs)}\n")
 
 
+def _timing(timed: list[tuple], link: float, name: str, summary: dict) -> list[tuple]:
+    """The cluster runs of ``timed`` at ``link`` whose steps do the work of ``name``'s run ``summary``."""
+    return [t for t in timed if t[0] == link and t[1] == name
+            and _work(name, t[2]["config"]) == _work(name, summary["config"])]
+
+
+def _added_up(what: str, cluster: dict, records: list[dict]) -> float:
+    """Seconds the steps of ``records`` take at the cluster run's step time of each one's stage."""
+    missing = {r["stage"] for r in records} - set(cluster["step_time_s"])
+    if missing:
+        raise SystemExit(f"{what}: no step time of its {sorted(missing)} steps")
+    return sum(cluster["step_time_s"][r["stage"]] for r in records)
+
+
 def _same_losses(records: list[dict], others: list[dict]) -> int:
     """How many first steps of two runs logged the same loss, bit for bit."""
     return next((i for i, (x, y) in enumerate(zip(records, others)) if x["loss"] != y["loss"]),
@@ -342,18 +352,18 @@ def _measured(run: tuple[str, dict, list[dict]], timed: list[tuple], target: flo
     machine, and how many of that short run's losses are the long run's."""
     name, summary, records = run
     setting, seed, link = _curve_setting(name, summary), summary["config"]["seed"], summary["cluster"]["bandwidth"]
-    head = f"{name} ({setting}), seed {seed}, run on the cluster at {link / 1e6:g} Mbit/s: "
+    who = f"{name} ({setting}), seed {seed}, run on the cluster at {link / 1e6:g} Mbit/s"
+    head = who + ": "
     if summary.get("skipped_steps"):
         raise SystemExit(head + "skipped steps: its speed does not count")
     n = steps_to_loss(records, target)
     if n is None:
         return head + f"did not reach DDP AdamW's loss in {len(records):,} steps."
-    short = [t for t in timed if t[0] == link and t[1] == name and t[2]["machine"] == summary["machine"]
-             and _work(name, t[2]["config"]) == _work(name, summary["config"])]
+    short = [t for t in _timing(timed, link, name, summary) if t[2]["machine"] == summary["machine"]]
     if len(short) != 1:
         raise SystemExit(head + f"timed by {len(short)} short cluster runs on its machine, give one")
     _, _, cluster, cluster_records, _ = short[0]
-    added = sum(cluster["step_time_s"][r["stage"]] for r in records[:n])
+    added = _added_up(who, cluster, records[:n])
     equal = (f"; its losses are the short run's for {_same_losses(cluster_records, records)} of "
              f"{len(cluster_records)} steps" if cluster["config"]["seed"] == seed else "")
     return (head + f"reached DDP AdamW's loss at step {n:,} after **{records[n - 1]['time'] / 60:.1f} min** by its "
