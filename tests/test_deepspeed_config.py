@@ -24,14 +24,15 @@ def _params():
 
 
 def test_onebit_adam_arguments_map():
-    opt = onebit.from_deepspeed_config(_cfg(lr=2e-4, betas=[0.8, 0.98], eps=1e-6, weight_decay=0.01, freeze_step=7,
-                                            bias_correction=True, cuda_aware=False, comm_backend_name="nccl",
-                                            amsgrad=False, eps_inside_sqrt=False, max_grad_norm=0.0),
+    opt = onebit.from_deepspeed_config(_cfg(clipping=0, lr=2e-4, betas=[0.8, 0.98], eps=1e-6, weight_decay=0.01,
+                                            freeze_step=7, bias_correction=True, cuda_aware=False,
+                                            comm_backend_name="nccl", amsgrad=False, eps_inside_sqrt=False,
+                                            max_grad_norm=0.0),
                                        _params())
     assert isinstance(opt, onebit.OnebitAdam)
     group = opt.param_groups[0]
     assert (group["lr"], group["betas"], group["weight_decay"]) == (2e-4, (0.8, 0.98), 0.01)
-    assert opt.eps == 1e-6 and opt.max_grad_norm is None
+    assert opt.eps == 1e-6 and opt.max_grad_norm is None  # "gradient_clipping": 0 does not clip
     assert opt.bias_correction is False  # DeepSpeed's update never bias-corrected
     assert opt.stats["freeze_step"] is None and opt.freeze.freeze_step == 7
 
@@ -58,7 +59,7 @@ def test_zero_one_adam_arguments_map():
     s = opt.schedule
     assert (s.var_freeze_step, s.var_update_scaler, s.local_step_scaler, s.local_step_clipper) == (400, 8, 100, 4)
     assert opt.bias_correction is False and opt.max_grad_norm == 2.0
-    defaults = onebit.from_deepspeed_config(_cfg("zerooneadam"), _params()).schedule
+    defaults = onebit.from_deepspeed_config(_cfg("zerooneadam", clipping=1.0), _params()).schedule
     assert (defaults.var_freeze_step, defaults.var_update_scaler, defaults.local_step_scaler,
             defaults.local_step_clipper) == (100_000, 16, 32678, 16)  # DeepSpeed's defaults
     with pytest.raises(ValueError, match=r"no argument\(s\) \['freeze_step'\]"):
@@ -66,8 +67,22 @@ def test_zero_one_adam_arguments_map():
 
 
 def test_overrides_win():
-    opt = onebit.from_deepspeed_config(_cfg(lr=1e-3), _params(), bias_correction=True, clip_update=None)
-    assert opt.bias_correction is True and opt.clip_update is None
+    opt = onebit.from_deepspeed_config(_cfg(lr=1e-3), _params(), bias_correction=True, clip_update=None,
+                                       max_grad_norm=None)
+    assert opt.bias_correction is True and opt.clip_update is None and opt.max_grad_norm is None
+
+
+@pytest.mark.parametrize("kind", ["OneBitAdam", "OneBitLamb", "ZeroOneAdam"])
+def test_no_gradient_clipping_clips_at_one_as_deepspeed_0_19_6(kind, recwarn):
+    """DeepSpeed 0.19.3-0.19.6's engine clips at 1.0 when the config omits gradient_clipping (earlier
+    releases did not): the same, said in a warning, which an explicit value or override silences."""
+    with pytest.warns(UserWarning, match=r"no 'gradient_clipping': clipping at 1\.0.*before 0\.19\.3 did not clip"):
+        opt = onebit.from_deepspeed_config(_cfg(kind, lr=1e-3), _params())
+    assert opt.max_grad_norm == 1.0
+    recwarn.clear()
+    assert onebit.from_deepspeed_config(_cfg(kind, clipping=0.0, lr=1e-3), _params()).max_grad_norm is None
+    assert onebit.from_deepspeed_config(_cfg(kind, lr=1e-3), _params(), max_grad_norm=2.0).max_grad_norm == 2.0
+    assert not [w for w in recwarn if "gradient_clipping" in str(w.message)]
 
 
 @pytest.mark.parametrize("cfg,message", [

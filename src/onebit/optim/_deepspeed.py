@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -36,6 +37,9 @@ _TYPES = {"onebitadam": (OnebitAdam, _COMMON), "onebitlamb": (OnebitLamb, _COMMO
 # Whose update never applied bias correction in DeepSpeed, whatever the config said.
 _UNCORRECTED = (OnebitAdam, ZeroOneAdam)
 _FREEZE_DEFAULT = 100_000  # DeepSpeed's default freeze_step of 1-bit Adam and LAMB
+# DeepSpeed's gradient_clipping when a config omits it: 1.0 from 0.19.3 on (DeepSpeed pull request 8068),
+# 0 (no clipping) in every release before
+_CLIPPING_DEFAULT = 1.0
 
 
 def _load(config: Mapping[str, Any] | str | os.PathLike[str]) -> Mapping[str, Any]:
@@ -68,7 +72,10 @@ def from_deepspeed_config(
       :class:`ZeroOneAdam` get ``bias_correction=False`` whatever the config says -- the same
       training.
     * ``gradient_clipping`` (top level) becomes ``max_grad_norm``; the optimizer block's own
-      ``max_grad_norm``, which DeepSpeed stored and never used, is refused when positive.
+      ``max_grad_norm``, which DeepSpeed stored and never used, is refused when positive. A
+      config without ``gradient_clipping`` clips at 1.0, as DeepSpeed 0.19.3 to 0.19.6 did, with
+      a warning: releases before 0.19.3 did not clip (``"gradient_clipping": 0`` or the override
+      ``max_grad_norm=None`` trains as they did).
     * ``comm_backend_name``: ``"nccl"`` and ``"compressed"`` use the default process group
       (NCCL or gloo, whichever it is), ``"mpi"`` uses ``group="mpi"``; ``cuda_aware=true``
       does not apply (CUDA tensors go to NCCL or MPI as they are) and is refused, as are
@@ -132,7 +139,11 @@ def from_deepspeed_config(
     if cls in _UNCORRECTED:
         kwargs["bias_correction"] = False
     kwargs["group"] = "mpi" if backend == "mpi" else None
-    clipping = cfg.get("gradient_clipping", 0.0)
+    clipping = cfg.get("gradient_clipping", _CLIPPING_DEFAULT)
+    if "gradient_clipping" not in cfg and "max_grad_norm" not in overrides:
+        warnings.warn(f"the DeepSpeed config has no 'gradient_clipping': clipping at {_CLIPPING_DEFAULT}, DeepSpeed "
+                      "0.19.3-0.19.6's default; releases before 0.19.3 did not clip (set \"gradient_clipping\": 0 to "
+                      "train as they did, or give it explicitly to silence this)", stacklevel=2)
     if clipping:
         kwargs["max_grad_norm"] = clipping
     kwargs.update(overrides)
