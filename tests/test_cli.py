@@ -313,6 +313,16 @@ def test_compare_writes_table_plot_and_summaries(tmp_path, capsys):
     assert (out / "loss.png").exists()
 
 
+def test_model_reads_sizes_as_people_write_them(capsys):
+    for size in ("125M", "1.25e8", "125000000"):
+        assert main(["model", "--params", size, "--optimizers", "adam"]) == 0
+        assert "125M parameters" in capsys.readouterr().out
+    for bad in ("1.5", "0", "lots", "inf"):
+        with pytest.raises(SystemExit):
+            main(["model", "--params", bad])
+        assert f"got {bad!r}" in capsys.readouterr().err
+
+
 def test_model_prints_every_optimizer(capsys):
     assert main(["model", "--params", "8400000", "--bandwidth", "1gbit,200mbit", "--compute-ms", "50"]) == 0
     text = capsys.readouterr().out

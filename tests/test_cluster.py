@@ -20,7 +20,10 @@ needs_root = pytest.mark.skipif(cluster_unavailable() is not None, reason=f"{clu
 def test_parsing():
     assert parse_bandwidth("1gbit") == 1e9
     assert parse_bandwidth("200mbit") == 2e8
-    assert parse_bandwidth("10mbps") == 8e7
+    assert parse_bandwidth("1Gbit") == parse_bandwidth("1g") == 1e9
+    for ambiguous, bits in (("10mbps", "10mbit"), ("1Gbps", "1gbit")):  # tc: bytes/s; most people: bits/s
+        with pytest.raises(ValueError, match=f"{ambiguous!r} is ambiguous.*write '{bits}'"):
+            parse_bandwidth(ambiguous)
     assert parse_latency("0.5ms") == pytest.approx(5e-4)
     assert parse_latency("100us") == pytest.approx(1e-4)
     for bad in ("", "fast", "-1gbit", "1 tbit"):

@@ -4,6 +4,7 @@ dispatches; what each command does is in :mod:`onebit.bench._commands`."""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from . import __version__
@@ -28,6 +29,23 @@ def _int_at_least(minimum: int, what: str):
 
 _positive_int = _int_at_least(1, "a positive integer")
 _nonneg_int = _int_at_least(0, "an integer >= 0")
+_COUNT_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9}
+
+
+def _count(text: str) -> int:
+    """A positive count as people write model sizes: ``8400000``, ``1e8``, ``125M``, ``1.3B``, ``350k``."""
+    body, suffix = (text[:-1], text[-1].lower()) if text and text[-1].lower() in _COUNT_SUFFIX else (text, "")
+    try:
+        value = float(body) * _COUNT_SUFFIX[suffix]
+        if not math.isfinite(value):
+            raise ValueError(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive count such as 8400000, 1e8, 125M or 1.3B, got "
+                                         f"{text!r}") from None
+    # a suffix rounds (1.1B is 1100000000.0000002 in floating point); a bare number must be whole
+    if round(value) < 1 or (not suffix and value != round(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive whole count, got {text!r}")
+    return round(value)
 
 
 def _positive_float(text: str) -> float:
@@ -278,7 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     model = sub.add_parser("model", help="alpha-beta cost model of each optimizer's communication",
                            formatter_class=_DefaultsShown)
-    model.add_argument("--params", type=_positive_int, required=True, help="parameters of the model")
+    model.add_argument("--params", type=_count, required=True,
+                       help="parameters of the model (8400000, 1e8, 125M, 1.3B)")
     model.add_argument("--world-size", type=_positive_int, default=4, help="ranks in all")
     model.add_argument("--nodes", type=_positive_int, default=4, help="machines the ranks are spread over")
     model.add_argument("--bandwidth", type=lambda t: [_bandwidth(x) for x in t.split(",")], default="1gbit",

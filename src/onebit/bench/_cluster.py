@@ -23,18 +23,24 @@ from types import FrameType, TracebackType
 
 __all__ = ["ClusterSpec", "EmulatedCluster", "cluster_unavailable", "parse_bandwidth", "parse_latency"]
 
-_RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmg]?)(bit|bps)?\s*$", re.IGNORECASE)
+_RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmg]?)(bit)?\s*$", re.IGNORECASE)
+_BYTES_OR_BITS = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmg]?)bps\s*$", re.IGNORECASE)
 _TIME = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(us|ms|s)?\s*$", re.IGNORECASE)
 
 
 def parse_bandwidth(text: str) -> float:
-    """``"1gbit"``, ``"200mbit"``, ``"500k"`` -> bits per second (tc's units: bit = bits/s, bps = bytes/s)."""
+    """``"1gbit"``, ``"200mbit"``, ``"500k"`` -> bits per second. ``"1Gbps"`` is refused: tc reads
+    ``bps`` as bytes per second, where most people mean bits, and the two differ by 8x."""
+    ambiguous = _BYTES_OR_BITS.match(str(text))
+    if ambiguous:
+        number, prefix = ambiguous.groups()
+        raise ValueError(f"bandwidth {text!r} is ambiguous: tc reads 'bps' as bytes per second ({number} "
+                         f"{prefix.upper()}B/s = 8x {number} {prefix.upper()}bit/s); write '{number}{prefix.lower()}bit' "
+                         "for bits per second")
     match = _RATE.match(str(text))
     if not match:
-        raise ValueError(f"bandwidth must look like '1gbit', '200mbit' or '10mbps', got {text!r}")
+        raise ValueError(f"bandwidth must look like '1gbit', '200mbit' or '500k' (bits per second), got {text!r}")
     value = float(match.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[match.group(2).lower()]
-    if (match.group(3) or "bit").lower() == "bps":
-        value *= 8
     if value <= 0:
         raise ValueError(f"bandwidth must be positive, got {text!r}")
     return value
