@@ -127,6 +127,7 @@ variants = args.variant or ["{}"]
 dist = start("deepspeed")
 
 import deepspeed  # noqa: E402
+
 import onebit  # noqa: E402
 from onebit.bench._tasks import ByteCorpus, ByteMLP  # noqa: E402
 
