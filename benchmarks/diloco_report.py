@@ -194,8 +194,7 @@ def _compare_runs(d: Path) -> dict[str, tuple[dict, list[dict]]]:
 def _curve_setting(name: str, summary: dict) -> str:
     config = summary["config"]
     # what the run changed from the defaults of the time-to-loss runs (absent from runs before the option)
-    extra = "".join(f", {key} {config[key]}" for key, default in (("compressor", None), ("schedule", "constant"),
-                                                                   ("refresh_every", None))
+    extra = "".join(f", {key} {config[key]}" for key, default in (("compressor", None), ("schedule", "constant"))
                     if config.get(key, default) != default)
     if name == "onebit_adam":
         asked, took = config["freeze_step"], summary["freeze_step"]

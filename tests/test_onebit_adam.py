@@ -30,19 +30,14 @@ def _adam_reference(world, steps, lr, betas, eps, weight_decay):
     return [p.detach() for p in params]
 
 
-def _algorithm1(world, steps, freeze, lr, b1, b2, eps, bias_correction=False, clip=None, per_tensor=False,
-                refresh=None):
+def _algorithm1(world, steps, freeze, lr, b1, b2, eps, bias_correction=False, clip=None, per_tensor=False):
     """Algorithm 1 with n simulated workers, one process, fused momentum; the paper's form
     without bias correction or step clip, or onebit's with both (clip: the multiple of
-    Adam's largest step) and, with `per_tensor`, one scale for each tensor's piece of a chunk.
-    `refresh`: every refresh-th step after the freeze, the averaged gradient enters m, and v (or
-    its bias-corrected estimate) takes g^2 as Adam's v would had every step since its last update
-    seen g: v_t = b2^k v_{t-k} + (1 - b2^k) g^2."""
+    Adam's largest step) and, with `per_tensor`, one scale for each tensor's piece of a chunk."""
     params = [p.clone() for p in _params()]
     sizes = [p.numel() for p in params]
     m = torch.zeros(sum(sizes))
     v = torch.zeros(sum(sizes))
-    last = freeze  # the step whose gradient last entered v
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     car = SimulatedCompressedAllReduce(world, sum(sizes), segments=starts if per_tensor else None)
     for step in range(1, steps + 1):
@@ -54,15 +49,8 @@ def _algorithm1(world, steps, freeze, lr, b1, b2, eps, bias_correction=False, cl
             m = b1 * m + (1 - b1) * g
             v = b2 * v + (1 - b2) * g * g
             denom = (v / (1 - b2**step if bias_correction else 1.0)).sqrt() + eps
-        else:  # lines 5-13, the variance frozen at step `freeze` (or refreshed)
-            if refresh is not None and (step - freeze) % refresh == 0:
-                g = sum(gs) / world
-                m = b1 * m + (1 - b1) * g
-                v = b2 ** (step - last) * v + (1 - b2 ** (step - last)) * g * g
-                denom = (v / (1 - b2**step if bias_correction else 1.0)).sqrt() + eps
-                last = step
-            else:
-                m = car([b1 * m + (1 - b1) * g for g in gs])
+        else:  # lines 5-13, the variance frozen at step `freeze`
+            m = car([b1 * m + (1 - b1) * g for g in gs])
             if clip is not None:  # Adam's largest step, Kingma & Ba section 2.1
                 bound = clip * max(1.0, (1 - b1) / math.sqrt(1 - b2)) * bc1 * denom
                 m = torch.maximum(torch.minimum(m, bound), -bound)
@@ -107,46 +95,6 @@ def test_compression_stage_matches_algorithm_1_and_replicas_agree(world, default
     assert stats[-1]["freeze_step"] == 5
     # compression stage: two 1-bit slots (all-to-all + all-gather) per peer instead of fp32
     assert 0 < stats[-1]["bytes_sent"] < stats[0]["bytes_sent"]
-
-
-@pytest.mark.parametrize("world,defaults", [(2, True), (3, True), (2, False)])
-def test_refreshes_match_algorithm_1_with_refreshed_variance(world, defaults):
-    """Every 3rd step after the freeze all-reduces the gradients in fp32 and refreshes m and v;
-    the steps between are Algorithm 1's, with the refreshed preconditioner."""
-    kw = dict(lr=0.02, betas=(0.9, 0.99), eps=1e-8, refresh_every=3)
-    ours = dict(clip_update=0.3) if defaults else dict(bias_correction=False, clip_update=None, scales="chunk")
-    res = run_ranks(_train, world, 16, dict(kw, freeze_step=4, **ours))
-    expect = _algorithm1(world, 16, 4, 0.02, 0.9, 0.99, 1e-8, bias_correction=defaults, clip=ours["clip_update"],
-                         per_tensor=defaults, refresh=3)
-    frozen = _algorithm1(world, 16, 4, 0.02, 0.9, 0.99, 1e-8, bias_correction=defaults, clip=ours["clip_update"],
-                         per_tensor=defaults)
-    for r in res:
-        assert r["digests"] == res[0]["digests"], "replicas diverged"
-        for got, want in zip(r["params"], expect):
-            assert torch.allclose(got, want, rtol=1e-4, atol=1e-6), (got - want).abs().max()
-    assert any(not torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(expect, frozen))
-    stats = res[0]["stats"]
-    assert [s["stage"] for s in stats] == ["warmup"] * 4 + ["compressed", "compressed", "refresh"] * 4
-    assert stats[6]["bytes_sent"] == stats[0]["bytes_sent"] > stats[5]["bytes_sent"]  # fp32, as the warm-up
-
-
-def test_refresh_every_step_is_adamw():
-    """Refreshed at every step, 1-bit Adam never sends a 1-bit code: it is AdamW on the average."""
-    kw = dict(lr=0.05, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.01)
-    res = run_ranks(_train, 2, 10, dict(kw, freeze_step=3, refresh_every=1, clip_update=None))
-    for got, want in zip(res[0]["params"], _adam_reference(2, 10, **kw)):
-        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got - want).abs().max()
-    assert [s["stage"] for s in res[0]["stats"]] == ["warmup"] * 3 + ["refresh"] * 7
-
-
-@pytest.mark.parametrize("resume_at", [6, 7])
-def test_resume_before_and_at_a_refresh_is_bit_exact(resume_at):
-    kw = dict(lr=0.02, freeze_step=4, refresh_every=3)  # refreshes at steps 7, 10, 13
-    straight = run_ranks(_train, 2, 14, kw)
-    resumed = run_ranks(_train, 2, 14, kw, resume_at)
-    for a, b in zip(straight, resumed):
-        assert a["digests"] == b["digests"]
-        assert [s["stage"] for s in a["stats"]] == [s["stage"] for s in b["stats"]]
 
 
 def test_compression_stage_world_1_matches_algorithm_1():
@@ -291,8 +239,6 @@ def test_bad_arguments():
         (dict(bias_correction="yes"), TypeError, "Invalid bias_correction value: 'yes'"),
         (dict(clip_update=0), ValueError, "Invalid clip_update value: 0 (expected None or a positive number)"),
         (dict(clip_update=True), ValueError, "Invalid clip_update value: True"),
-        (dict(refresh_every=0), ValueError, "Invalid refresh_every value: 0 (expected an int >= 1)"),
-        (dict(refresh_every=2.5), TypeError, "Invalid refresh_every value: 2.5 (expected an int >= 1)"),
         (dict(compressor="bogus"), ValueError, "unknown compressor 'bogus'"),
         (dict(scales="layer"), ValueError, "Invalid scales value: 'layer' (expected 'tensor' or 'chunk')"),
         (dict(timeout=0), ValueError, "timeout must be positive, got 0"),

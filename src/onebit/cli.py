@@ -124,9 +124,6 @@ def _training_flags(p: argparse.ArgumentParser, steps: int, out: str, bandwidth:
                    help=f"what 1-bit Adam/LAMB, 0/1 Adam, Birder and DiLoCo send: {', '.join(available())} (default: "
                         "their own; identity: the exact exchange, the control that tells the compression's cost from "
                         "the algorithm's)")
-    p.add_argument("--refresh-every", type=_positive_int, default=None,
-                   help="1-bit Adam: refresh the frozen variance every K steps after the freeze, with the gradients' "
-                        "fp32 average (default: never)")
     p.add_argument("--local-step-scaler", type=_positive_int, default=None,
                    help="0/1 Adam: steps per doubling of the local-step interval (default: a quarter of "
                         "--freeze-step; larger than --steps: no local steps)")

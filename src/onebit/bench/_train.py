@@ -46,7 +46,6 @@ class TrainConfig(TaskSpec):
     qadam_bits: int = 1
     compressor: str | None = None  # what the optimizers that take one send (None: each one's own)
     local_step_scaler: int | None = None  # 0/1 Adam's (None: the registry's, a quarter of freeze_step)
-    refresh_every: int | None = None  # 1-bit Adam's variance refreshes after the freeze (None: never)
     powersgd_rank: int = 1
     hierarchical: bool = False
     # the overlapped exchange's (and DDP's) bucket size, MB of fp32 values (None: the default, 25)

@@ -135,15 +135,14 @@ def warn_early_freeze(owner: str, frozen_at: int, beta2: float) -> None:
         )
 
 
-def count_unused(owner: str, frozen: Tensor, value: float, offsets: Sequence[tuple[int, int]], *,
-                 log: bool = True) -> list[int]:
+def count_unused(owner: str, frozen: Tensor, value: float, offsets: Sequence[tuple[int, int]]) -> list[int]:
     """The parameters (indices into ``offsets``) whose flat frozen state ``frozen`` holds
     ``value`` somewhere: it had a zero variance at the freeze, no gradient through the whole
     warm-up (an embedding row never looked up, a frozen tensor). No mask is kept:
     :func:`mask_unused_` re-derives it from the frozen state of those parameters, at no memory
-    cost between steps. ``log``: say how many values at INFO."""
+    cost between steps."""
     counts = [int((frozen[lo:hi] == value).sum()) for lo, hi in offsets]
-    if log and any(counts):
+    if any(counts):
         _log.info("%s: %d values had a zero gradient through the warm-up; their momentum is held at zero",
                   owner, sum(counts))
     return [i for i, count in enumerate(counts) if count]

@@ -5,9 +5,7 @@ says whether it has a gradient on some rank -- the others keep their value and m
 :func:`adam` is eq. (1), the warm-up (and the naive control's every step); the momentum a
 rank sends in the compression stage is ``beta1 m + (1 - beta1) g`` (Algorithm 1 line 6,
 :func:`~onebit.optim._functional.ema_`); :func:`onebit_adam` is lines 11-13 on its
-error-compensated 1-bit average; :func:`refresh_preconditioner` is a refresh of the frozen
-variance (``refresh_every``, not in the paper: 0/1 Adam's variance refreshes, weighted by the
-steps since the last one).
+error-compensated 1-bit average.
 """
 
 from __future__ import annotations
@@ -18,19 +16,19 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from .. import comm
-from .._checks import check_adam_args, check_bool, check_optional_positive, check_positive_int
+from .._checks import check_adam_args, check_bool, check_optional_positive
 from ._base import OnebitOptimizer
 from ._driver import COMPRESSED_FORMED, COMPRESSED_GRADIENT, EXACT_GRADIENT, Wire
 from ._freeze import count_unused, freeze_schedule, mask_unused_, warn_early_freeze
 from ._functional import adam_denominator, adam_denominators, apply_update_, clip_to_adam_step_, ema_
-from ._stages import OneStage, RefreshedStages, Stage, TwoStages
+from ._stages import OneStage, Stage, TwoStages
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
     from .._checks import CommonOptions
 
-__all__ = ["OnebitAdam", "OnebitAdamNaive", "adam", "onebit_adam", "refresh_preconditioner"]
+__all__ = ["OnebitAdam", "OnebitAdamNaive", "adam", "onebit_adam"]
 
 
 def adam(
@@ -103,52 +101,10 @@ def onebit_adam(
         apply_update_(p, exp_avg[lo:hi], denom, lr=lrs[i], weight_decay=weight_decays[i], step_size=lrs[i] / bc1)
 
 
-def refresh_preconditioner(
-    offsets: Sequence[tuple[int, int]],
-    *,
-    grads: Sequence[Tensor] | Mapping[int, Tensor],
-    active: Sequence[bool],
-    exp_avg: Tensor,
-    frozen_denom: Tensor,
-    step: int,
-    since: int,
-    betas: Sequence[tuple[float, float]],
-    eps: float,
-    bias_correction: bool,
-    indices: Iterable[int] | None = None,
-) -> None:
-    """A refresh of the frozen state at ``step`` from the gradients' exact average ``g``
-    (``grads[i]``, read for the active parameters only): ``m <- beta1 m + (1 - beta1) g``, and
-    the variance behind ``frozen_denom`` takes ``g^2`` as if each of the ``step - since`` steps
-    since it was last updated (the freeze, or the last refresh) had seen it --
-    ``v <- beta2^k v + (1 - beta2^k) g^2`` with ``k = step - since`` -- so that it keeps Adam's
-    memory of about ``1 / (1 - beta2)`` steps however rarely it is refreshed (0/1 Adam's
-    refreshes add one ``g^2`` with weight ``1 - beta2`` each: their variance mostly remembers
-    the early ones). With ``bias_correction`` ``frozen_denom`` is ``sqrt(v_hat) + eps``, ``v_hat =
-    v / (1 - beta2^t)``, and the update is made on ``v_hat``; without, on ``v``. The step itself is
-    then :func:`onebit_adam`'s, on the exact ``m``. ``indices``: only those parameters (None: all)."""
-    for i in range(len(offsets)) if indices is None else indices:
-        if not active[i]:
-            continue
-        lo, hi = offsets[i]
-        beta1, beta2 = betas[i]
-        g = grads[i].reshape(-1)
-        exp_avg[lo:hi].lerp_(g, 1.0 - beta1)
-        decay = beta2 ** (step - since)
-        keep, take = decay, 1.0 - decay
-        if bias_correction:  # on v_hat: v_t / (1 - beta2^t) from v_since / (1 - beta2^since)
-            keep, take = keep * (1.0 - beta2**since) / (1.0 - beta2**step), take / (1.0 - beta2**step)
-        d = frozen_denom[lo:hi]
-        d.sub_(eps).square_().mul_(keep).addcmul_(g, g, value=take).sqrt_().add_(eps)
-
-
 # Adam's moments, and the gradients' average: the warm-up, and the naive control's every step
 _ADAM = ("exp_avg", "exp_avg_sq")
 # The compression stage: the variance becomes the frozen preconditioner in place (Algorithm 1 line 2)
 _FROZEN = Stage(COMPRESSED_FORMED, ("exp_avg", "frozen_denom"), renames={"exp_avg_sq": "frozen_denom"})
-# A refresh of the frozen state (refresh_every): the gradients' exact fp32 average, as in the warm-up
-_REFRESH = Stage(Wire("refresh", formed=False, exact=True), ("exp_avg", "frozen_denom"), averages=True,
-                 renames=_FROZEN.renames)
 
 
 class _AdamFamily(OnebitOptimizer):
@@ -226,12 +182,6 @@ class OnebitAdam(_AdamFamily):
             step, ``lr (1 - beta1) / sqrt(1 - beta2)`` (:func:`onebit.optim.clip_to_adam_step_`;
             not in the paper; ``None``: no clip). Without it, values whose frozen variance is
             tiny take steps of ``lr * scale / sqrt(v)`` from the 1-bit exchange.
-        refresh_every: after the freeze, every ``refresh_every``-th step refreshes the frozen
-            variance (not in the paper; ``None``: frozen for good, Algorithm 1): that step
-            all-reduces the gradients in fp32, as the warm-up does, and the variance takes their
-            square as if every step since its last update had seen it
-            (:func:`onebit.optim.refresh_preconditioner`), so that the preconditioner follows the
-            gradients' scale where it moves after the freeze; the other steps are 1-bit.
         hierarchical: exchange with Birder's Hierarchical-1-bit-All-Reduce
             (:func:`onebit.comm.compressed_allreduce`: ``True``, ``False`` or ``"auto"``).
         ranks_per_node: ranks on each node, for the hierarchical exchange (``None``: detected).
@@ -287,7 +237,6 @@ class OnebitAdam(_AdamFamily):
         compressor: str = "sign",
         scales: str = "tensor",
         clip_update: float | None = 10.0,
-        refresh_every: int | None = None,
         hierarchical: bool | str = False,
         ranks_per_node: int | None = None,
         overlap: bool = False,
@@ -295,17 +244,13 @@ class OnebitAdam(_AdamFamily):
         **options: Unpack[CommonOptions],
     ) -> None:
         self.clip_update = check_optional_positive("clip_update", clip_update)
-        self.refresh_every = None if refresh_every is None else check_positive_int("refresh_every", refresh_every)
         check_bool("overlap", overlap)
         beta2 = check_adam_args(lr, betas, eps, weight_decay)[1]
-        warmup = Stage(EXACT_GRADIENT, _ADAM, averages=True)
-        schedule = freeze_schedule(freeze_step, beta2, threshold=freeze_threshold, window=freeze_window,
-                                   min_step=min_freeze_step, max_step=max_freeze_step,
-                                   corrected=check_bool("bias_correction", bias_correction))
-        name = type(self).__name__
-        self._stages = (TwoStages(name, warmup, _FROZEN, schedule, watch="exp_avg_sq") if self.refresh_every is None
-                        else RefreshedStages(name, warmup, _FROZEN, _REFRESH, schedule, watch="exp_avg_sq",
-                                             every=self.refresh_every))
+        self._stages = TwoStages(type(self).__name__, Stage(EXACT_GRADIENT, _ADAM, averages=True), _FROZEN,
+                                 freeze_schedule(freeze_step, beta2, threshold=freeze_threshold, window=freeze_window,
+                                                 min_step=min_freeze_step, max_step=max_freeze_step,
+                                                 corrected=check_bool("bias_correction", bias_correction)),
+                                 watch="exp_avg_sq")
         self._unused: list[int] = []  # the parameters with values unused through the warm-up
         self._init_adam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, group=group, options=options)
@@ -331,46 +276,36 @@ class OnebitAdam(_AdamFamily):
     def _apply_part(self, wire: Wire, average: Tensor | None, members: Sequence[int] | None) -> None:
         """The step of parameters ``members`` alone (None: all; each parameter's update reads only
         its own state and average): the overlapped exchange applies each bucket as it lands."""
-        b = self.flat.buffers
-        if not wire.formed and "frozen_denom" not in b:  # the warm-up
+        if not wire.formed:
             self._adam(average, members)
             return
-        step = self._step_count
-        if not wire.formed:  # a refresh: the exact average enters m and the frozen variance
-            refresh_preconditioner(self.flat.offsets, grads=self.flat.split(average, members), active=self._active,
-                                   indices=members, exp_avg=b["exp_avg"], frozen_denom=b["frozen_denom"], step=step,
-                                   since=self._stages.refreshed_at(step - 1), betas=self._hyper("betas"),
-                                   eps=self.eps, bias_correction=self.bias_correction)
+        b = self.flat.buffers
         unused = self._unused if members is None else set(members).intersection(self._unused)
         mask_unused_(b["exp_avg"], b["frozen_denom"], self.eps, self.flat.offsets, unused)
         onebit_adam(self.flat.params, self.flat.offsets, active=self._active, indices=members, exp_avg=b["exp_avg"],
-                    frozen_denom=b["frozen_denom"], step=step, lrs=self._hyper("lr"),
+                    frozen_denom=b["frozen_denom"], step=self._step_count, lrs=self._hyper("lr"),
                     betas=self._hyper("betas"), weight_decays=self._hyper("weight_decay"),
                     bias_correction=self.bias_correction, clip_update=self.clip_update,
-                    frozen_at=self._stages.refreshed_at(step))
+                    frozen_at=self._stages.frozen_at)
 
     def _enter(self, stage: Stage) -> None:
         """Algorithm 1 line 2: the variance, renamed ``"frozen_denom"``, becomes in place the frozen
         preconditioner ``sqrt(v_T / (1 - beta2^T)) + eps`` (``1`` for ``1 - beta2^T`` without bias
         correction). The compression stage only ever divides by it, so it takes ``v``'s buffer
         rather than a second model-sized one, and costs nothing per step; it reads each rank's own
-        gradients where they lie (no averaged gradients' buffer). Back from a refresh, which
-        updated it in place: the values still without a gradient."""
+        gradients where they lie (no averaged gradients' buffer)."""
         frozen_at = self._stages.frozen_at
-        froze = frozen_at == self._step_count  # else back from a refresh, or into one
-        if froze:
-            d = self.flat.buffers["frozen_denom"]
-            bc2 = [1.0 - beta2**frozen_at if self.bias_correction else 1.0 for _, beta2 in self._hyper("betas")]
-            adam_denominators(d, self.flat.offsets, eps=self.eps, bias_corrections2=bc2, out=d)
-            if not self.bias_correction:
-                warn_early_freeze(type(self).__name__, frozen_at, max(b for _, b in self._hyper("betas")))
-        if stage is not _REFRESH:
-            self._note_unused(log=froze)
+        d = self.flat.buffers["frozen_denom"]
+        bc2 = [1.0 - beta2**frozen_at if self.bias_correction else 1.0 for _, beta2 in self._hyper("betas")]
+        adam_denominators(d, self.flat.offsets, eps=self.eps, bias_corrections2=bc2, out=d)
+        self._note_unused()
+        if not self.bias_correction:
+            warn_early_freeze(type(self).__name__, frozen_at, max(b for _, b in self._hyper("betas")))
 
-    def _note_unused(self, log: bool = True) -> None:
-        # sqrt(v_hat) + eps == eps: no gradient through the warm-up and refreshes (or one below eps's rounding)
+    def _note_unused(self) -> None:
+        # sqrt(v_hat) + eps == eps: no gradient through the warm-up (or one below eps's rounding)
         self._unused = count_unused(type(self).__name__, self.flat.buffers["frozen_denom"], self.eps,
-                                   self.flat.offsets, log=log)
+                                   self.flat.offsets)
 
     def _load_extra_state(self, state: Mapping[str, Any], own_state: bool) -> None:
         if self._stages.frozen_at is not None:

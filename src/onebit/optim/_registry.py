@@ -119,8 +119,7 @@ REGISTRY: dict[str, Spec] = {
     "onebit_adam": Spec(OnebitAdam, "adamw", lambda w: 3.0 + 1.0 / w, overlap=True, hierarchical=True,
                         freeze=lambda t: {"freeze_step": t}, test_kwargs={"lr": 0.01, "freeze_step": 2},
                         matrix="onebit_adam", variants={"identity": _IDENTITY, "overlap": _OVERLAP}, target=3.0,
-                        costs={"onebit_adam": Cost("onebit", _ONEBIT, exact="warmup")},
-                        options={**_ADAM_OPTIONS, "refresh_every": "refresh_every"}),
+                        costs={"onebit_adam": Cost("onebit", _ONEBIT, exact="warmup")}, options=_ADAM_OPTIONS),
     # m, v, the exchanged gradient, worker and server error
     "onebit_adam_naive": Spec(OnebitAdamNaive, "adamw", lambda w: 4.0 + 1.0 / w, overlap=True, hierarchical=True,
                               test_kwargs={"lr": 0.01}, costs={"onebit_adam_naive": Cost("onebit", _ONEBIT)},

@@ -12,8 +12,6 @@ the math of the change. The policies:
 * :class:`OneStage` -- one stage for every step (Birder, Comp-AMS, the controls);
 * :class:`TwoStages` -- a warm-up until a :class:`~onebit.optim.FreezeSchedule` watching a
   buffer decides, then the compression stage (1-bit Adam, 1-bit LAMB);
-* :class:`RefreshedStages` -- the same, with a refresh of the frozen state every few steps
-  after the freeze (1-bit Adam's ``refresh_every``);
 * :class:`StepStages` -- the stage of each step a function of its number (0/1 Adam's
   variance refreshes, synchronisations and local steps; an outer loop's inner steps and
   synchronisations fit the same way).
@@ -31,7 +29,7 @@ from torch import Tensor
 from ._driver import Wire
 from ._freeze import FreezeSchedule
 
-__all__ = ["OneStage", "RefreshedStages", "Stage", "StepStages", "TwoStages"]
+__all__ = ["OneStage", "Stage", "StepStages", "TwoStages"]
 
 _log = logging.getLogger("onebit.optim")
 
@@ -107,10 +105,6 @@ class TwoStages:
             self.frozen_at, self.current = step, self.stages[1]
             _log.info("%s: warm-up ended at step %d; compression stage starts", self.owner, step)
 
-    def refreshed_at(self, step: int) -> int | None:
-        """The last step at or before ``step`` whose gradients entered the frozen state: the freeze."""
-        return self.frozen_at
-
     def state_dict(self) -> dict[str, Any]:
         return {"frozen_at": self.frozen_at, "freeze": self.schedule.state_dict()}
 
@@ -118,36 +112,6 @@ class TwoStages:
         self.schedule.load_state_dict(state["freeze"])
         self.frozen_at = state["frozen_at"]
         self.current = self.stages[self.frozen_at is not None]
-
-
-class RefreshedStages(TwoStages):
-    """:class:`TwoStages`, then after the freeze the ``refresh`` stage at steps ``frozen_at + k *
-    every`` (``k >= 1``) and the compressed stage at the others."""
-
-    def __init__(self, owner: str, warmup: Stage, compressed: Stage, refresh: Stage, schedule: FreezeSchedule, *,
-                 watch: str, every: int) -> None:
-        super().__init__(owner, warmup, compressed, schedule, watch=watch)
-        self.stages = (warmup, compressed, refresh)
-        self.every = every
-
-    def _stage_of(self, step: int) -> Stage:
-        if self.frozen_at is None:
-            return self.stages[0]
-        return self.stages[2 if (step - self.frozen_at) % self.every == 0 else 1]
-
-    def advance(self, step: int, buffers: Mapping[str, Tensor]) -> None:
-        super().advance(step, buffers)
-        self.current = self._stage_of(step + 1)
-
-    def refreshed_at(self, step: int) -> int | None:
-        """The freeze, or the last refresh at or before ``step``."""
-        if self.frozen_at is None:
-            return None
-        return self.frozen_at + (step - self.frozen_at) // self.every * self.every
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        super().load_state_dict(state)
-        self.current = self._stage_of(int(state["step"]) + 1)
 
 
 class StepStages:
