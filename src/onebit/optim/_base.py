@@ -82,7 +82,8 @@ class OnebitOptimizer(Optimizer):
     compression stage of 1-bit Adam and 1-bit LAMB, 0/1 Adam's after ``var_freeze_step``,
     Birder, QAdam, which exchange momentum or updates or take local steps -- each rank clips
     its own local gradient the same way, in place in ``p.grad`` as ``clip_grad_norm_`` would,
-    before it enters its moments (what DeepSpeed's engine did in that stage). Calling
+    before it enters its moments (DeepSpeed 0.19.6's engine clipped it there too, by the mean
+    of the ranks' norms, one coefficient for all). Calling
     ``clip_grad_norm_`` yourself before ``step()`` clips the *local* gradient of each rank
     (never the average, which does not exist yet), at every stage.
 
