@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 from typing import Any
@@ -72,8 +73,16 @@ def plot_convergence(results: list[dict[str, Any]], path: Path) -> Path:
     return path
 
 
+def _training_time(records: list[dict[str, Any]]) -> list[float]:
+    """Seconds of training up to each step: the steps' own times added up (what the tables print),
+    without the logging and evaluation between them; a run without step times, its wall clock."""
+    if any(r.get("step_time") is None for r in records):
+        return [r["time"] for r in records]
+    return list(itertools.accumulate(r["step_time"] for r in records))
+
+
 def plot_losses(runs: dict[str, list[dict[str, Any]]], path: Path, title: str = "") -> Path:
-    """Write ``path``: training loss against samples and against wall time (each run smoothed
+    """Write ``path``: training loss against samples and against training time (each run smoothed
     by :func:`ema` over its faint raw curve, the freeze step dotted), and the bytes each rank
     sent per step; raises ImportError naming the extra if matplotlib is missing."""
     plt = _pyplot()
@@ -82,8 +91,7 @@ def plot_losses(runs: dict[str, list[dict[str, Any]]], path: Path, title: str = 
         loss = [r["loss"] for r in records]
         smooth = ema(loss)
         freeze = next((i for i, r in enumerate(records) if r["stage"] == "compressed"), 0)
-        for ax, key in ((axes[0], "samples"), (axes[1], "time")):
-            x = [r[key] for r in records]
+        for ax, x in ((axes[0], [r["samples"] for r in records]), (axes[1], _training_time(records))):
             (line,) = ax.plot(x, smooth, lw=1.6, label=name)
             ax.plot(x, loss, lw=0.6, alpha=0.25, color=line.get_color())
             if freeze:  # the last warm-up step: where the compression stage starts
@@ -91,10 +99,11 @@ def plot_losses(runs: dict[str, list[dict[str, Any]]], path: Path, title: str = 
         axes[2].plot([r["step"] for r in records], [max(r["bytes_sent"], 1) for r in records],
                      lw=1.4, color=line.get_color(), label=name)
     axes[0].set_xlabel("samples")
-    axes[1].set_xlabel("wall time (s)")
+    axes[1].set_xlabel("training time (s): the steps' times added up, as the table prints them")
     axes[2].set_xlabel("step")
     for ax in axes[:2]:
-        ax.set_ylabel("training loss (smoothed over raw; dotted: freeze)")
+        ax.set_ylabel("training loss (line: smoothed; faint: each step)")
+        ax.set_title("dotted line: the last fp32 step (the freeze)", fontsize=9)
     axes[2].set_ylabel("bytes sent per rank per step")
     axes[2].set_yscale("log")
     finite = [v for records in runs.values() for v in ema([r["loss"] for r in records])[len(records) // 20:]
