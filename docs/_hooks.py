@@ -32,15 +32,24 @@ def _sections(parser: argparse.ArgumentParser, level: int) -> list[str]:
     return out
 
 
+# The columns a reader comes for, moved next to the first: a wide table (``onebit compare``'s has
+# 17 columns) then shows them on a laptop's page without scrolling.
+KEY_COLUMNS = ("vs DDP", "vs no-comm floor", "to baseline loss")
+
+
 def markdown_table(text: str) -> str:
     """A benchmark's ``table.txt`` (:func:`onebit.bench._analysis.text_table`'s columns under a
-    rule of dashes, and notes before and after) as a Markdown table, each note a paragraph."""
+    rule of dashes, and notes before and after) as a Markdown table, each note a paragraph, with
+    the :data:`KEY_COLUMNS` it has right after its first column."""
     lines, out, i = text.splitlines(), [], 0
     while i < len(lines):
         rule = lines[i + 1] if i + 1 < len(lines) else ""
         if lines[i].strip() and rule.strip() and set(rule) <= {"-", " "}:
             starts = [m.start() for m in re.finditer(r"-+", rule)]
-            bounds = list(zip(starts, [*starts[1:], None]))
+            spans = list(zip(starts, [*starts[1:], None]))
+            heads = [lines[i][a:b].strip() for a, b in spans]
+            key = [j for j in range(1, len(spans)) if heads[j] in KEY_COLUMNS]
+            bounds = [spans[j] for j in [0, *key, *(j for j in range(1, len(spans)) if j not in key)]]
 
             def cells(line: str) -> str:
                 return "| " + " | ".join(line[a:b].strip().replace("|", "\\|") for a, b in bounds) + " |"

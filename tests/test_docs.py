@@ -155,3 +155,10 @@ def test_a_benchmarks_text_table_becomes_a_markdown_table():
         "| adam | 609.2 | 1071.1 |", "| onebit_adam | 130.9 | - |",
         "1-bit Adam's step: 13.7 ms (8.72x)",
         "`onebit compare ...`; vm (2 cores), 2026-11-25."]
+    # a wide table's key columns come right after the first, in their order
+    wide = ("optimizer    gap    vs no-comm floor  vs DDP\n"
+            "-----------  -----  ----------------  ------\n"
+            "onebit_adam  +0.1%  1.43x             6.70x \n")
+    assert [line for line in hooks.markdown_table(wide).splitlines() if line] == [
+        "| optimizer | vs no-comm floor | vs DDP | gap |", "|---|---|---|---|",
+        "| onebit_adam | 1.43x | 6.70x | +0.1% |"]
