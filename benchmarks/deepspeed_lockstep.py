@@ -62,12 +62,21 @@ def _label(side: str) -> str:
     return "`from_deepspeed_config` as it maps the config" if side == "{}" else f"overrides `{side}`"
 
 
+def _gaps(pairs: list[tuple[dict, dict]]) -> tuple[list[float], str]:
+    """Per seed, a onebit side's held-out loss at the end against DeepSpeed's (%), and their mean with
+    its 95% interval and the worst seed, as table cells."""
+    from onebit.bench._analysis import mean_interval
+
+    gaps = [100 * (o["heldout"][-1][1] / d["heldout"][-1][1] - 1) for d, o in pairs]
+    mean, half = mean_interval(gaps)
+    worst = max(range(len(gaps)), key=gaps.__getitem__)
+    return gaps, f"{mean:+.1f}% ± {half:.1f} | {gaps[worst]:+.1f}% (seed {pairs[worst][1]['seed']})"
+
+
 def report(rows: list[dict]) -> str:
     """Runs from DeepSpeed's state at the freeze: each onebit side's held-out loss at the end against
     DeepSpeed's, paired over seeds, and its first compressed update's distance from DeepSpeed's. Runs
     with ``--skip-first-step``: how far each side's warm-up losses are from DeepSpeed's."""
-    from onebit.bench._analysis import mean_interval
-
     out = []
     for skip in (False, True):
         runs = [r for r in rows if r.get("skip_first_step", False) == skip]
@@ -88,24 +97,17 @@ def report(rows: list[dict]) -> str:
                 diffs = [[abs(a - b) for a, b in zip(d["losses"][:freeze], o["losses"][:freeze])]
                          for d, o in pairs[side]]
                 first = [next((i + 1 for i, x in enumerate(row) if x > 1e-4), None) for row in diffs]
-                gaps = [100 * (o["heldout"][-1][1] / d["heldout"][-1][1] - 1) for d, o in pairs[side]]
-                mean, half = mean_interval(gaps)
-                worst = max(range(len(gaps)), key=gaps.__getitem__)
                 out.append(f"| {_label(side)} | {max(max(row) for row in diffs):.2g} "
                            f"| {', '.join('none' if f is None else str(f) for f in first)} "
-                           f"| {mean:+.1f}% ± {half:.1f} | {gaps[worst]:+.1f}% (seed {pairs[side][worst][1]['seed']}) "
-                           f"| {len(diffs)} |")
+                           f"| {_gaps(pairs[side])[1]} | {len(diffs)} |")
         else:
             out += ["| onebit side, from DeepSpeed's state at the freeze | held-out loss at the end against "
                     "DeepSpeed's, mean ± 95% | worst seed | seeds | first compressed update's distance from "
                     "DeepSpeed's | per seed |", "|---|---|---|---|---|---|"]
             for side in sides:
-                gaps = [100 * (o["heldout"][-1][1] / d["heldout"][-1][1] - 1) for d, o in pairs[side]]
-                mean, half = mean_interval(gaps)
-                worst = max(range(len(gaps)), key=gaps.__getitem__)
+                gaps, cells = _gaps(pairs[side])
                 first = sum(o["trace"][0]["update"] for _, o in pairs[side]) / len(gaps)
-                out.append(f"| {_label(side)} | {mean:+.1f}% ± {half:.1f} | {gaps[worst]:+.1f}% "
-                           f"(seed {pairs[side][worst][1]['seed']}) | {len(gaps)} | {first:.3f} "
+                out.append(f"| {_label(side)} | {cells} | {len(gaps)} | {first:.3f} "
                            f"| {', '.join(f'{g:+.1f}' for g in gaps)} |")
         ds = [s["deepspeed"]["heldout"][-1][1] for s in by_seed.values() if "deepspeed" in s]
         first = runs[0]
