@@ -142,8 +142,8 @@ def run() -> None:
             if side.name == "adam":
                 variance_l1.append(sum(float(v.sum()) for v in side.v) / (1 - BETA2**t))
                 for n, m, v, vf in zip(names, side.m, side.v, side.v_frozen):
-                    ratio = (v / (1 - BETA2**t)).sqrt().add_(EPS)
-                    rms[n].append(float((m / (vf.sqrt() + EPS)).norm() / (m / ratio).norm().clamp_min(1e-30)))
+                    adams = (v / (1 - BETA2**t)).sqrt().add_(EPS)  # Adam's own denominator at step t
+                    rms[n].append(float((m / (vf.sqrt() + EPS)).norm() / (m / adams).norm().clamp_min(1e-30)))
         if (t - args.freeze_step) % args.every == 0 or t == args.steps:
             for side in sides:
                 losses[side.name].append((t, held_out_loss(task, side.model, held)))
