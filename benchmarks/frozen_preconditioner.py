@@ -92,11 +92,10 @@ class Side:
             g, m, v = p.grad, self.m[k], self.v[k]
             m.lerp_(g, 1 - BETA1)
             v.mul_(BETA2).addcmul_(g, g, value=1 - BETA2)  # Adam's variance, kept by every side
-            v_hat = v / (1 - BETA2**t)
             if self.exact[k]:
-                denominator = v_hat
+                denominator = v / (1 - BETA2**t)
             elif self.name == "per_tensor" and self.l1_frozen[k] > 0:
-                denominator = self.v_frozen[k] * (float(v_hat.sum()) / self.l1_frozen[k])
+                denominator = self.v_frozen[k] * (float((v / (1 - BETA2**t)).sum()) / self.l1_frozen[k])
             else:
                 denominator = self.v_frozen[k]
             update = m / (1 - BETA1**t) / (denominator.sqrt() + EPS)
@@ -205,19 +204,32 @@ def report(path: str) -> None:
 
 def criterion(l1: list[float], window: int = 100) -> str:
     """The automatic freeze's ratio ``||v_t||_1 / ||v_{t-D}||_1`` on Adam's bias-corrected variance
-    (``D = 0.1 / (1 - beta2)``, 100 steps) through the run, and the first step at which it would
-    have been inside ``[threshold, 1 / threshold]`` for a few thresholds (0.96: the default)."""
-    ratio = {t: l1[t - 1] / l1[t - 1 - window] for t in range(window + 1, len(l1) + 1)}
-    marks = [t for t in range(window + 1, len(l1) + 1) if t % 100 == 0 or t == window + 1]
+    (``D = 0.1 / (1 - beta2)``, 100 steps) through the run, and the step after which the library's own
+    rule (:class:`onebit.optim._freeze.FreezeSchedule`, fed the already bias-corrected norms) would have
+    frozen for a few thresholds (0.96: the default)."""
+    from onebit.optim._freeze import FreezeSchedule
+
+    def schedule(threshold: float) -> FreezeSchedule:
+        return FreezeSchedule("auto", threshold=threshold, window=window, min_step=0, max_step=None)
+
+    thresholds = (0.96, 0.93, 0.9, 0.85, 0.8)
+    schedules = [schedule(th) for th in thresholds]
+    fired: list[int | None] = [None] * len(thresholds)
+    ratio: dict[int, float] = {}
+    for t, value in enumerate(l1, start=1):
+        for k, sched in enumerate(schedules):
+            if sched.should_freeze(t, value) and fired[k] is None:
+                fired[k] = t
+        if schedules[0].ratio is not None:
+            ratio[t] = schedules[0].ratio
+    marks = [t for t in ratio if t % 100 == 0 or t == window + 1]
     lines = ["\nThe automatic freeze's criterion on Adam's variance, `||v_t||_1 / ||v_(t-100)||_1` (bias-corrected):\n",
              "| step | " + " | ".join(str(t) for t in marks) + " |", "|---|" + "---|" * len(marks),
              "| ratio | " + " | ".join(f"{ratio[t]:.3f}" for t in marks) + " |",
              "\n| threshold | first step inside `[threshold, 1 / threshold]` |", "|---|---|"]
-    for threshold in (0.96, 0.93, 0.9, 0.85, 0.8):
-        first = next((t for t, r in ratio.items() if threshold <= r <= 1 / threshold), None)
+    for threshold, first in zip(thresholds, fired):
         lines.append(f"| {threshold} | {first if first is not None else f'never (to step {len(l1)})'} |")
     return "\n".join(lines)
-
 
 if args.report:
     report(args.report)
