@@ -72,3 +72,19 @@ def test_diloco_torchrun_streamed():
     assert stats["step"] == 32 and stats["stage"] == "local" and stats["bytes_sent"] == 0
     assert 0 < stats["bytes_sent_total"] < 32 // 4 * 100_000
     assert math.isfinite(result["loss"]) and result["loss"] < math.log(256)
+
+
+def test_switching_pages_plain_script_exits_cleanly(tmp_path):
+    # The page's script as a user copies it: 1-bit Adam with its defaults, compressed from step 102
+    # on, then destroy_process_group() with the optimizer still referenced. A gloo worker that
+    # released its last collective during interpreter finalization aborted the process ("terminate
+    # called without an active exception") in most runs on a loaded 2-core machine.
+    page = (EXAMPLES.parent / "docs" / "switching.md").read_text()
+    script = tmp_path / "train.py"
+    script.write_text(page.split("## A plain script under torchrun")[1].split("```python\n")[1].split("```")[0])
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    for _ in range(3):
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        assert "'stage': 'compressed'" in proc.stdout and "'skipped_steps': 0" in proc.stdout

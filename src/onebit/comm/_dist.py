@@ -12,6 +12,8 @@ behaves as world size 1.
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
@@ -243,13 +245,23 @@ def to_timedelta(timeout: float | timedelta | None) -> timedelta:
     return timedelta(seconds=seconds)
 
 
-# The tensors of the last collectives, kept alive a little after they complete. A gloo worker
-# thread drops its own references to a collective's tensors just after it signals completion.
-# If Python's references are gone by then (a receive buffer decoded and dropped), that drop
-# frees the tensors' Python objects and needs the GIL: a deadlock when the main thread is
-# joining the workers in destroy_process_group, an abort at interpreter exit (the race of
-# pytorch#179291). Held a few collectives longer, the worker's drop is a plain decrement.
-_RETIRED: deque[tuple[Tensor, ...]] = deque(maxlen=8)
+# The last collectives, kept alive a little after they complete. A gloo worker thread drops its
+# own reference to a collective just after it signals completion. Were that the last one, the
+# worker would free the collective's tensors -- views it made, their bases, receive buffers
+# already decoded and dropped -- whose Python objects need the GIL: a deadlock when the main
+# thread is joining the workers in destroy_process_group, an abort at interpreter exit (the
+# race of pytorch#179291). Held here a few collectives longer, the worker's drop is a plain
+# decrement, and the main thread frees them.
+_RETIRED: deque[Any] = deque(maxlen=8)
+
+
+@atexit.register
+def _outlive_the_workers() -> None:
+    # A process group still referenced at exit (by an optimizer, a DDP model: destroy_process_group
+    # only unregisters it) keeps its gloo workers running into interpreter finalization, where
+    # one that has not yet dropped its last collective would become its last holder. The process
+    # is ending: the last collectives are left to the OS instead.
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(_RETIRED))
 
 
 class Pending:
@@ -270,7 +282,7 @@ class Pending:
         """The result (the same tensor on every call); the first call waits for it."""
         if self._work is not None:
             work, self._work = self._work, None
-            _RETIRED.append(self._tensors)
+            _RETIRED.append((work, self._tensors))
             try:
                 completed = work.wait(self._limit)
             except RuntimeError as exc:
