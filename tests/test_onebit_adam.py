@@ -145,6 +145,32 @@ def test_auto_freeze_criterion():
     assert onebit.optim.FreezeSchedule(7, threshold=0.96, window=2, min_step=0, max_step=None).ratio is None
 
 
+@pytest.mark.filterwarnings("ignore:OnebitAdam. variance frozen at step")  # the raw EMA frozen early, on purpose
+@pytest.mark.parametrize("cls", [onebit.OnebitAdam, onebit.OnebitLamb])
+def test_auto_freeze_thresholds_by_default(cls):
+    # g_t = 1/t, D = 2: the band is 0.85 on the bias-corrected variance, the paper's 0.96 on the raw EMA
+    def first_in_band(threshold, corrected):
+        v, seen = 0.0, []
+        for t in range(1, 200):
+            v = 0.999 * v + 0.001 / t**2
+            seen.append(v / (1 - 0.999**t) if corrected else v)
+            if t > 2 and threshold <= seen[-1] / seen[-3] <= 1 / threshold:
+                return t
+
+    def frozen_at(**kw):
+        p = torch.nn.Parameter(torch.zeros(1))
+        opt = cls([p], freeze_step="auto", freeze_window=2, **kw)
+        for t in range(1, 200):
+            p.grad = torch.full((1,), 1.0 / t)
+            opt.step()
+            if opt.stats["freeze_step"] is not None:
+                return opt.stats["freeze_step"]
+
+    assert frozen_at() == first_in_band(0.85, True) < first_in_band(0.96, True) == frozen_at(freeze_threshold=0.96)
+    if cls is onebit.OnebitAdam:
+        assert frozen_at(bias_correction=False) == first_in_band(0.96, False) > first_in_band(0.85, False)
+
+
 def test_stats_report_the_auto_criterion():
     # ||v_t||_1 / ||v_{t-D}||_1 of the bias-corrected variance, written plainly; D = 2
     beta2 = 0.999
@@ -179,6 +205,27 @@ def test_converges_like_adam():
     adam_loss = _mlp_loss(0, 2, "adam", steps)
     assert onebit_loss[0] == onebit_loss[1]
     assert onebit_loss[0] <= adam_loss * 1.05 + 1e-4, (onebit_loss, adam_loss)
+
+
+def _defaults_loss(rank, world, steps):
+    opt = {}
+
+    def make(params):
+        opt["opt"] = onebit.OnebitAdam(params, lr=3e-3)
+        return opt["opt"]
+
+    return teacher_student_loss(make, steps, 32, rank), opt["opt"].stats["freeze_step"]
+
+
+def test_converges_like_adam_with_only_a_learning_rate():
+    # the automatic freeze ends the warm-up within the run, and the loss keeps up with Adam's
+    steps = 1000
+    res = run_ranks(_defaults_loss, 2, steps)
+    adam_loss = _mlp_loss(0, 2, "adam", steps)
+    assert res[0] == res[1]
+    loss, frozen = res[0]
+    assert frozen is not None and frozen < steps, frozen
+    assert loss <= adam_loss * 1.05 + 1e-4, (loss, adam_loss)
 
 
 def test_param_groups_scheduler_missing_grads_and_low_precision():

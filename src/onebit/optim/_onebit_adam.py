@@ -166,7 +166,8 @@ class OnebitAdam(_AdamFamily):
         bias_correction: Adam's bias correction (see above).
         group: process group (``None``: default; no process group: world size 1), an
             :class:`onebit.comm.MPIGroup`, or a backend name (``"mpi"``: mpi4py's ``COMM_WORLD``).
-        freeze_threshold: the auto criterion's threshold on the variance's stability (0.96).
+        freeze_threshold: the auto criterion's band ``[threshold, 1 / threshold]`` (``None``: 0.85 on the
+            bias-corrected variance, the paper's 0.96 on the raw one, without bias correction).
         freeze_window: the auto criterion's window ``D`` (``None``: ``round(0.1 / (1 - beta2))``
             on the bias-corrected variance, 100 steps at 0.999; ``round(1 / (1 - beta2))`` on the
             raw one, without bias correction).
@@ -230,7 +231,7 @@ class OnebitAdam(_AdamFamily):
         bias_correction: bool = True,
         group: comm.Group = None,
         *,
-        freeze_threshold: float = 0.96,
+        freeze_threshold: float | None = None,
         freeze_window: int | None = None,
         min_freeze_step: int = 0,
         max_freeze_step: int | None = None,

@@ -291,7 +291,7 @@ class OnebitLamb(OnebitOptimizer):
         scaling_ratio: str = "norm",
         group: comm.Group = None,
         *,
-        freeze_threshold: float = 0.96,
+        freeze_threshold: float | None = None,
         freeze_window: int | None = None,
         min_freeze_step: int = 0,
         max_freeze_step: int | None = None,
