@@ -206,7 +206,7 @@ def criterion(l1: list[float], window: int = 100) -> str:
     """The automatic freeze's ratio ``||v_t||_1 / ||v_{t-D}||_1`` on Adam's bias-corrected variance
     (``D = 0.1 / (1 - beta2)``, 100 steps) through the run, and the step after which the library's own
     rule (:class:`onebit.optim._freeze.FreezeSchedule`, fed the already bias-corrected norms) would have
-    frozen for a few thresholds (0.96: the default)."""
+    frozen for a few thresholds (0.96: the default when it was written)."""
     from onebit.optim._freeze import FreezeSchedule
 
     def schedule(threshold: float) -> FreezeSchedule:

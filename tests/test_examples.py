@@ -78,10 +78,14 @@ def test_switching_pages_plain_script_exits_cleanly(tmp_path):
     # The page's script as a user copies it: 1-bit Adam with its defaults, compressed from step 102
     # on, then destroy_process_group() with the optimizer still referenced. A gloo worker that
     # released its last collective during interpreter finalization aborted the process ("terminate
-    # called without an active exception") in most runs on a loaded 2-core machine.
+    # called without an active exception") in most runs on a loaded 2-core machine (an idle one may
+    # pass without the fix: the race needs the worker to be slow to release).
     page = (EXAMPLES.parent / "docs" / "switching.md").read_text()
+    section = page.split("\n## A plain script under torchrun\n")[1].split("\n## ")[0]
+    blocks = section.split("```python\n")[1:]
+    assert len(blocks) == 1, "the section holds one Python script"
     script = tmp_path / "train.py"
-    script.write_text(page.split("## A plain script under torchrun")[1].split("```python\n")[1].split("```")[0])
+    script.write_text(blocks[0].split("```")[0])
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
     for _ in range(3):

@@ -148,7 +148,8 @@ def test_auto_freeze_criterion():
 @pytest.mark.filterwarnings("ignore:OnebitAdam. variance frozen at step")  # the raw EMA frozen early, on purpose
 @pytest.mark.parametrize("cls", [onebit.OnebitAdam, onebit.OnebitLamb])
 def test_auto_freeze_thresholds_by_default(cls):
-    # g_t = 1/t, D = 2: the band is 0.85 on the bias-corrected variance, the paper's 0.96 on the raw EMA
+    # g_t = 1/t, D = 2: 1-bit Adam's band is 0.85 on the bias-corrected variance, the paper's 0.96 on the
+    # raw EMA; 1-bit LAMB's 0.96 on the bias-corrected one
     def first_in_band(threshold, corrected):
         v, seen = 0.0, []
         for t in range(1, 200):
@@ -166,9 +167,13 @@ def test_auto_freeze_thresholds_by_default(cls):
             if opt.stats["freeze_step"] is not None:
                 return opt.stats["freeze_step"]
 
-    assert frozen_at() == first_in_band(0.85, True) < first_in_band(0.96, True) == frozen_at(freeze_threshold=0.96)
+    assert first_in_band(0.85, True) == frozen_at(freeze_threshold=0.85) < frozen_at(freeze_threshold=0.96)
+    assert frozen_at(freeze_threshold=0.96) == first_in_band(0.96, True)
     if cls is onebit.OnebitAdam:
+        assert frozen_at() == first_in_band(0.85, True)
         assert frozen_at(bias_correction=False) == first_in_band(0.96, False) > first_in_band(0.85, False)
+    else:
+        assert frozen_at() == first_in_band(0.96, True)
 
 
 def test_stats_report_the_auto_criterion():

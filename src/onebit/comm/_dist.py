@@ -80,11 +80,14 @@ class Transport(Protocol):
     ``onebit.comm.MPIGroup`` implements it over mpi4py; :class:`_TorchGroup` over
     ``torch.distributed``. The wrappers below add validation, timeouts and metering.
     ``concurrent``: collectives of two groups may be issued from two threads at once, each rank
-    issuing them at its own times (in the same order within each group).
+    issuing them at its own times (in the same order within each group). ``worker_threads``: a
+    collective's work is finished and released by the backend's own threads (gloo's, NCCL's
+    watchdog), which must never hold its last reference (see ``_HELD``).
     """
 
     backend: str
     concurrent: bool
+    worker_threads: bool
 
     def size(self) -> int: ...
     def rank(self) -> int: ...
@@ -103,6 +106,7 @@ class _TorchGroup:
     """The :class:`Transport` of a ``torch.distributed`` process group (``None``: the default)."""
 
     backend = "torch"
+    worker_threads = True
     __slots__ = ("group",)
 
     @property
@@ -245,44 +249,49 @@ def to_timedelta(timeout: float | timedelta | None) -> timedelta:
     return timedelta(seconds=seconds)
 
 
-# The last collectives, kept alive a little after they complete. A gloo worker thread drops its
-# own reference to a collective just after it signals completion. Were that the last one, the
-# worker would free the collective's tensors -- views it made, their bases, receive buffers
-# already decoded and dropped -- whose Python objects need the GIL: a deadlock when the main
-# thread is joining the workers in destroy_process_group, an abort at interpreter exit (the
-# race of pytorch#179291). Held here a few collectives longer, the worker's drop is a plain
-# decrement, and the main thread frees them.
-_RETIRED: deque[Any] = deque(maxlen=8)
+# The collectives of the backends with worker threads, from their launch until a few collectives
+# after they complete. A gloo worker drops its own reference to a collective just after it
+# signals completion (or fails it). Were that the last one, the worker would free the
+# collective's tensors -- views it made, their bases, receive buffers already decoded and
+# dropped -- whose Python objects need the GIL: a deadlock when the main thread is joining the
+# workers in destroy_process_group, an abort at interpreter exit (the race of pytorch#179291).
+# Held here, the worker's drop is a plain decrement and the main thread frees them. Held from
+# the launch too, so that one never waited for (an exchange abandoned by an error) is covered.
+_HELD: deque[Any] = deque(maxlen=16)
 
 
 @atexit.register
 def _outlive_the_workers() -> None:
     # A process group still referenced at exit (by an optimizer, a DDP model: destroy_process_group
-    # only unregisters it) keeps its gloo workers running into interpreter finalization, where
-    # one that has not yet dropped its last collective would become its last holder. The process
-    # is ending: the last collectives are left to the OS instead.
-    ctypes.pythonapi.Py_IncRef(ctypes.py_object(_RETIRED))
+    # only unregisters it) keeps its workers running into interpreter finalization, where one
+    # that has not yet dropped its last collective would become its last holder. The process is
+    # ending: the last collectives are left to the OS instead (CPython's own reference count).
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(_HELD))
 
 
 class Pending:
     """A collective in flight (``async_op=True``): :meth:`wait` blocks until it completes, or
     raises :class:`CollectiveError` after the timeout, and returns its result."""
 
-    __slots__ = ("_op", "_where", "_work", "_limit", "_result", "_then", "_start", "_tensors")
+    __slots__ = ("_op", "_where", "_work", "_limit", "_result", "_then", "_start", "_tensors", "_held")
 
     def __init__(self, where: str, work: _Work | None, limit: timedelta, result: Tensor,
                  then: Callable[[Tensor], Tensor] | None = None, inputs: tuple[Tensor, ...] = (),
-                 op: str = "") -> None:
+                 op: str = "", held: bool = False) -> None:
         self._where, self._work, self._limit, self._result, self._then = where, work, limit, result, then
         self._op = op
         self._tensors = (result, *inputs)
+        self._held = held and work is not None
+        if self._held:
+            _HELD.append((work, self._tensors))
         self._start = time.perf_counter()
 
     def wait(self) -> Tensor:
         """The result (the same tensor on every call); the first call waits for it."""
         if self._work is not None:
             work, self._work = self._work, None
-            _RETIRED.append((work, self._tensors))
+            if self._held:
+                _HELD.append((work, self._tensors))
             try:
                 completed = work.wait(self._limit)
             except RuntimeError as exc:
@@ -348,7 +357,7 @@ def _start(op: str, transport: Transport, timeout: float | timedelta | None, lau
         work = launch()
     except RuntimeError as exc:
         raise CollectiveError(f"{where} failed: {exc}") from exc
-    return Pending(where, work, limit, result, then, inputs, op)
+    return Pending(where, work, limit, result, then, inputs, op, transport.worker_threads)
 
 
 def _finish(result: Tensor | Pending, async_op: bool) -> Tensor | Pending:

@@ -127,6 +127,7 @@ class MPIGroup:
     """
 
     backend = "mpi"
+    worker_threads = False  # mpi4py's requests are waited on by the caller's thread
     __slots__ = ("comm",)
 
     def __init__(self, comm: Any = None) -> None:

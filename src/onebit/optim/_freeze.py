@@ -12,13 +12,15 @@ On the raw EMA the ratio can only approach 1 once the EMA has filled, thousands 
 frozen variance is bias-corrected (1-bit Adam's default), or its scale does not set the step
 (1-bit LAMB's trust ratios), the criterion reads the bias-corrected ``v_t / (1 - beta2^t)``
 instead, an estimate of ``E[g^2]`` from the first step on, over ``D = 0.1 / (1 - beta2)``
-steps (100 at 0.999), with the threshold 0.85: the estimate the compression stage will divide
-by has moved less than 15% over the last ``D`` steps. That estimate is an average since step 1
+steps (100 at 0.999). 1-bit Adam's threshold there is 0.85: the estimate the compression stage
+will divide by has moved less than 15% over the last ``D`` steps. That estimate is an average since step 1
 and goes on sinking slowly for the whole of a run at a constant learning rate (0.89 at step
 500 and 0.95 at 1,000 on the 12.9M GPT of the benchmarks), so 0.96 over 100 steps is never met
 on a practical run; 0.85 is met there between steps 395 and 460, where a freeze by hand ended
 ahead of never freezing, and not at step 204, where a freeze stalled
-(``benchmarks/results/frozen-preconditioner/REPORT.md``).
+(``benchmarks/results/frozen-preconditioner/REPORT.md``). 1-bit LAMB keeps 0.96: with 0.85 its
+compressed stage fell further behind LAMB on a large, sparsely used embedding
+(``benchmarks/results/convergence-auto-1000/``).
 
 The freeze is never before ``min_step`` (e.g. the learning-rate warm-up length) nor before
 ``D + 1`` steps of history exist, and at the latest at ``max_step``. ``v`` is computed from
@@ -45,7 +47,7 @@ __all__ = ["FreezeSchedule", "count_unused", "freeze_schedule", "mask_unused_", 
 _log = logging.getLogger("onebit.optim")
 
 _RAW_THRESHOLD = 0.96  # the paper's, over 1 / (1 - beta2) steps of the raw EMA
-_CORRECTED_THRESHOLD = 0.85  # over 0.1 / (1 - beta2) steps of the bias-corrected variance (module docstring)
+_CORRECTED_THRESHOLD = 0.85  # 1-bit Adam's, over 0.1 / (1 - beta2) steps of the bias-corrected variance
 
 
 class FreezeSchedule:
