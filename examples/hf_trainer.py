@@ -36,8 +36,9 @@ class Windows(torch.utils.data.Dataset):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--freeze-step", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--freeze-step", type=lambda s: s if s == "auto" else int(s), default="auto",
+                        help="last warm-up step, or 'auto' (the default: the optimizer decides, after step 100)")
     parser.add_argument("--out", default="runs/hf_trainer")
     args = parser.parse_args()
     torch.set_num_threads(1)

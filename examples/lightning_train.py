@@ -20,7 +20,7 @@ from _teardown import destroy_process_group
 
 
 class ByteModel(L.LightningModule):
-    def __init__(self, freeze_step: int) -> None:
+    def __init__(self, freeze_step: int | str) -> None:
         super().__init__()
         self.freeze_step = freeze_step
         self.ddp_hook: str | None = None
@@ -43,8 +43,9 @@ class ByteModel(L.LightningModule):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--freeze-step", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--freeze-step", type=lambda s: s if s == "auto" else int(s), default="auto",
+                        help="last warm-up step, or 'auto' (the default: the optimizer decides, after step 100)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
