@@ -1,4 +1,5 @@
-"""The examples' task: next-byte prediction on a file every Python install has, and its model."""
+"""The examples' task: next-byte prediction on a file every Python install has, its model, and
+the ``--freeze-step`` argument they share."""
 
 from __future__ import annotations
 
@@ -26,3 +27,8 @@ def byte_model() -> torch.nn.Module:
         torch.nn.Embedding(256, 16), torch.nn.Flatten(),
         torch.nn.Linear(16 * CONTEXT, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
     )
+
+
+def freeze_step(text: str) -> int | str:
+    """'auto' (the default: the optimizer decides, after step 100) or the last warm-up step."""
+    return text if text == "auto" else int(text)

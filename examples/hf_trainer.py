@@ -18,7 +18,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 import onebit
-from _bytes import byte_windows
+from _bytes import byte_windows, freeze_step
 from _teardown import destroy_process_group
 from onebit.integrations.transformers import AttachCallback
 
@@ -37,8 +37,7 @@ class Windows(torch.utils.data.Dataset):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--freeze-step", type=lambda s: s if s == "auto" else int(s), default="auto",
-                        help="last warm-up step, or 'auto' (the default: the optimizer decides, after step 100)")
+    parser.add_argument("--freeze-step", type=freeze_step, default="auto", help=freeze_step.__doc__)
     parser.add_argument("--out", default="runs/hf_trainer")
     args = parser.parse_args()
     torch.set_num_threads(1)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import onebit
-from _bytes import CONTEXT, byte_model, byte_windows
+from _bytes import CONTEXT, byte_model, byte_windows, freeze_step
 from _teardown import destroy_process_group
 
 
@@ -44,8 +44,7 @@ class ByteModel(L.LightningModule):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--freeze-step", type=lambda s: s if s == "auto" else int(s), default="auto",
-                        help="last warm-up step, or 'auto' (the default: the optimizer decides, after step 100)")
+    parser.add_argument("--freeze-step", type=freeze_step, default="auto", help=freeze_step.__doc__)
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -20,15 +20,14 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import onebit
-from _bytes import CONTEXT, byte_model, byte_windows
+from _bytes import CONTEXT, byte_model, byte_windows, freeze_step
 from _teardown import destroy_process_group
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--freeze-step", type=lambda s: s if s == "auto" else int(s), default="auto",
-                        help="last warm-up step, or 'auto' (the default: the optimizer decides, after step 100)")
+    parser.add_argument("--freeze-step", type=freeze_step, default="auto", help=freeze_step.__doc__)
     parser.add_argument("--batch-size", type=int, default=32, help="samples per rank per step")
     parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
