@@ -49,10 +49,11 @@ def main() -> None:
         opt.zero_grad()
         for k in range(args.accumulate):
             window = batch[k * micro : (k + 1) * micro]
-            # DDP: no_sync on all but the last micro-batch is what DDP users write; with the
-            # optimizer's hook installed DDP sends nothing either way.
+            # no_sync on all but the last micro-batch, as DDP users write: DDP's (with the
+            # optimizer's hook installed DDP sends nothing either way), or the optimizer's, which
+            # keeps the warm-up's all-reduce overlapped with the last backward.
             last = k == args.accumulate - 1
-            with net.no_sync() if args.ddp and not last else contextlib.nullcontext():
+            with (net if args.ddp else opt).no_sync() if not last else contextlib.nullcontext():
                 loss = F.cross_entropy(net(window[:, :CONTEXT]), window[:, CONTEXT]) / args.accumulate
                 loss.backward()
         opt.step()

@@ -28,9 +28,10 @@ def optimizer_class(name: str) -> type:
 
 
 def flag_bytes(world: int, tensors: int = 2) -> int:
-    """Bytes of the per-step agreement: a ring all-reduce of one fp32 non-finite flag plus one
-    has-a-gradient flag per parameter tensor (the test problem has two)."""
-    return 2 * (world - 1) * 4 * (1 + tensors) // world
+    """Bytes of the per-step agreement: a ring all-reduce of one fp32 non-finite flag, one
+    has-a-gradient flag per parameter tensor (the test problem has two) and one "the warm-up's
+    buckets sent during backward are stale here"."""
+    return 2 * (world - 1) * 4 * (2 + tensors) // world
 
 
 def data(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:

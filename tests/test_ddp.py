@@ -30,9 +30,10 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.Tanh(), torch.nn.Linear(512, 64))
 
 
-def _train(rank, name, kw, wrap, steps=6, accumulate=1, attach_late=False):
+def _train(rank, name, kw, wrap, steps=6, accumulate=1, attach_late=False, opt_no_sync=False):
     """``steps`` steps of ``name`` on rank-specific data; ``wrap``: DDP first (auto-attach at
-    construction), or ``attach_late``: optimizer first, DDP after, ``onebit.attach``."""
+    construction), or ``attach_late``: optimizer first, DDP after, ``onebit.attach``;
+    ``opt_no_sync``: unwrapped, all micro-batches but the last inside ``opt.no_sync()``."""
     model = _model()
     net = model
     if wrap and not attach_late:
@@ -48,7 +49,8 @@ def _train(rank, name, kw, wrap, steps=6, accumulate=1, attach_late=False):
         opt.zero_grad()
         for k in range(accumulate):
             last = k == accumulate - 1
-            with net.no_sync() if net is not model and not last else contextlib.nullcontext():
+            quiet = net.no_sync() if net is not model else opt.no_sync() if opt_no_sync else contextlib.nullcontext()
+            with quiet if not last else contextlib.nullcontext():
                 part = x[8 * k : 8 * (k + 1)]
                 (torch.nn.functional.mse_loss(net(part), part.flip(1)) / accumulate).backward()
         opt.step()
@@ -106,17 +108,21 @@ def test_wrapped_after_construction_without_attach_is_refused_untouched():
 
 
 def _accumulation(rank, world):
-    kw = dict(lr=0.01, freeze_step=2)
+    kw = dict(lr=0.01, freeze_step=3)
     once = _train(rank, "onebit_adam", kw, wrap=False, accumulate=1)
     plain = _train(rank, "onebit_adam", kw, wrap=False, accumulate=3)
+    quiet = _train(rank, "onebit_adam", kw, wrap=False, accumulate=3, opt_no_sync=True)
     ddp = _train(rank, "onebit_adam", kw, wrap=True, accumulate=3)
-    return once, plain, ddp
+    return once, plain, quiet, ddp, sum(p.numel() for p in _model().parameters())
 
 
 def test_accumulation_exchanges_once_per_step_with_and_without_ddp():
-    for once, plain, ddp in run_ranks(_accumulation, 2):
-        assert ddp["digest"] == plain["digest"]
-        assert plain["sent"] == once["sent"]  # three micro-batches, one exchange of the same size
+    for once, plain, quiet, ddp, numel in run_ranks(_accumulation, 2):
+        assert ddp["digest"] == plain["digest"] == quiet["digest"]
+        assert quiet["sent"] == ddp["sent"] == once["sent"]  # three micro-batches, one exchange of the same size
+        # Without no_sync() the first warm-up step's buckets left during the first backward and went
+        # stale: one more fp32 exchange (2 ranks: 4 bytes a value), then the warm-up stays in step().
+        assert plain["sent"][0] == once["sent"][0] + 4 * numel and plain["sent"][1:] == once["sent"][1:]
         assert plain["digest"] != once["digest"]  # it did see three times the data
 
 

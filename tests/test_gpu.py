@@ -22,6 +22,7 @@ import torch.distributed as dist
 import onebit
 from onebit import comm, ops
 from onebit.optim import REGISTRY
+from _harness import run_ranks
 from _problem import OPTIMIZERS, grads, initial_params, optimizer_class
 
 CHECK = Path(__file__).with_name("_triton_check.py")
@@ -188,3 +189,36 @@ def test_ddp_hooks_on_cuda_under_nccl(nccl_world_one, hook):
         losses.append(loss.item())
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert sum(losses[-5:]) < sum(losses[:5])
+
+
+def _warm_up_on_cuda(rank, world):
+    """The default (the warm-up's all-reduce during backward) beside overlap=False on CUDA
+    parameters, two gloo ranks sharing the one GPU (NCCL takes one rank per GPU)."""
+    torch.cuda.set_device(0)
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 64),
+                                          torch.nn.GELU(), torch.nn.Linear(64, 2)).cuda())
+    a, b = models
+    oa = onebit.OnebitAdam(a.parameters(), lr=1e-2, freeze_step=100, bucket_cap_mb=0.004)
+    ob = onebit.OnebitAdam(b.parameters(), lr=1e-2, freeze_step=100, overlap=False)
+    gen = torch.Generator(device="cuda").manual_seed(rank)
+    same, in_backward = [], []
+    for _ in range(4):
+        x = torch.randn(8, 16, device="cuda", generator=gen)
+        for model, opt in ((a, oa), (b, ob)):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+        same.append(all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters())))
+        in_backward.append(oa.stats["buckets_in_backward"])
+    return same, in_backward, len(oa._driver._warm), oa._driver.warmup_in_backward
+
+
+@pytest.mark.cuda
+@cuda
+def test_warm_up_in_backward_on_cuda_tensors():
+    for same, in_backward, buckets, warm in run_ranks(_warm_up_on_cuda, 2):
+        assert warm and buckets >= 3 and in_backward == [buckets] * 4
+        assert all(same), "the warm-up during backward differs from overlap=False on two ranks"

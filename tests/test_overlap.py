@@ -10,6 +10,7 @@ Adding an optimizer's overlap is one row of ``OPTIMIZERS``; each test runs every
 job of ranks (a job's start costs more than its steps).
 """
 
+import contextlib
 import math
 
 import pytest
@@ -18,6 +19,7 @@ from torch import nn
 
 from _harness import run_ranks
 from _oracle import chunks, pieces
+from _problem import flag_bytes
 from onebit.optim import Birder, CompAMS, OnebitAdam, OnebitAdamNaive, OnebitLamb
 from onebit.optim._driver import bucket_bounds
 
@@ -116,7 +118,7 @@ def _lockstep(rank, world, name, cap, steps, kw=None):
     """An overlapped and a one-shot optimizer on identical models and data, stepped in turn."""
     torch.set_num_threads(1)
     a, b = _model(), _model()
-    oa, ob = _opt(a, name, overlap=True, bucket_cap_mb=cap, **(kw or {})), _opt(b, name, **(kw or {}))
+    oa, ob = _opt(a, name, overlap=True, bucket_cap_mb=cap, **(kw or {})), _opt(b, name, overlap=False, **(kw or {}))
     out = {"same": [], "digest": [], "bytes": [], "in_backward": [], "buckets": len(oa._driver.bounds)}
     for step in range(1, steps + 1):
         x = _batch(rank, step)
@@ -163,7 +165,7 @@ def test_several_buckets_keep_replicas_identical_and_send_one_exchange_per_bucke
         # warm-up: the exact average on two ranks does not depend on the bucketing
         assert all(r0["same"][:warmup]), name
         assert all(n == r0["buckets"] for n in r0["in_backward"]), f"{name}: buckets not all launched in backward"
-        agreement = 2 * (world - 1) * 4 * (1 + 6) // world  # non-finite flag + one per parameter tensor
+        agreement = flag_bytes(world, 6)
         fp32 = sum(2 * (world - 1) * 4 * n // world for n in r0["bucket_sizes"])
         onebit = sum(_sign_wire_bytes(n, world, starts if per_tensor else None)
                      for n, starts in zip(r0["bucket_sizes"], r0["bucket_starts"]))
@@ -220,7 +222,7 @@ def test_a_bucket_completed_on_some_ranks_only_still_goes_in_order():
 def _accumulate(rank, world, steps, use_no_sync, name="onebit_adam"):
     torch.set_num_threads(1)
     a, b = _model(), _model()
-    oa, ob = _opt(a, name, overlap=True, bucket_cap_mb=0.004), _opt(b, name)
+    oa, ob = _opt(a, name, overlap=True, bucket_cap_mb=0.004), _opt(b, name, overlap=False)
     same = []
     for step in range(1, steps + 1):
         for model, opt in ((a, oa), (b, ob)):
@@ -331,6 +333,97 @@ def test_overlap_refuses_what_it_cannot_honour():
             assert needle in msg, (name, msg)
 
 
+# The default of the optimizers with an fp32 warm-up (overlap=None: "warmup" on several ranks): the
+# warm-up's exact mean leaves during backward in buckets, the compressed stage exchanges in step().
+WARM = ("onebit_adam", "onebit_lamb")
+
+
+def _warm(rank, world, name, case):
+    """The default (buckets of 0.004 MB) beside ``overlap=False``, stepped in turn from the warm-up into
+    the compressed stage, each training loop written as a user would for ``case``."""
+    torch.set_num_threads(1)
+    a, b = _model(), _model()
+    oa, ob = _opt(a, name, bucket_cap_mb=0.004), _opt(b, name, overlap=False)
+    scalers = {opt: torch.amp.GradScaler("cpu", init_scale=16.0) for opt in (oa, ob)} if case == "scaler" else {}
+    micro = 2 if case in ("accumulate", "no_sync") else 1
+    out = {"same": [], "close": [], "digest": [], "in_backward": [], "warm": [], "buckets": len(oa._driver._warm)}
+    for step in range(1, FREEZE + 4):
+        for model, opt in ((a, oa), (b, ob)):
+            opt.zero_grad()
+            for k in range(micro):
+                with opt.no_sync() if case == "no_sync" and k < micro - 1 else contextlib.nullcontext():
+                    loss = model(_batch(rank, step, k)).pow(2).mean()
+                    (scalers[opt].scale(loss) if scalers else loss).backward()
+            if case == "clip":  # each rank's own gradients, as the Clipping page says
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            if scalers:
+                scalers[opt].step(opt)
+                scalers[opt].update()
+            else:
+                opt.step()
+        out["same"].append(torch.equal(_flat(a), _flat(b)))
+        out["close"].append(torch.allclose(_flat(a), _flat(b), rtol=1e-5, atol=1e-6))
+        out["digest"].append(_digest(a))
+        out["in_backward"].append(oa.stats["buckets_in_backward"])
+        out["warm"].append(oa._driver.warmup_in_backward)
+    out["stage"] = oa.stats["stage"]
+    return out
+
+
+@pytest.mark.parametrize("case", ["plain", "no_sync", "accumulate", "clip", "scaler"])
+def test_the_warm_up_leaves_during_backward_by_default_with_overlap_false_bits(case):
+    # On two ranks an fp32 mean does not depend on the bucketing, and the compressed stage is the
+    # one-shot exchange in both: the default must give overlap=False's bits in every loop. Where the
+    # gradients changed after their bucket left (a second micro-batch outside no_sync(), a clip,
+    # GradScaler's unscale), the step exchanges them again in step(), and so do the steps after it.
+    for name, res in _for_each(2, _warm, case, names=WARM).items():
+        r0 = res[0]
+        assert r0["stage"] == "compressed" and r0["buckets"] >= 3, name
+        assert all(r["digest"] == r0["digest"] for r in res), f"{name}: replicas differ"
+        assert all(r0["same"]), f"{name}: differs from overlap=False at steps " \
+                                f"{[i + 1 for i, s in enumerate(r0['same']) if not s]}"
+        kept = case in ("plain", "no_sync")
+        assert r0["in_backward"] == ([r0["buckets"]] * FREEZE if kept else [r0["buckets"]] + [0] * (FREEZE - 1)) \
+            + [0] * 3, name
+        assert r0["warm"] == [kept] * len(r0["warm"]), name
+
+
+def test_the_warm_up_in_backward_keeps_replicas_identical_on_three_ranks():
+    for name, res in _for_each(3, _warm, "plain", names=WARM).items():
+        r0 = res[0]
+        assert all(r["digest"] == r0["digest"] for r in res), f"{name}: replicas differ"
+        assert all(r0["close"]) and r0["warm"][-1], name
+
+
+def _warm_ddp_and_resume(rank, world, name):
+    """A DDP-wrapped model (DDP writes each gradient again after backward) keeps the warm-up in step();
+    a checkpoint saved after the accumulation fallback resumes with it."""
+    torch.set_num_threads(1)
+    ddp = nn.parallel.DistributedDataParallel(_model())
+    wrapped = _opt(ddp.module, name)
+    model = _model()
+    opt = _opt(model, name)
+    for micro in range(2):
+        model(_batch(rank, 1, micro)).pow(2).mean().backward()
+    opt.step()
+    again = _opt(_model(), name)
+    again.load_state_dict(opt.state_dict())
+    return wrapped._driver.warmup_in_backward, opt._driver.warmup_in_backward, again._driver.warmup_in_backward, \
+        _opt(_model(), name)._driver.warmup_in_backward
+
+
+def test_the_warm_up_stays_in_step_under_ddp_and_after_a_fallback_resumed():
+    for name, res in _for_each(2, _warm_ddp_and_resume, names=WARM).items():
+        assert res[0] == (False, False, False, True), name
+
+
+def test_overlap_values():
+    with pytest.raises(ValueError, match="Invalid overlap value: 'backward'"):
+        OnebitAdam(_model().parameters(), overlap="backward")
+    # one rank: nothing to overlap
+    assert not OnebitLamb(_model().parameters())._driver.warmup_in_backward
+
+
 def _spans(total: int, bounds: list[int], block: int) -> list[int]:
     """The lengths of the buckets' spans of whole blocks (the oracle: a bucket starting at
     ``lo`` sends from the first multiple of ``block`` at or after it, up to where the bucket
@@ -360,7 +453,7 @@ def test_comp_ams_block_sign_overlapped_gives_the_one_shot_bits(world):
     for n in res["comp_ams_block_sign"][0]["bucket_sizes"]:
         lo -= n
         bounds.append(lo)
-    agreement = 2 * (world - 1) * 4 * (1 + 6) // world
+    agreement = flag_bytes(world, 6)
     for name, (_, block) in GATHERED.items():
         buckets = res[name][0]["bucket_sizes"]
         if block is None:

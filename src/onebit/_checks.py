@@ -19,6 +19,7 @@ __all__ = [
     "check_bool",
     "check_nonneg",
     "check_optional_positive",
+    "check_overlap",
     "check_positive",
     "check_positive_int",
     "check_scales",
@@ -75,6 +76,14 @@ def check_bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"Invalid {name} value: {value!r} (expected a bool)")
     return value
+
+
+def check_overlap(value: object) -> bool | str | None:
+    """``overlap`` of the optimizers with an fp32 warm-up: ``None`` (the default), ``"warmup"``, ``True``
+    or ``False``."""
+    if value is None or isinstance(value, bool) or (isinstance(value, str) and value == "warmup"):
+        return value
+    raise ValueError(f"Invalid overlap value: {value!r} (expected None, 'warmup', True or False)")
 
 
 def check_optional_positive(name: str, value: object) -> float | None:

@@ -171,9 +171,9 @@ def _registry_optimizer(name: str, params, cfg, exchange: dict[str, Any]) -> tor
     kw: dict[str, Any] = {"lr": cfg.lr, "group": exchange["group"]}
     if spec.hierarchical:
         kw.update(exchange)
-    if spec.overlap:
-        kw["overlap"] = overlap
-        if overlap and cfg.bucket_cap_mb is not None:
+    if overlap:  # the others keep the optimizer's default (1-bit Adam's and LAMB's: the warm-up during backward)
+        kw["overlap"] = True
+        if cfg.bucket_cap_mb is not None:
             kw["bucket_cap_mb"] = cfg.bucket_cap_mb
     if spec.freeze is not None:
         kw.update(spec.freeze(cfg.freeze_step))

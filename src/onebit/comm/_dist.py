@@ -440,24 +440,29 @@ def duplicate(group: Group, timeout: timedelta) -> Any:
 
 
 def all_reduce_mean(tensor: Tensor, group: Group = None, timeout: float | timedelta | None = None,
-                    link: str = "flat", async_op: bool = False) -> Tensor | Pending:
+                    link: str = "flat", async_op: bool = False, divide_first: bool = False) -> Tensor | Pending:
     """In-place average over the group (sum, then divide by world size); ``async_op``: a
-    :class:`Pending` whose ``wait()`` divides and returns ``tensor``."""
+    :class:`Pending` whose ``wait()`` divides and returns ``tensor``. ``divide_first``: divide,
+    then sum (DDP's order), so that the division runs at the launch -- during backward, for an
+    exchange started there -- rather than where the result is awaited; the same bits where the
+    world size is a power of two."""
     t = _transport(group)
     world = t.size()
     if world == 1:
         return _finish(tensor, async_op)
+    if divide_first:
+        tensor.div_(world)
     pending = _start("all_reduce", t, timeout, lambda: t.all_reduce(tensor, "sum"), tensor,
-                     lambda summed: summed.div_(world))
+                     None if divide_first else lambda summed: summed.div_(world))
     record("all_reduce", 2 * (world - 1) * tensor.numel() * tensor.element_size() // world, link)
     return _finish(pending, async_op)
 
 
-def all_reduce_mean_stages(tensor: Tensor, group: Group = None,
-                           timeout: float | timedelta | None = None) -> Stages:
+def all_reduce_mean_stages(tensor: Tensor, group: Group = None, timeout: float | timedelta | None = None,
+                           divide_first: bool = False) -> Stages:
     """:func:`all_reduce_mean` of ``tensor`` in place, as stages (see :func:`run_stages`): the
     first ``next()`` starts it and yields its :class:`Pending`; the result is ``tensor``."""
-    inflight = all_reduce_mean(tensor, group, timeout, async_op=True)
+    inflight = all_reduce_mean(tensor, group, timeout, async_op=True, divide_first=divide_first)
     yield inflight
     return inflight.wait()
 

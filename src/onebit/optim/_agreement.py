@@ -19,12 +19,14 @@ __all__ = ["check_replicas", "start_agreement"]
 _log = logging.getLogger("onebit.optim")
 
 
-def start_agreement(opt: OnebitOptimizer, *, everywhere: bool = True) -> Callable[[], tuple[bool, list[bool]]]:
+def start_agreement(opt: OnebitOptimizer, *, everywhere: bool = True,
+                    stale: bool = False) -> Callable[[], tuple[bool, list[bool], bool]]:
     """Unscale (GradScaler), then launch one tiny all-reduce(max) of "some gradient here is not
-    finite" and of "parameter i has a gradient here" (``opt._present()``; :func:`onebit.comm.nonfinite`,
-    :func:`onebit.comm.agree`: the skipped step's one mechanism, the DDP hooks' too); returns what
-    waits for it and says whether every rank skips the step and which parameters have a gradient
-    on some rank -- the collectives issued in between leave behind it. Raises
+    finite", of "parameter i has a gradient here" (``opt._present()``; :func:`onebit.comm.nonfinite`,
+    :func:`onebit.comm.agree`: the skipped step's one mechanism, the DDP hooks' too) and of
+    ``stale`` (the warm-up's buckets sent during backward are stale here); returns what
+    waits for it and says whether every rank skips the step, which parameters have a gradient
+    on some rank and whether some rank was stale -- the collectives issued in between leave behind it. Raises
     ``FloatingPointError`` instead of skipping with ``on_nonfinite="raise"``. ``everywhere=False``
     (a step that sends nothing): only the ranks sharing FSDP2 shards agree, inside their node, and
     without shards each rank decides alone, with no collective."""
@@ -35,14 +37,17 @@ def start_agreement(opt: OnebitOptimizer, *, everywhere: bool = True) -> Callabl
     scale = getattr(opt, "grad_scale", None)
     if scale is not None and grads:
         torch._foreach_mul_(grads, scale.double().reciprocal().float().to(grads[0].device))
-    # flag[0]: some gradient here is not finite; flag[1 + i]: parameter i has a gradient here.
-    flag = torch.zeros(1 + len(params), dtype=torch.float32, device=opt.flat.device)
+    # flag[0]: some gradient here is not finite; flag[1 + i]: parameter i has a gradient here; the
+    # last: this rank's warm-up buckets are stale.
+    flag = torch.zeros(2 + len(params), dtype=torch.float32, device=opt.flat.device)
     flag[0] = comm.nonfinite(grads, opt.flat.device)
     present = opt._present()
     if all(present):
-        flag[1:] = 1.0  # the common case, without a host-to-device copy
+        flag[1:-1] = 1.0  # the common case, without a host-to-device copy
     else:
-        flag[1:] = torch.tensor(present, dtype=torch.float32)
+        flag[1:-1] = torch.tensor(present, dtype=torch.float32)
+    if stale:
+        flag[-1] = 1.0
     found_inf = getattr(opt, "found_inf", None)
     if found_inf is not None:
         flag[0] = torch.maximum(flag[0], found_inf.reshape(()).to(flag))
@@ -50,11 +55,11 @@ def start_agreement(opt: OnebitOptimizer, *, everywhere: bool = True) -> Callabl
     group = opt._shards.agreement_group if everywhere else opt._shards.shard_group
     pending = comm.agree(flag, group, opt.timeout, async_op=True) if everywhere or group is not None else None
 
-    def result() -> tuple[bool, list[bool]]:
+    def result() -> tuple[bool, list[bool], bool]:
         values = flag.tolist() if pending is None else pending.wait().tolist()
-        active = [v > 0 for v in values[1:]]
+        active, stale_anywhere = [v > 0 for v in values[1:-1]], values[-1] > 0
         if not values[0]:
-            return False, active
+            return False, active, stale_anywhere
         step = opt._step_count + 1
         if opt.on_nonfinite == "raise":
             local = [i for i, p in enumerate(params) if p.grad is not None and not torch.isfinite(p.grad).all()]
@@ -63,7 +68,7 @@ def start_agreement(opt: OnebitOptimizer, *, everywhere: bool = True) -> Callabl
             raise FloatingPointError(f"non-finite gradient at step {step}: {where}")
         where = "every rank" if everywhere else f"rank {opt.rank}"
         _log.warning("step %d skipped on %s: non-finite gradient", step, where)
-        return True, active
+        return True, active, stale_anywhere
 
     return result
 

@@ -170,7 +170,7 @@ class OnebitOptimizer(Optimizer):
         self._driver: Driver | None = None
         self._grad: Tensor | None = None  # the averaged gradients, in a stage that averages them
         self._lay_out(self._stages.current)
-        check_ddp(self, construction=True)
+        self._ddp_wrapped = check_ddp(self, construction=True)
 
     def _check_shardable(self) -> None:
         """Refuse, on FSDP2-sharded parameters, what needs whole parameters or their hooks."""
@@ -179,7 +179,7 @@ class OnebitOptimizer(Optimizer):
                              "(the norm spans every shard); call torch.nn.utils.clip_grad_norm_(model.parameters(), "
                              "max_norm) before step() instead")
 
-    def _drive(self, collective: Callable[[int, int], Any] | None, *, overlap: bool = False,
+    def _drive(self, collective: Callable[[int, int], Any] | None, *, overlap: bool | str | None = False,
                bucket_cap_mb: float = 25.0, alignment: int = 1, key: str = "allreduce",
                fragments: list[tuple[int, int, list[int]]] | None = None, delayed_group: comm.Group = None) -> None:
         """Start the exchange driver (the end of a subclass's constructor): ``collective(start,
@@ -188,12 +188,16 @@ class OnebitOptimizer(Optimizer):
         where the optimizer's wires name the ones they send; ``delayed_group``: the group of the
         exchanges that stay in flight across steps. With ``overlap``, ``max_grad_norm`` is refused
         where a stage forms what it sends: the local clip needs every gradient before the first
-        bucket leaves."""
+        bucket leaves. ``overlap="warmup"``: only the exact exchange leaves during backward; ``None``
+        (the default of the optimizers with an fp32 warm-up) is ``"warmup"`` where that can help --
+        several ranks, parameters that are not FSDP2 shards -- and ``False`` elsewhere."""
+        if overlap is None:
+            overlap = "warmup" if self.world_size > 1 and not self._shards.sharded else False
         if overlap and self._shards.sharded:
-            raise ValueError("Invalid overlap value with FSDP2-sharded parameters: True (FSDP overlaps its "
+            raise ValueError(f"Invalid overlap value with FSDP2-sharded parameters: {overlap!r} (FSDP overlaps its "
                              "reduce-scatter with backward itself; the exchange between replicas runs in step()); "
                              "use overlap=False")
-        if overlap and self.max_grad_norm is not None and any(s.wire.formed for s in self._stages.stages):
+        if overlap is True and self.max_grad_norm is not None and any(s.wire.formed for s in self._stages.stages):
             raise ValueError(f"Invalid max_grad_norm value with overlap=True: {self.max_grad_norm!r} (the "
                              f"{type(self).__name__} step clips each rank's gradient over all parameters, which the "
                              "first bucket's exchange cannot wait for); use overlap=False to clip")
@@ -201,6 +205,8 @@ class OnebitOptimizer(Optimizer):
                               bucket_cap_mb=bucket_cap_mb, alignment=alignment, key=key, owner=type(self).__name__,
                               fragments=fragments, delayed_group=delayed_group)
         self._plan_next()
+        if self._ddp_wrapped:
+            self._stop_warmup_in_backward_for_ddp()
 
     def _allreduce(self, compressor: Any, *, hierarchical: bool | str, ranks_per_node: int | None, overlap: bool,
                    scales: str = "chunk", group: comm.Group = None) -> Callable[[int, int], Any]:
@@ -388,7 +394,15 @@ class OnebitOptimizer(Optimizer):
     def attach_ddp(self, model: DistributedDataParallel | None = None) -> list[DistributedDataParallel]:
         """Switch off DDP's all-reduce on ``model`` (default: every DDP module holding these
         parameters) with :func:`onebit.optim.local_gradient_hook`; see :func:`onebit.optim.attach`."""
-        return attach_ddp(self, model)
+        found = attach_ddp(self, model)
+        if found and self._driver is not None:
+            self._stop_warmup_in_backward_for_ddp()
+        return found
+
+    def _stop_warmup_in_backward_for_ddp(self) -> None:
+        # DDP writes every gradient again at the end of backward, after the warm-up's buckets have
+        # left with it: each step would find them stale and exchange again in step().
+        self._driver.stop_warmup_in_backward("a DistributedDataParallel model holds the parameters")
 
     def _link_state(self) -> None:
         """Point ``self.state[p][name]`` at the flat buffers' views (for inspection)."""
@@ -433,8 +447,10 @@ class OnebitOptimizer(Optimizer):
         ``variance_ratio`` (with ``freeze_step="auto"``, the criterion's last
         ``||v_t||_1 / ||v_{t-D}||_1``: the warm-up ends once it is within ``freeze_threshold``
         of 1; None before ``D`` steps or without the criterion) and ``skipped_steps``; with
-        ``overlap=True`` also ``overlap``, the fraction of the last step's exchange that ran
-        alongside backward, and ``buckets_in_backward``, the buckets launched there."""
+        ``overlap=True``, and with the warm-up's exchange during backward (the default of 1-bit
+        Adam and 1-bit LAMB; 0 in their compression stage), also ``overlap``, the fraction of the
+        last step's exchange that ran alongside backward, and ``buckets_in_backward``, the
+        buckets launched there."""
         return {
             "step": self._step_count,
             "stage": self._last_stage or self._stages.current.wire.stage,
@@ -492,13 +508,13 @@ class OnebitOptimizer(Optimizer):
                                        or getattr(self, "found_inf", None) is not None)
                 wire = self._stages.current.wire
                 with comm.span("agree", "step"):  # 2
-                    agreement = start_agreement(self, everywhere=wire.agreed)
+                    agreement = start_agreement(self, everywhere=wire.agreed, stale=self._driver.stale)
                     # The last bucket's all-gather leaves behind the agreement: on a busy link the
                     # agreement then waits for the bytes before it only, and the buckets before the
                     # last can be applied while that all-gather is on the wire.
                     with comm.span("gather", "step"):
                         self._driver.gather()
-                    nonfinite, self._active = agreement()
+                    nonfinite, self._active, stale = agreement()
                 if nonfinite and wire.agreed:
                     self._skipped += 1
                     self._driver.abandon()
@@ -515,10 +531,10 @@ class OnebitOptimizer(Optimizer):
                                 self._apply(LOCAL, None)
                         if self._by_bucket(wire):  # 4 and 5, each bucket applied as it lands
                             with comm.span("exchange", "step"):
-                                self._driver.run(self._active, landed=self._apply_landed(wire))
+                                self._driver.run(self._active, landed=self._apply_landed(wire), stale=stale)
                         else:
                             with comm.span("exchange", "step"):  # 4
-                                average = self._driver.run(self._active) if wire.exchanged else None
+                                average = self._driver.run(self._active, stale=stale) if wire.exchanged else None
                                 if average is not None and not wire.formed:
                                     self._clip_grad_(average)
                             with comm.span("apply", "step"):  # 5
@@ -556,9 +572,10 @@ class OnebitOptimizer(Optimizer):
         self._driver.wait()
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
-        """Gradient accumulation with ``overlap=True``: backward passes inside the block only
-        accumulate; the next one outside it starts the exchange (as ``DistributedDataParallel.no_sync``).
-        Without overlap the exchange happens in ``step()`` anyway, and the block changes nothing."""
+        """Gradient accumulation with an exchange during backward (``overlap=True``, or the warm-up's
+        by default): backward passes inside the block only accumulate; the next one outside it
+        starts the exchange (as ``DistributedDataParallel.no_sync``). Where the exchange happens in
+        ``step()`` anyway, the block changes nothing."""
         return self._driver.no_sync()
 
     @torch.no_grad()

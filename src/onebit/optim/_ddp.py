@@ -88,19 +88,21 @@ def attach_ddp(opt, model: Optional[DistributedDataParallel] = None) -> list[Dis
     return found
 
 
-def check_ddp(opt, construction: bool) -> None:
+def check_ddp(opt, construction: bool) -> bool:
     """A DDP module holding ``opt``'s parameters gets :func:`local_gradient_hook` at construction
     (DDP's fp32 all-reduce would otherwise run before the optimizer's exchange, and nothing
     would be saved); one found at the first step without it raises, because DDP takes a hook
-    only before its first backward, which has run by then."""
+    only before its first backward, which has run by then. Returns whether one was found at
+    construction."""
     if opt.world_size == 1:
-        return
+        return False
     name = type(opt).__name__
     if construction:
         if attach_ddp(opt):
             _log.info("%s: DDP's gradient all-reduce switched off (local_gradient_hook); the optimizer "
                       "exchanges in step()", name)
-        return
+            return True
+        return False
     if not all(has_local_gradient_hook(ddp) for ddp in ddp_modules_holding(opt.flat.params)):
         raise ValueError(
             f"the parameters of {name} belong to a DistributedDataParallel model wrapped after "
@@ -109,6 +111,7 @@ def check_ddp(opt, construction: bool) -> None:
             "and before the first backward (Accelerate: after accelerator.prepare; HF Trainer: "
             "callbacks=[onebit.integrations.transformers.AttachCallback()]), or build the optimizer after wrapping"
         )
+    return False
 
 
 def attach(optimizer: object, model: Optional[DistributedDataParallel] = None) -> list[DistributedDataParallel]:

@@ -64,11 +64,13 @@ __all__ = ["COMPRESSED_FORMED", "COMPRESSED_GRADIENT", "Buckets", "Driver", "EXA
 _log = logging.getLogger("onebit.optim")
 
 
-def bucket_bounds(offsets: Sequence[tuple[int, int]], cap: int,
-                  vectors: Sequence[bool] | None = None) -> list[tuple[int, int, list[int]]]:
+def bucket_bounds(offsets: Sequence[tuple[int, int]], cap: int, vectors: Sequence[bool] | None = None,
+                  first: int | None = None) -> list[tuple[int, int, list[int]]]:
     """``(lo, hi, parameter indices)`` of each bucket, last parameters first; a bucket is closed
-    before a parameter that would take it past ``cap`` values (a larger parameter is a bucket of
-    its own), so the first bucket -- the last layers -- leaves as early as possible.
+    before a parameter that would take it past ``cap`` values (``first``, if given, for the first
+    bucket: DDP's 1 MB, so that the link starts with backward's first gradients; a larger
+    parameter is a bucket of its own), so the first bucket -- the last layers -- leaves as early
+    as possible.
 
     ``vectors[i]``: parameter ``i`` is 1-D. The 1-D parameters registered right after the one
     that opens a new bucket move into it with it: a layer registers its weight and then its
@@ -78,7 +80,7 @@ def bucket_bounds(offsets: Sequence[tuple[int, int]], cap: int,
     groups: list[list[int]] = []
     members: list[int] = []
     for i in reversed(range(len(offsets))):
-        if members and offsets[members[0]][1] - offsets[i][0] > cap:
+        if members and offsets[members[0]][1] - offsets[i][0] > (cap if groups or first is None else min(cap, first)):
             keep = len(members)
             while keep and vectors[members[keep - 1]]:
                 keep -= 1
@@ -89,6 +91,10 @@ def bucket_bounds(offsets: Sequence[tuple[int, int]], cap: int,
     if members:
         groups.append(members)
     return [(offsets[m[-1]][0], offsets[m[0]][1], m[::-1]) for m in groups]
+
+
+# DDP's first bucket (torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES, 1 MB), in fp32 values.
+_FIRST_BUCKET = (1 << 20) // 4
 
 
 def _bucket_cap(bucket_cap_mb: object) -> int:
@@ -110,10 +116,14 @@ class Buckets:
     """
 
     def __init__(self, params: Sequence[Tensor], bounds: list[tuple[int, int, list[int]]],
-                 launch: Callable[[int], None]) -> None:
+                 launch: Callable[[int], None], *, strict: bool = True) -> None:
         self.bounds = bounds
         self._launch = launch
         self._params = params
+        # strict (overlap=True): a second gradient before step() raises. Otherwise (the warm-up's
+        # exchange, by default) it makes what left during backward stale: see stale().
+        self._strict = strict
+        self.active = True  # False: the hooks do nothing (a stage exchanged in step() alone)
         self._bucket_of = [0] * len(params)
         for b, (_, _, members) in enumerate(self.bounds):
             for i in members:
@@ -138,6 +148,8 @@ class Buckets:
         self._next = 0
         self._first_launch: float | None = None
         self._backward_end: float | None = None
+        self._sent: list[tuple[Tensor | None, int]] = []  # each gradient read by a launch in backward
+        self._second = False  # a parameter received a second gradient before step()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -149,9 +161,12 @@ class Buckets:
             self._paused = previous
 
     def _on_grad(self, param: Tensor) -> None:
-        if self._paused:
+        if self._paused or not self.active or self._second:
             return
         i = self._index[id(param)]
+        if self._seen[i] and not self._strict:
+            self._second = True  # accumulation outside no_sync(): step() exchanges the whole sum again
+            return
         if self._seen[i]:
             raise RuntimeError(
                 f"parameter {i} (shape {tuple(param.shape)}) received a second gradient before step(): with "
@@ -164,10 +179,23 @@ class Buckets:
         if not self._waiting[b]:
             comm.instant("ready", "backward", bucket=b)
         while self._next < len(self.bounds) and self._waiting[self._next] <= 0:
+            if not self._strict:
+                for j in self.bounds[self._next][2]:
+                    g = self._params[j].grad
+                    self._sent.append((g, -1 if g is None else g._version))
             with comm.measure() as meter:  # outside step(), whose meter counts the rest
                 self._start(self._next)
             self.bytes_sent += meter.bytes_sent
             self._in_backward += 1
+
+    def stale(self) -> bool:
+        """Whether what left during backward is no longer this rank's gradients (``strict=False``):
+        a parameter received a second gradient before ``step()`` (accumulation outside
+        :meth:`no_sync`), or a gradient sent was changed in place or replaced since (GradScaler's
+        unscale, a clip, ``p.grad = ...``): its tensor's version counter tells."""
+        params = [self._params[j] for b in range(self._in_backward) for j in self.bounds[b][2]]
+        return self._second or any(p.grad is not g or (g is not None and g._version != v)
+                                   for p, (g, v) in zip(params, self._sent))
 
     def _start(self, b: int) -> None:
         if self._first_launch is None:
@@ -178,6 +206,8 @@ class Buckets:
 
     def flush(self) -> None:
         """Launch, in order, every bucket backward did not (the start of ``step()``)."""
+        if not self.active:
+            return
         self._backward_end = time.perf_counter()
         while self._next < len(self.bounds):
             self._start(self._next)
@@ -188,6 +218,8 @@ class Buckets:
         if self._first_launch is not None and self._backward_end is not None:
             total = time.perf_counter() - self._first_launch
             self.overlap = max(0.0, self._backward_end - self._first_launch) / total if total > 0 else 0.0
+        elif not self.active:
+            self.overlap = 0.0
         sent, self.bytes_sent = self.bytes_sent, 0
         self.launched_in_backward, self._in_backward = self._in_backward, 0
         self._reset()
@@ -332,7 +364,7 @@ class Driver:
     """
 
     def __init__(self, flat: FlatState, group: comm.Group, timeout: timedelta,
-                 collective: Callable[[int, int], Any] | None, *, overlap: bool, bucket_cap_mb: float,
+                 collective: Callable[[int, int], Any] | None, *, overlap: bool | str, bucket_cap_mb: float,
                  alignment: int = 1, key: str = "allreduce", owner: str = "",
                  fragments: list[tuple[int, int, list[int]]] | None = None,
                  delayed_group: comm.Group = None) -> None:
@@ -344,7 +376,7 @@ class Driver:
             self.spans = [(lo, hi) for lo, hi, _ in fragments]
         else:
             self.bounds = bucket_bounds(flat.offsets, _bucket_cap(bucket_cap_mb), [p.dim() == 1 for p in flat.params]) \
-                if overlap else [(0, flat.numel, list(range(len(flat.params))))]
+                if overlap is True else [(0, flat.numel, list(range(len(flat.params))))]
             # A span ends where the span of the bucket launched before it (the parameters after it)
             # starts -- at the model's end for the first bucket.
             starts = [min(flat.numel, -(-lo // alignment) * alignment) for lo, _, _ in self.bounds]
@@ -356,8 +388,20 @@ class Driver:
         for c in self.collectives:
             if c is not None:
                 c.warm_up(flat.device)  # kernels loaded now, not at the first compressed step
-        if overlap:
+        if overlap is True:
             self.buckets = Buckets(flat.params, self.bounds, self._launch_in_backward)
+        # overlap="warmup": the exact exchange (the warm-up's fp32 mean of the gradients) leaves during
+        # backward in buckets of its own, as DDP's all-reduce does; a compressed stage keeps the
+        # one-shot exchange in step(), and with it its bits and what it allows (a clip of each rank's
+        # gradients, GradScaler, accumulation without no_sync()).
+        self._warm: list[tuple[int, int, list[int]]] | None = None
+        self._warm_flights: list[_Flight] = []
+        self._stale = False  # this step's warm-up buckets sent in backward are stale on this rank
+        self._warm_off = False  # a step found them stale: the warm-up exchanges in step() from then on
+        if overlap == "warmup":
+            self._warm = bucket_bounds(flat.offsets, _bucket_cap(bucket_cap_mb), [p.dim() == 1 for p in flat.params],
+                                       first=_FIRST_BUCKET)
+            self.buckets = Buckets(flat.params, self._warm, self._launch_warm, strict=False)
         self._plan: Plan | None = None
         self._flights: list[_Flight | None] = [None] * len(self.bounds)  # None: nothing sent
         self._compressed_in_flight = False
@@ -378,6 +422,28 @@ class Driver:
     def plan(self, plan: Plan) -> None:
         """What the next step sends (before its backward: its buckets may leave during it)."""
         self._plan = plan
+        if self._warm is not None:
+            self.buckets.active = self.warmup_in_backward and plan.wire.exact and not plan.wire.delay
+
+    @property
+    def warmup_in_backward(self) -> bool:
+        """Whether the exact exchange leaves during backward (``overlap="warmup"``, until a step
+        found it stale on some rank: then it runs in ``step()`` from there on)."""
+        return self._warm is not None and not self._warm_off
+
+    def stop_warmup_in_backward(self, why: str) -> None:
+        """The exact exchange runs in ``step()`` from the next step on (``why``: logged)."""
+        if self.warmup_in_backward:
+            self._warm_off = True
+            self.buckets.active = False
+            _log.info("%s: the warm-up's fp32 exchange runs in step() from now on, not during backward (%s)",
+                      self.owner, why)
+
+    @property
+    def stale(self) -> bool:
+        """This rank's warm-up buckets sent during backward are stale (set by :meth:`flush`); the step's
+        agreement tells every rank, and :meth:`run` exchanges again in ``step()`` if any was."""
+        return self._stale
 
     def flush(self, *, scaled: bool = False) -> None:
         """The start of ``step()``, before the non-finite agreement: launch, in order, every
@@ -385,7 +451,12 @@ class Driver:
         of every bucket but the last (:meth:`gather` starts it). ``scaled``: a
         GradScaler handed the step gradients still scaled, which buckets sent during backward
         could not wait for."""
-        if self.buckets is None:
+        if self.buckets is None or not self.buckets.active:
+            return
+        if self._warm is not None:
+            # Every rank launches every bucket, stale or not: the same collectives in the same order.
+            self._stale = scaled or self.buckets.stale()
+            self.buckets.flush()
             return
         if scaled:
             raise ValueError(f"{self.owner}(overlap=True) exchanged the gradients during backward, before "
@@ -400,7 +471,8 @@ class Driver:
         step's agreement is launched: see the module docstring)."""
         self._gather(len(self._flights))
 
-    def run(self, live: Sequence[bool], landed: Callable[[Tensor, Sequence[int]], None] | None = None) -> Tensor | None:
+    def run(self, live: Sequence[bool], landed: Callable[[Tensor, Sequence[int]], None] | None = None, *,
+            stale: bool = False) -> Tensor | None:
         """The planned step, which every rank agreed to take (``live[i]``: parameter ``i`` has a
         gradient on some rank): launch the one-shot exchange, land every bucket's average;
         returns it (None where it was handed out chunk by chunk, or where the wire's ``delay``
@@ -408,9 +480,23 @@ class Driver:
         where given, is called as each bucket lands, in bucket order, with the step's buffer
         (landed for that bucket's parameters ``members``) -- the others may still be in flight;
         only where :attr:`lands_by_bucket`. A collective that fails leaves the buckets before
-        its own applied."""
+        its own applied. ``stale``: some rank's warm-up buckets sent during backward are stale (the
+        step's agreement of :attr:`stale`): they are dropped, the exchange runs here again, and in
+        ``step()`` from now on."""
         wire = self._plan.wire
-        if self.buckets is None:
+        if self._warm_flights:
+            if not stale:
+                land = self._landing()
+                for flight, (_, _, members) in zip(self._warm_flights, self._warm):
+                    comm.run_stages(flight.stages)
+                    if landed is not None:
+                        landed(land, members)
+                self._end_step()
+                return land
+            self._drop(self._warm_flights)
+            self.stop_warmup_in_backward("the gradients changed after their bucket left: accumulation outside "
+                                         "no_sync(), GradScaler, a clip or another change of p.grad before step()")
+        if self.buckets is None or self._warm is not None:
             for b in range(len(self.bounds)) if wire.buckets is None else wire.buckets:
                 with comm.labelled(bucket=b):
                     self._launch(b, live, agreed=True)
@@ -447,15 +533,21 @@ class Driver:
         """Every rank skips the step: wait for the exchanges launched and drop them. A compressed
         one took its values into the error-feedback buffers before any rank could know: they
         restart at zero."""
-        for flight in self._flights:
-            if flight is not None:
-                flight.pending.wait()
-                flight.stages.close()
+        self._drop(self._warm_flights)
+        self._drop(self._flights)
         if self._compressed_in_flight:
             self.reset()
             _log.warning("%s: step skipped after the overlapped exchange had started: error-feedback buffers "
                          "restarted at zero", self.owner)
         self._end_step()
+
+    @staticmethod
+    def _drop(flights: Sequence[_Flight | None]) -> None:
+        """Wait for the exchanges launched and drop what they return."""
+        for flight in flights:
+            if flight is not None:
+                flight.pending.wait()
+                flight.stages.close()
 
     def reset(self, buckets: Sequence[int] | None = None) -> None:
         """The collectives' errors (of ``buckets``; None: all) restart at zero."""
@@ -471,6 +563,8 @@ class Driver:
 
     def _end_step(self) -> None:
         self._flights = [None] * len(self.bounds)
+        self._warm_flights = []
+        self._stale = False
         self._compressed_in_flight = False
         self._land = None
 
@@ -481,6 +575,14 @@ class Driver:
         return self._land
 
     # ------------------------------------------------------------------ a bucket
+    def _launch_warm(self, b: int) -> None:
+        """Warm-up bucket ``b``'s gradients into where the average lands, and their exact mean started."""
+        lo, hi, members = self._warm[b]
+        land = self._landing()[lo:hi]
+        self._plan.form(land, lo, members, [True] * len(self.flat.params), False, False)
+        stages = comm.all_reduce_mean_stages(land, self.group, self.timeout, divide_first=True)
+        self._warm_flights.append(_Flight(stages, next(stages), added=False))
+
     def _launch_in_backward(self, b: int) -> None:
         if not self._plan.wire.exchanged:
             return
@@ -545,6 +647,8 @@ class Driver:
         other ranks' whatever those do meanwhile) and saved as ``"arrivals"``: their wires, steps
         and averages."""
         state: dict[str, Any] = {}
+        if self._warm is not None:  # the exchange of a resumed warm-up leaves where it did (the same bits)
+            state["warmup_in_backward"] = self.warmup_in_backward
         if self._delayed:
             state["arrivals"] = [self._arrival_state(d) for d in self._delayed]
         if all(c is None for c in self.collectives):
@@ -566,6 +670,7 @@ class Driver:
         """Restore :meth:`state_dict`; saved with another bucketing, by another rank or on another
         world size, the errors restart at zero (freshly seeded)."""
         self.wait()  # an exchange still in flight writes into the collectives' errors: done first
+        self._warm_off = not state.get("warmup_in_backward", True)
         self._delayed = []
         for arrival in state.get("arrivals", ()):
             wire = dict(arrival["wire"])

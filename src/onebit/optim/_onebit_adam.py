@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from .. import comm
-from .._checks import check_adam_args, check_bool, check_optional_positive
+from .._checks import check_adam_args, check_bool, check_optional_positive, check_overlap
 from ._base import OnebitOptimizer
 from ._driver import COMPRESSED_FORMED, COMPRESSED_GRADIENT, EXACT_GRADIENT, Wire
 from ._freeze import count_unused, freeze_schedule, mask_unused_, warn_early_freeze
@@ -186,14 +186,24 @@ class OnebitAdam(_AdamFamily):
         hierarchical: exchange with Birder's Hierarchical-1-bit-All-Reduce
             (:func:`onebit.comm.compressed_allreduce`: ``True``, ``False`` or ``"auto"``).
         ranks_per_node: ranks on each node, for the hierarchical exchange (``None``: detected).
-        overlap: start each bucket's exchange during backward, as soon as its gradients are
-            accumulated (see below); ``False``: one exchange of the whole model in ``step()``.
+        overlap: ``None`` (``"warmup"`` on several ranks): the warm-up's fp32 all-reduce leaves
+            during backward in buckets, as DDP's, and the compression stage exchanges in
+            ``step()`` (below); ``True``: both stages start each bucket's exchange during
+            backward, as soon as its gradients are accumulated; ``False``: one exchange of the
+            whole model in ``step()``.
         bucket_cap_mb: bucket size of the overlapped exchange, in MB of fp32 state (as DDP's).
         **options: :class:`onebit.optim.CommonOptions` (``timeout``, ``broadcast_parameters``,
             ``on_nonfinite``, ``check_replicas_every``, ``max_grad_norm``).
 
     ``stats`` reports the stage, the bytes this rank sent in the last step and the step
     the warm-up ended (also logged at INFO on ``onebit.optim``).
+
+    **The warm-up during backward** (the default): the warm-up's exact all-reduce leaves in
+    buckets of ``bucket_cap_mb`` as their gradients arrive, and ``step()`` waits for it. A gradient
+    changed after its bucket left (a second backward outside :meth:`no_sync`, GradScaler's
+    unscale, a clip) is seen on its version counter: the ranks agree on it, exchange in
+    ``step()`` instead, and keep doing so (as on a DDP-wrapped model, whose gradients DDP writes
+    again after backward). On two ranks this gives ``overlap=False``'s bits.
 
     **Overlapped exchange** (``overlap=True``, DDP's scheme): the parameters are grouped into
     buckets in reverse order; a post-accumulate-grad hook starts a bucket's exchange once
@@ -240,12 +250,12 @@ class OnebitAdam(_AdamFamily):
         clip_update: float | None = 10.0,
         hierarchical: bool | str = False,
         ranks_per_node: int | None = None,
-        overlap: bool = False,
+        overlap: bool | str | None = None,
         bucket_cap_mb: float = 25.0,
         **options: Unpack[CommonOptions],
     ) -> None:
         self.clip_update = check_optional_positive("clip_update", clip_update)
-        check_bool("overlap", overlap)
+        check_overlap(overlap)
         beta2 = check_adam_args(lr, betas, eps, weight_decay)[1]
         self._stages = TwoStages(type(self).__name__, Stage(EXACT_GRADIENT, _ADAM, averages=True), _FROZEN,
                                  freeze_schedule(freeze_step, beta2, threshold=freeze_threshold, window=freeze_window,
@@ -256,7 +266,8 @@ class OnebitAdam(_AdamFamily):
         self._init_adam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, group=group, options=options)
         self._drive(self._allreduce(compressor, hierarchical=hierarchical, ranks_per_node=ranks_per_node,
-                                    overlap=overlap, scales=scales), overlap=overlap, bucket_cap_mb=bucket_cap_mb)
+                                    overlap=overlap is True, scales=scales), overlap=overlap,
+                    bucket_cap_mb=bucket_cap_mb)
 
     def _form(self, i: int, lo: int, hi: int, grad: Tensor | None, live: bool, group: dict[str, Any], step: int,
               scratch: Tensor, out: Tensor, agreed: bool) -> None:

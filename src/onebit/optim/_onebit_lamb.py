@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from .. import comm
-from .._checks import check_adam_args, check_bool, check_nonneg, check_optional_positive
+from .._checks import check_adam_args, check_nonneg, check_optional_positive, check_overlap
 from ..ops import max_ratio
 from ._base import OnebitOptimizer
 from ._driver import COMPRESSED_FORMED, EXACT_GRADIENT, Wire
@@ -258,7 +258,9 @@ class OnebitLamb(OnebitOptimizer):
             (``None``: no clip).
         hierarchical: Birder's Hierarchical-1-bit-All-Reduce for the momentum exchange.
         ranks_per_node: ranks on each node, for the hierarchical exchange (``None``: detected).
-        overlap: start each bucket's exchange during backward (see below).
+        overlap: ``None`` (the default): the warm-up's all-reduce leaves during backward and the
+            compression stage exchanges in ``step()``, as :class:`onebit.OnebitAdam`'s;
+            ``True``: both stages during backward (below); ``False``: both in ``step()``.
         bucket_cap_mb: bucket size of the overlapped exchange, in MB of fp32 state (as DDP's).
         **options: :class:`onebit.optim.CommonOptions`.
 
@@ -302,12 +304,12 @@ class OnebitLamb(OnebitOptimizer):
         clip_update: float | None = 10.0,
         hierarchical: bool | str = False,
         ranks_per_node: int | None = None,
-        overlap: bool = False,
+        overlap: bool | str | None = None,
         bucket_cap_mb: float = 25.0,
         **options: Unpack[CommonOptions],
     ) -> None:
         beta2 = check_adam_args(lr, betas, eps, weight_decay)[1]
-        check_bool("overlap", overlap)
+        check_overlap(overlap)
         for name, value in (("max_coeff", max_coeff), ("min_coeff", min_coeff), ("factor_max", factor_max),
                             ("factor_min", factor_min)):
             if check_nonneg(name, value) == 0:
@@ -350,7 +352,8 @@ class OnebitLamb(OnebitOptimizer):
         self.momentum_scale = torch.ones(n, dtype=torch.float64, device=device)
         self._coefficients: Tensor | None = None
         self._drive(self._allreduce(compressor, hierarchical=hierarchical, ranks_per_node=ranks_per_node,
-                                    overlap=overlap, scales=scales), overlap=overlap, bucket_cap_mb=bucket_cap_mb)
+                                    overlap=overlap is True, scales=scales), overlap=overlap,
+                    bucket_cap_mb=bucket_cap_mb)
 
     @property
     def allreduce(self) -> Any:
