@@ -395,6 +395,36 @@ def test_the_warm_up_in_backward_keeps_replicas_identical_on_three_ranks():
         assert all(r0["close"]) and r0["warm"][-1], name
 
 
+def _warm_uneven(rank, world, name):
+    """Rank 1 leaves the last layer's bias out of the graph on even steps (its first bucket then
+    waits for step() there), rank 0 alone clips after backward on step 2 (stale on one rank), and
+    both all-reduce their loss between backward and step() on the optimizer's own group."""
+    torch.set_num_threads(1)
+    a, b = _model(), _model()
+    oa, ob = _opt(a, name, bucket_cap_mb=0.004), _opt(b, name, overlap=False)
+    same = []
+    for step in range(1, FREEZE + 3):
+        for model, opt in ((a, oa), (b, ob)):
+            opt.zero_grad()
+            last = model[4]
+            h = model[:4](_batch(rank, step))
+            loss = (h @ last.weight.t() + (0 if rank == 1 and step % 2 == 0 else last.bias)).pow(2).mean()
+            loss.backward()
+            if rank == 0 and step == 2:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            torch.distributed.all_reduce(loss.detach())
+            opt.step()
+        same.append(torch.equal(_flat(a), _flat(b)))
+    return same, _digest(a), oa._driver.warmup_in_backward, oa.stats["stage"]
+
+
+def test_the_warm_up_in_backward_with_uneven_ranks_and_the_users_collectives():
+    for name, res in _for_each(2, _warm_uneven, names=WARM).items():
+        assert res[0][1] == res[1][1], f"{name}: replicas differ"
+        for same, _, warm, stage in res:
+            assert all(same) and not warm and stage == "compressed", (name, same, warm)
+
+
 def _warm_ddp_and_resume(rank, world, name):
     """A DDP-wrapped model (DDP writes each gradient again after backward) keeps the warm-up in step();
     a checkpoint saved after the accumulation fallback resumes with it."""

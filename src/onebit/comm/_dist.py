@@ -445,7 +445,8 @@ def all_reduce_mean(tensor: Tensor, group: Group = None, timeout: float | timede
     :class:`Pending` whose ``wait()`` divides and returns ``tensor``. ``divide_first``: divide,
     then sum (DDP's order), so that the division runs at the launch -- during backward, for an
     exchange started there -- rather than where the result is awaited; the same bits where the
-    world size is a power of two."""
+    world size is a power of two, barring values at the ends of the float range (subnormal once
+    divided, or summing past the largest float)."""
     t = _transport(group)
     world = t.size()
     if world == 1:

@@ -190,9 +190,11 @@ class OnebitOptimizer(Optimizer):
         where a stage forms what it sends: the local clip needs every gradient before the first
         bucket leaves. ``overlap="warmup"``: only the exact exchange leaves during backward; ``None``
         (the default of the optimizers with an fp32 warm-up) is ``"warmup"`` where that can help --
-        several ranks, parameters that are not FSDP2 shards -- and ``False`` elsewhere."""
+        several ranks, parameters that are not FSDP2 shards nor held by a DDP model -- and ``False``
+        elsewhere."""
         if overlap is None:
-            overlap = "warmup" if self.world_size > 1 and not self._shards.sharded else False
+            helps = self.world_size > 1 and not self._shards.sharded and not self._ddp_wrapped
+            overlap = "warmup" if helps else False
         if overlap and self._shards.sharded:
             raise ValueError(f"Invalid overlap value with FSDP2-sharded parameters: {overlap!r} (FSDP overlaps its "
                              "reduce-scatter with backward itself; the exchange between replicas runs in step()); "
@@ -201,9 +203,10 @@ class OnebitOptimizer(Optimizer):
             raise ValueError(f"Invalid max_grad_norm value with overlap=True: {self.max_grad_norm!r} (the "
                              f"{type(self).__name__} step clips each rank's gradient over all parameters, which the "
                              "first bucket's exchange cannot wait for); use overlap=False to clip")
+        warm_group = comm.duplicate(self.process_group, self.timeout) if overlap == "warmup" else None
         self._driver = Driver(self.flat, self.process_group, self.timeout, collective, overlap=overlap,
                               bucket_cap_mb=bucket_cap_mb, alignment=alignment, key=key, owner=type(self).__name__,
-                              fragments=fragments, delayed_group=delayed_group)
+                              fragments=fragments, delayed_group=delayed_group, warm_group=warm_group)
         self._plan_next()
         if self._ddp_wrapped:
             self._stop_warmup_in_backward_for_ddp()
@@ -471,7 +474,8 @@ class OnebitOptimizer(Optimizer):
     def step(self, closure=None):  # type: ignore[override]
         """One optimizer step (the closure, if given, is evaluated with grad enabled first).
 
-        1. **Flush**: launch, in order, the buckets backward did not (``overlap=True``).
+        1. **Flush**: launch, in order, the buckets backward did not (``overlap=True``, and the
+           warm-up's by default).
         2. **Agree**: one small all-reduce of "a gradient here is not finite" and "parameter
            ``i`` has a gradient here" (the last bucket's all-gather leaves behind it). If any
            rank has a non-finite gradient (or its GradScaler

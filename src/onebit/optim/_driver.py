@@ -367,7 +367,7 @@ class Driver:
                  collective: Callable[[int, int], Any] | None, *, overlap: bool | str, bucket_cap_mb: float,
                  alignment: int = 1, key: str = "allreduce", owner: str = "",
                  fragments: list[tuple[int, int, list[int]]] | None = None,
-                 delayed_group: comm.Group = None) -> None:
+                 delayed_group: comm.Group = None, warm_group: comm.Group = None) -> None:
         self.flat, self.group, self.timeout, self.key, self.owner = flat, group, timeout, key, owner
         self.delayed_group = delayed_group
         self.buckets: Buckets | None = None
@@ -393,7 +393,12 @@ class Driver:
         # overlap="warmup": the exact exchange (the warm-up's fp32 mean of the gradients) leaves during
         # backward in buckets of its own, as DDP's all-reduce does; a compressed stage keeps the
         # one-shot exchange in step(), and with it its bits and what it allows (a clip of each rank's
-        # gradients, GradScaler, accumulation without no_sync()).
+        # gradients, GradScaler, accumulation without no_sync()). The buckets go over ``warm_group``,
+        # a duplicate of the group: which of them leave during backward differs between ranks (a
+        # parameter unused on one), and on the user's group that would interleave them with the
+        # user's own collectives (a loss all-reduced before step(), SyncBatchNorm) in another order
+        # on each rank.
+        self._warm_group = warm_group
         self._warm: list[tuple[int, int, list[int]]] | None = None
         self._warm_flights: list[_Flight] = []
         self._stale = False  # this step's warm-up buckets sent in backward are stale on this rank
@@ -422,8 +427,9 @@ class Driver:
     def plan(self, plan: Plan) -> None:
         """What the next step sends (before its backward: its buckets may leave during it)."""
         self._plan = plan
-        if self._warm is not None:
-            self.buckets.active = self.warmup_in_backward and plan.wire.exact and not plan.wire.delay
+        if self._warm is not None:  # (buckets already launched in this step are all sent)
+            self.buckets.active = self.warmup_in_backward and plan.wire.exact and not plan.wire.delay \
+                or bool(self._warm_flights)
 
     @property
     def warmup_in_backward(self) -> bool:
@@ -435,7 +441,7 @@ class Driver:
         """The exact exchange runs in ``step()`` from the next step on (``why``: logged)."""
         if self.warmup_in_backward:
             self._warm_off = True
-            self.buckets.active = False
+            self.buckets.active = bool(self._warm_flights)  # those launched in this step are all sent
             _log.info("%s: the warm-up's fp32 exchange runs in step() from now on, not during backward (%s)",
                       self.owner, why)
 
@@ -580,7 +586,7 @@ class Driver:
         lo, hi, members = self._warm[b]
         land = self._landing()[lo:hi]
         self._plan.form(land, lo, members, [True] * len(self.flat.params), False, False)
-        stages = comm.all_reduce_mean_stages(land, self.group, self.timeout, divide_first=True)
+        stages = comm.all_reduce_mean_stages(land, self._warm_group, self.timeout, divide_first=True)
         self._warm_flights.append(_Flight(stages, next(stages), added=False))
 
     def _launch_in_backward(self, b: int) -> None:
@@ -613,7 +619,7 @@ class Driver:
         # average lands and exchanged there, as the one-shot step does: a pass fewer over the
         # model, since the collective's fused compression reads x and e together.
         added = collective is not None and collective.reduces_added_input and (
-            self.buckets is not None or not isinstance(self._landing(), Tensor))
+            not agreed or not isinstance(self._landing(), Tensor))
         if added:
             form(collective.input_buffer(end - start, self.flat.device), lo, members, live, agreed, True)
             # Where the average lands is asked once it is gathered, in step(): the ranks agreed then.
@@ -670,7 +676,7 @@ class Driver:
         """Restore :meth:`state_dict`; saved with another bucketing, by another rank or on another
         world size, the errors restart at zero (freshly seeded)."""
         self.wait()  # an exchange still in flight writes into the collectives' errors: done first
-        self._warm_off = not state.get("warmup_in_backward", True)
+        self._warm_off = self._warm_off or not state.get("warmup_in_backward", True)
         self._delayed = []
         for arrival in state.get("arrivals", ()):
             wire = dict(arrival["wire"])
