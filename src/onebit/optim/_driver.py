@@ -14,7 +14,9 @@ with ``overlap=True``, DDP's scheme: the parameters are grouped into buckets of 
 ``bucket_cap_mb`` in reverse registration order -- the order backward produces their
 gradients -- each a contiguous range of the flat state, and a post-accumulate-grad hook
 launches a bucket's exchange once its gradients are all in, while backward goes on with
-earlier layers. No optimizer knows about buckets.
+earlier layers. With ``overlap="warmup"`` (1-bit Adam's and 1-bit LAMB's default) only the
+exact exchange does so, in buckets of its own over a duplicate of the group, and a compressed
+stage keeps the one-shot exchange. No optimizer knows about buckets.
 
 Collectives must be issued in the same order on every rank, so buckets are launched
 strictly in bucket order: a bucket whose gradients are complete waits for every bucket
@@ -191,8 +193,9 @@ class Buckets:
     def stale(self) -> bool:
         """Whether what left during backward is no longer this rank's gradients (``strict=False``):
         a parameter received a second gradient before ``step()`` (accumulation outside
-        :meth:`no_sync`), or a gradient sent was changed in place or replaced since (GradScaler's
-        unscale, a clip, ``p.grad = ...``): its tensor's version counter tells."""
+        :meth:`no_sync`), or a gradient sent was changed in place or replaced since (a clip,
+        ``p.grad = ...``): its tensor's version counter tells (a write through ``.data`` does not
+        move it). GradScaler's scaled gradients are the driver's to see (:meth:`Driver.flush`)."""
         params = [self._params[j] for b in range(self._in_backward) for j in self.bounds[b][2]]
         return self._second or any(p.grad is not g or (g is not None and g._version != v)
                                    for p, (g, v) in zip(params, self._sent))

@@ -200,10 +200,11 @@ class OnebitAdam(_AdamFamily):
 
     **The warm-up during backward** (the default): the warm-up's exact all-reduce leaves in
     buckets of ``bucket_cap_mb`` as their gradients arrive, and ``step()`` waits for it. A gradient
-    changed after its bucket left (a second backward outside :meth:`no_sync`, GradScaler's
-    unscale, a clip) is seen on its version counter: the ranks agree on it, exchange in
-    ``step()`` instead, and keep doing so (as on a DDP-wrapped model, whose gradients DDP writes
-    again after backward). On two ranks this gives ``overlap=False``'s bits.
+    changed after its bucket left (a second backward outside :meth:`no_sync`, a clip: its version
+    counter; GradScaler: the scaled gradients it hands ``step()``) makes the ranks agree to
+    exchange in ``step()`` instead, and keep doing so (as on a DDP-wrapped model, whose gradients
+    DDP writes again after backward); a write through ``p.grad.data`` is not seen (use
+    ``overlap=False``). On two ranks this gives ``overlap=False``'s bits.
 
     **Overlapped exchange** (``overlap=True``, DDP's scheme): the parameters are grouped into
     buckets in reverse order; a post-accumulate-grad hook starts a bucket's exchange once
