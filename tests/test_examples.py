@@ -39,7 +39,12 @@ def test_plain_torchrun_with_and_without_ddp_and_accumulation():
     wrapped = _torchrun("plain_torchrun.py", "--steps", "30", "--freeze-step", "10", "--accumulate", "2", "--ddp")
     _check(plain, 30, hook=None)
     _check(wrapped, 30)
-    assert wrapped["loss"] == plain["loss"] and wrapped["stats"] == plain["stats"]
+    # The same bits and bytes; only the unwrapped run overlaps its warm-up with backward (DDP writes
+    # every gradient again after backward), so only it reports the overlap.
+    overlap = ("overlap", "buckets_in_backward")
+    assert plain["stats"]["buckets_in_backward"] == 0 and not any(k in wrapped["stats"] for k in overlap)
+    assert wrapped["loss"] == plain["loss"]
+    assert wrapped["stats"] == {k: v for k, v in plain["stats"].items() if k not in overlap}
 
 
 def test_hugging_face_trainer(tmp_path):
