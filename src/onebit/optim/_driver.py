@@ -150,7 +150,8 @@ class Buckets:
         self._next = 0
         self._first_launch: float | None = None
         self._backward_end: float | None = None
-        self._sent: list[tuple[Tensor | None, int]] = []  # each gradient read by a launch in backward
+        # each parameter whose gradient a launch in backward read: the gradient and its version then
+        self._sent: list[tuple[Tensor, Tensor | None, int]] = []
         self._second = False  # a parameter received a second gradient before step()
 
     @contextlib.contextmanager
@@ -183,8 +184,8 @@ class Buckets:
         while self._next < len(self.bounds) and self._waiting[self._next] <= 0:
             if not self._strict:
                 for j in self.bounds[self._next][2]:
-                    g = self._params[j].grad
-                    self._sent.append((g, -1 if g is None else g._version))
+                    p = self._params[j]
+                    self._sent.append((p, p.grad, -1 if p.grad is None else p.grad._version))
             with comm.measure() as meter:  # outside step(), whose meter counts the rest
                 self._start(self._next)
             self.bytes_sent += meter.bytes_sent
@@ -196,9 +197,7 @@ class Buckets:
         :meth:`no_sync`), or a gradient sent was changed in place or replaced since (a clip,
         ``p.grad = ...``): its tensor's version counter tells (a write through ``.data`` does not
         move it). GradScaler's scaled gradients are the driver's to see (:meth:`Driver.flush`)."""
-        params = [self._params[j] for b in range(self._in_backward) for j in self.bounds[b][2]]
-        return self._second or any(p.grad is not g or (g is not None and g._version != v)
-                                   for p, (g, v) in zip(params, self._sent))
+        return self._second or any(p.grad is not g or (g is not None and g._version != v) for p, g, v in self._sent)
 
     def _start(self, b: int) -> None:
         if self._first_launch is None:
@@ -374,11 +373,12 @@ class Driver:
         self.flat, self.group, self.timeout, self.key, self.owner = flat, group, timeout, key, owner
         self.delayed_group = delayed_group
         self.buckets: Buckets | None = None
+        vectors = [p.dim() == 1 for p in flat.params]  # (bucket_bounds: a bias goes with its weight)
         if fragments is not None:  # the optimizer's own contiguous buckets, sent by the wires that name them
             self.bounds = fragments
             self.spans = [(lo, hi) for lo, hi, _ in fragments]
         else:
-            self.bounds = bucket_bounds(flat.offsets, _bucket_cap(bucket_cap_mb), [p.dim() == 1 for p in flat.params]) \
+            self.bounds = bucket_bounds(flat.offsets, _bucket_cap(bucket_cap_mb), vectors) \
                 if overlap is True else [(0, flat.numel, list(range(len(flat.params))))]
             # A span ends where the span of the bucket launched before it (the parameters after it)
             # starts -- at the model's end for the first bucket.
@@ -407,8 +407,7 @@ class Driver:
         self._stale = False  # this step's warm-up buckets sent in backward are stale on this rank
         self._warm_off = False  # a step found them stale: the warm-up exchanges in step() from then on
         if overlap == "warmup":
-            self._warm = bucket_bounds(flat.offsets, _bucket_cap(bucket_cap_mb), [p.dim() == 1 for p in flat.params],
-                                       first=_FIRST_BUCKET)
+            self._warm = bucket_bounds(flat.offsets, _bucket_cap(bucket_cap_mb), vectors, first=_FIRST_BUCKET)
             self.buckets = Buckets(flat.params, self._warm, self._launch_warm, strict=False)
         self._plan: Plan | None = None
         self._flights: list[_Flight | None] = [None] * len(self.bounds)  # None: nothing sent
