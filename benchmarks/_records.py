@@ -34,3 +34,35 @@ def append_row(path: str | Path, row: dict[str, Any]) -> None:
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
     """Every row of the JSON-lines file ``path``."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def compare_sources(dirs: list[Path]) -> str:
+    """The commands of the ``onebit compare`` runs in ``dirs``, and the machines and dates they ran on."""
+    sources = [json.loads((d / "provenance.json").read_text()) for d in dirs]
+    machines = ", ".join(dict.fromkeys(s["machine"] for s in sources))
+    dates = sorted({s["date"] for s in sources})
+    when = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
+    return "; ".join(f"`{s['command']}`" for s in sources) + f"; {machines}, {when}."
+
+
+def compare_runs(d: Path) -> dict[str, tuple[dict, list[dict]]]:
+    """Each optimizer of the ``onebit compare`` run in ``d``: its summary, with the ``machine`` it
+    ran on, and per-step records."""
+    summaries = json.loads((d / "summary.json").read_text())
+    machine = json.loads((d / "provenance.json").read_text())["machine"]
+    return {n: ({**s, "machine": machine}, [json.loads(r) for r in (d / n / "metrics.jsonl").read_text().splitlines()])
+            for n, s in summaries.items()}
+
+
+def added_up(what: str, cluster: dict, records: list[dict]) -> float:
+    """Seconds the steps of ``records`` take at the cluster run's step time of each one's stage."""
+    missing = {r["stage"] for r in records} - set(cluster["step_time_s"])
+    if missing:
+        raise SystemExit(f"{what}: no step time of its {sorted(missing)} steps")
+    return sum(cluster["step_time_s"][r["stage"]] for r in records)
+
+
+def same_losses(records: list[dict], others: list[dict]) -> int:
+    """How many first steps of two runs logged the same loss, bit for bit."""
+    return next((i for i, (x, y) in enumerate(zip(records, others)) if x["loss"] != y["loss"]),
+                min(len(records), len(others)))

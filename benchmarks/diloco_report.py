@@ -47,6 +47,8 @@ import math
 import statistics
 from pathlib import Path
 
+from _records import added_up, compare_runs, compare_sources, same_losses
+
 from onebit.bench._analysis import mean_interval, step_time, steps_to_loss
 from onebit.bench._convergence import _gap, _run
 
@@ -152,7 +154,7 @@ def cluster_report(dirs: list[Path]) -> str:
         summaries = json.loads((d / "summary.json").read_text())
         if "local_adam" not in summaries:
             raise SystemExit(f"{d}: no local_adam run, the no-communication floor of the comparison")
-        steps = {n: 1e3 * step_time(s, records) for n, (s, records) in _compare_runs(d).items()}
+        steps = {n: 1e3 * step_time(s, records) for n, (s, records) in compare_runs(d).items()}
         link = summaries["local_adam"]["cluster"]["bandwidth"]
         for name, ms in steps.items():
             if summaries[name].get("skipped_steps"):
@@ -170,25 +172,7 @@ def cluster_report(dirs: list[Path]) -> str:
                      f"| {against} |")
     for link, ratio in sorted(ddp.items(), reverse=True):
         lines.append(f"| {link / 1e6:g} Mbit/s | ddp_allreduce | every step, fp32 | | | {ratio:.2f} | 1.0x |")
-    return "\n".join(lines) + f"\n\n{_sources(dirs)}\n"
-
-
-def _sources(dirs: list[Path]) -> str:
-    """The commands of the ``onebit compare`` runs in ``dirs``, and the machines and dates they ran on."""
-    sources = [json.loads((d / "provenance.json").read_text()) for d in dirs]
-    machines = ", ".join(dict.fromkeys(s["machine"] for s in sources))
-    dates = sorted({s["date"] for s in sources})
-    when = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
-    return "; ".join(f"`{s['command']}`" for s in sources) + f"; {machines}, {when}."
-
-
-def _compare_runs(d: Path) -> dict[str, tuple[dict, list[dict]]]:
-    """Each optimizer of the ``onebit compare`` run in ``d``: its summary, with the ``machine`` it
-    ran on, and per-step records."""
-    summaries = json.loads((d / "summary.json").read_text())
-    machine = json.loads((d / "provenance.json").read_text())["machine"]
-    return {n: ({**s, "machine": machine}, [json.loads(r) for r in (d / n / "metrics.jsonl").read_text().splitlines()])
-            for n, s in summaries.items()}
+    return "\n".join(lines) + f"\n\n{compare_sources(dirs)}\n"
 
 
 def _curve_setting(name: str, summary: dict) -> str:
@@ -210,14 +194,14 @@ def curves_report(dirs: list[Path], windows: list[int], width: int = 25) -> str:
     lines = ["| optimizer | setting | seed | held-out | skipped | " + " | ".join(f"{w - width + 1}–{w}" for w in windows)
              + " |", "|---|---|---|---|---|" + "---|" * len(windows)]
     for d in dirs:
-        for name, (summary, records) in _compare_runs(d).items():
+        for name, (summary, records) in compare_runs(d).items():
             if windows[-1] > len(records):
                 raise SystemExit(f"{d}: {name} ran {len(records)} steps, fewer than {windows[-1]}")
             means = [statistics.fmean(r["loss"] for r in records[w - width: w]) for w in windows]
             lines.append(f"| {name} | {_curve_setting(name, summary)} | {summary['config']['seed']} "
                          f"| {summary['eval_loss']:.3f} | {summary['skipped_steps'] or 0} | "
                          + " | ".join(f"{m:.3f}" for m in means) + " |")
-    return "\n".join(lines) + f"\n\n{_sources(dirs)}\n"
+    return "\n".join(lines) + f"\n\n{compare_sources(dirs)}\n"
 
 
 # what must agree between a loss run and the cluster run timing it (the step's work), and DiLoCo's schedule
@@ -236,7 +220,7 @@ def _work(name: str, config: dict) -> tuple:
 
 
 def time_report(loss_dirs: list[Path], cluster_dirs: list[Path]) -> str:
-    curves = [(n, summary, records) for d in loss_dirs for n, (summary, records) in _compare_runs(d).items()]
+    curves = [(n, summary, records) for d in loss_dirs for n, (summary, records) in compare_runs(d).items()]
     # a long run on the emulated cluster itself: its own clock, set beside the sum of the short runs' step times
     on_cluster = [c for c in curves if c[1].get("cluster")]
     curves = [c for c in curves if not c[1].get("cluster")]
@@ -256,7 +240,7 @@ def time_report(loss_dirs: list[Path], cluster_dirs: list[Path]) -> str:
     curves.sort(key=lambda c: (order.index((c[0], _curve_setting(c[0], c[1]))), c[1]["config"]["seed"]))
     timed = []  # (link, name, summary, records, the floor's seconds a step)
     for d in cluster_dirs:
-        runs = _compare_runs(d)
+        runs = compare_runs(d)
         if "local_adam" not in runs:
             raise SystemExit(f"{d}: no local_adam run, the no-communication floor of the comparison")
         for name, (summary, records) in runs.items():
@@ -281,10 +265,10 @@ def time_report(loss_dirs: list[Path], cluster_dirs: list[Path]) -> str:
             # CPU rounds differently: its bits are its own whatever the link)
             if cluster["config"]["seed"] == seed and cluster["machine"] == summary["machine"]:
                 same.append(f"{name} at {link / 1e6:g} Mbit/s ({_curve_setting(name, cluster)}) against "
-                            f"{_curve_setting(name, summary)}: {_same_losses(cluster_records, records)} of "
+                            f"{_curve_setting(name, summary)}: {same_losses(cluster_records, records)} of "
                             f"{len(cluster_records)}")
             n = steps_to_loss(records, targets[seed])
-            took = None if n is None else _added_up(f"{name} at {link / 1e6:g} Mbit/s", cluster, records[:n])
+            took = None if n is None else added_up(f"{name} at {link / 1e6:g} Mbit/s", cluster, records[:n])
             rows.append((name, summary, records, n, took, floor, seed))
         took_by: dict[tuple[str, str], dict[int, float | None]] = {}  # each setting's seeds' times
         for name, summary, _, _, took, _, seed in rows:
@@ -323,27 +307,13 @@ def time_report(loss_dirs: list[Path], cluster_dirs: list[Path]) -> str:
             f"the steps each needed: every seed's steps are timed by the same cluster runs. Losses identical to the "
             f"long run's, step for step, in the cluster runs (of the seed they ran, on the same machine): "
             f"{'; '.join(same) or 'none checked (no long run of their seed on their machine)'}. "
-            f"{_sources(loss_dirs + cluster_dirs)}\n")
+            f"{compare_sources(loss_dirs + cluster_dirs)}\n")
 
 
 def _timing(timed: list[tuple], link: float, name: str, summary: dict) -> list[tuple]:
     """The cluster runs of ``timed`` at ``link`` whose steps do the work of ``name``'s run ``summary``."""
     return [t for t in timed if t[0] == link and t[1] == name
             and _work(name, t[2]["config"]) == _work(name, summary["config"])]
-
-
-def _added_up(what: str, cluster: dict, records: list[dict]) -> float:
-    """Seconds the steps of ``records`` take at the cluster run's step time of each one's stage."""
-    missing = {r["stage"] for r in records} - set(cluster["step_time_s"])
-    if missing:
-        raise SystemExit(f"{what}: no step time of its {sorted(missing)} steps")
-    return sum(cluster["step_time_s"][r["stage"]] for r in records)
-
-
-def _same_losses(records: list[dict], others: list[dict]) -> int:
-    """How many first steps of two runs logged the same loss, bit for bit."""
-    return next((i for i, (x, y) in enumerate(zip(records, others)) if x["loss"] != y["loss"]),
-                min(len(records), len(others)))
 
 
 def _measured(run: tuple[str, dict, list[dict]], timed: list[tuple], target: float) -> str:
@@ -363,8 +333,8 @@ def _measured(run: tuple[str, dict, list[dict]], timed: list[tuple], target: flo
     if len(short) != 1:
         raise SystemExit(head + f"timed by {len(short)} short cluster runs on its machine, give one")
     _, _, cluster, cluster_records, _ = short[0]
-    added = _added_up(who, cluster, records[:n])
-    equal = (f"; its losses are the short run's for {_same_losses(cluster_records, records)} of "
+    added = added_up(who, cluster, records[:n])
+    equal = (f"; its losses are the short run's for {same_losses(cluster_records, records)} of "
              f"{len(cluster_records)} steps" if cluster["config"]["seed"] == seed else "")
     return (head + f"reached DDP AdamW's loss at step {n:,} after **{records[n - 1]['time'] / 60:.1f} min** by its "
             f"own clock; its steps at the short cluster run's step times add up to {added / 60:.1f} min "

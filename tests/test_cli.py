@@ -313,6 +313,25 @@ def test_compare_writes_table_plot_and_summaries(tmp_path, capsys):
     assert (out / "loss.png").exists()
 
 
+def test_compare_without_a_freeze_builds_each_optimizer_with_its_defaults(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    names = "onebit_adam,zero_one_adam,diloco"
+    assert main(["compare", "--optimizers", names, "--baseline", "onebit_adam", "--steps", "5", "--batch-size", "4",
+                 "--hidden", "32", "--out", str(out), "--quiet"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert all(s["config"]["freeze_step"] is None for s in summary.values())
+    stages = {name: {r["stage"] for r in _records(out / name / "metrics.jsonl")} for name in names.split(",")}
+    # 1-bit Adam's "auto" does not freeze in 5 steps; 0/1 Adam refreshes its variance on every one of
+    # its first 16 steps (var_update_scaler); DiLoCo synchronises after 500 (a freeze set by hand
+    # would have compressed, stopped the refreshes and synchronised on these steps)
+    assert stages == {"onebit_adam": {"warmup"}, "zero_one_adam": {"variance"}, "diloco": {"local"}}
+    assert summary["diloco"]["bytes_sent_per_rank"] == 0
+    demo = tmp_path / "demo"
+    assert main(["demo", "--steps", "4", "--batch-size", "4", "--hidden", "32", "--loopback", "--out", str(demo),
+                 "--quiet"]) == 0
+    assert "1-bit Adam did not leave its fp32 warm-up in 4 steps" in capsys.readouterr().out
+
+
 def test_model_reads_sizes_as_people_write_them(capsys):
     for size in ("125M", "1.25e8", "125000000"):
         assert main(["model", "--params", size, "--optimizers", "adam"]) == 0

@@ -22,6 +22,12 @@ def in_root(monkeypatch):
     monkeypatch.chdir(ROOT)
 
 
+@pytest.fixture(autouse=True)
+def _scripts_importable(monkeypatch):
+    """A benchmark script imports its folder's helpers (``_records``), as run by ``python benchmarks/X.py``."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+
+
 def test_committed_reports_match_their_results(in_root, capsys):
     assert main(["--check"]) == 0, capsys.readouterr().out
 
@@ -177,3 +183,49 @@ def test_the_time_to_loss_pairs_each_setting_with_ddp_and_the_others_over_shared
     on_cluster = _compare_dir(tmp_path / "diloco-on-cluster", "vm", {"diloco": (seed2, [1.0] * 20)})
     with pytest.raises(SystemExit, match="none of seed 2"):
         time_report(loss_dirs + [on_cluster], [timing("vm2")])
+
+
+def test_the_time_to_the_counterparts_loss_prices_each_stage_and_refuses_what_is_not_the_defaults(tmp_path):
+    report = runpy.run_path(str(ROOT / "benchmarks" / "time_to_loss.py"))["report"]
+    base = {"task": "mlp", "lr": 1e-3, "freeze_step": None}
+
+    def run(path: Path, name: str, seed: int, stages: list[str], losses: list[float], sent: int, **config) -> Path:
+        summary = {"config": {**base, **config, "seed": seed}, "final_loss": 1.0, "eval_loss": 1.5,
+                   "skipped_steps": 0, "cluster": config.pop("cluster", None)}
+        path.mkdir()
+        (path / "provenance.json").write_text(json.dumps({"command": f"onebit compare {path.name}", "machine": "vm",
+                                                          "date": "2026-11-28"}))
+        (path / "summary.json").write_text(json.dumps({name: summary}))
+        (path / name).mkdir()
+        (path / name / "metrics.jsonl").write_text("".join(
+            json.dumps({"loss": loss, "stage": stage, "bytes_sent": sent, "time": float(i)}) + "\n"
+            for i, (stage, loss) in enumerate(zip(stages, losses))))
+        return path
+
+    # DDP's losses reach its final 1.0 (a 10-step mean) at step 15 (seed 0) and 20 (seed 1), 1-bit
+    # Adam's at 10 and 15, its first 2 steps fp32
+    curves = [run(tmp_path / f"ddp{seed}", "ddp_allreduce", seed, ["warmup"] * 43, [2.0] * before + [0.5] * 40, 4)
+              for seed, before in ((0, 8), (1, 13))]
+    curves += [run(tmp_path / f"adam{seed}", "onebit_adam", seed, ["warmup"] * 2 + ["compressed"] * 41,
+                   [2.0] * before + [0.5] * 40, 1) for seed, before in ((0, 3), (1, 8))]
+    cluster = tmp_path / "cluster"
+    cluster.mkdir()
+    (cluster / "provenance.json").write_text(json.dumps({"command": "onebit compare --nodes 4", "machine": "vm",
+                                                         "date": "2026-11-28"}))
+    times = {"local_adam": {"warmup": 0.5}, "ddp_allreduce": {"warmup": 4.0},
+             "onebit_adam": {"warmup": 4.0, "compressed": 1.0}}
+    (cluster / "summary.json").write_text(json.dumps({
+        name: {"config": {**base, "seed": 0, "freeze_step": 2}, "cluster": {"bandwidth": 1e8}, "skipped_steps": 0,
+               "step_time_s": steps} for name, steps in times.items()}))
+    for name in times:
+        (cluster / name).mkdir()
+        (cluster / name / "metrics.jsonl").write_text("")
+    text = report(curves, [cluster], [])
+    # DDP 60 s and 80 s; 1-bit Adam 2 x 4 + 8 x 1 = 16 s and 2 x 4 + 13 = 21 s: 3.75x and 3.81x
+    ratio, half = math.sqrt(60 / 16 * 80 / 21), 12.706 * abs(math.log(60 / 16) - math.log(80 / 21)) / 2
+    assert "| ddp_allreduce | 0.001 | ddp_allreduce | 1.2 min (the reference) | 2/2 (15, 20) |" in text
+    assert (f"| onebit_adam | 0.001 | ddp_allreduce | 0.3 min: **{ratio:.2f}x** [{ratio * math.exp(-half):.2f}, "
+            f"{ratio * math.exp(half):.2f}]; worst seed 0 3.75x | 2/2 (10, 15) | 5.6x fewer | 95% |") in text
+    hand = run(tmp_path / "adam-by-hand", "onebit_adam", 2, ["warmup"], [1.0], 1, freeze_step=400)
+    with pytest.raises(SystemExit, match=r"onebit_adam \(seed 2\): not its defaults \(freeze_step=400\)"):
+        report(curves + [hand], [cluster], [])

@@ -117,7 +117,8 @@ def _training_flags(p: argparse.ArgumentParser, steps: int, out: str, bandwidth:
     p.add_argument("--schedule", choices=SCHEDULES, default="constant", help="after --warmup-steps")
     p.add_argument("--warmup-steps", type=_nonneg_int, default=0, help="linear learning-rate warm-up")
     p.add_argument("--freeze-step", type=_freeze, default=None,
-                   help="last warm-up step of 1-bit Adam/LAMB: an int or 'auto' (default: 20%% of --steps)")
+                   help="last warm-up step of 1-bit Adam/LAMB (0/1 Adam: its variance freeze; DiLoCo: its "
+                        "--sync-every): an int or 'auto' (default: each optimizer's own, as a user gets it)")
     p.add_argument("--topk-ratio", type=_positive_float, default=0.01, help="Comp-AMS top-k fraction")
     p.add_argument("--qadam-bits", type=_positive_int, default=1, help="QAdam's bits per value")
     p.add_argument("--compressor", choices=available(), default=None, metavar="NAME",
@@ -126,7 +127,8 @@ def _training_flags(p: argparse.ArgumentParser, steps: int, out: str, bandwidth:
                         "the algorithm's)")
     p.add_argument("--local-step-scaler", type=_positive_int, default=None,
                    help="0/1 Adam: steps per doubling of the local-step interval (default: a quarter of "
-                        "--freeze-step; larger than --steps: no local steps)")
+                        "--freeze-step where one is given, else 0/1 Adam's own; larger than --steps: no local "
+                        "steps)")
     p.add_argument("--powersgd-rank", type=_positive_int, default=1, help="ddp_powersgd's matrix rank")
     p.add_argument("--sync-every", type=_positive_int, default=None,
                    help="diloco: inner steps per synchronisation (default 500)")

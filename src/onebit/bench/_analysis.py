@@ -52,7 +52,11 @@ def demo_verdict(summaries: dict[str, dict], *, nodes: int | None, world_size: i
     emulated cluster (``nodes`` None: loopback) the cost model's for real links."""
     adam, onebit = summaries["adam"], summaries["onebit_adam"]
     adam_step = adam["step_time_s"]["warmup"]
-    compressed = onebit["step_time_s"]["compressed"]
+    compressed = onebit["step_time_s"].get("compressed")
+    if compressed is None:  # the automatic freeze waits for the variance to settle: ~100 steps at the least
+        return [f"1-bit Adam did not leave its fp32 warm-up in {steps} steps: its automatic freeze waits until "
+                "Adam's variance settles (over 100 steps at the least), so this run was Adam's. Run more --steps, "
+                "or set --freeze-step N by hand"]
     lines = [
         f"1-bit Adam's compressed step: {compressed * 1e3:.1f} ms vs Adam's {adam_step * 1e3:.1f} ms "
         f"({adam_step / compressed:.2f}x); the whole run {onebit['train_time_s']:.1f} s vs {adam['train_time_s']:.1f} s "

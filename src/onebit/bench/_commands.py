@@ -72,7 +72,7 @@ def _config(args: argparse.Namespace, optimizer: str):
     return TrainConfig(
         optimizer=optimizer, task=args.task, world_size=args.world_size, steps=args.steps,
         batch_size=args.batch_size, lr=args.lr, schedule=args.schedule, warmup_steps=args.warmup_steps,
-        freeze_step=args.freeze_step if args.freeze_step is not None else max(1, args.steps // 5),
+        freeze_step=args.freeze_step,
         seed=args.seed, topk_ratio=min(args.topk_ratio, 1.0), qadam_bits=args.qadam_bits, compressor=args.compressor,
         local_step_scaler=args.local_step_scaler, powersgd_rank=args.powersgd_rank, hierarchical=args.hierarchical,
         bucket_cap_mb=args.bucket_cap_mb, sync_every=args.sync_every, fragments=args.fragments, delay=args.delay,

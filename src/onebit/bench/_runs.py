@@ -175,7 +175,7 @@ def _registry_optimizer(name: str, params, cfg, exchange: dict[str, Any]) -> tor
         kw["overlap"] = True
         if cfg.bucket_cap_mb is not None:
             kw["bucket_cap_mb"] = cfg.bucket_cap_mb
-    if spec.freeze is not None:
+    if spec.freeze is not None and cfg.freeze_step is not None:
         kw.update(spec.freeze(cfg.freeze_step))
     if spec.seeded:
         kw["seed"] = cfg.seed
@@ -203,7 +203,9 @@ def build_run(name: str, model: nn.Module, cfg, per_node: int | None) -> Run:
     elif name == "lamb":  # 1-bit LAMB that never leaves its warm-up: exact LAMB on all-reduced gradients
         opt = OnebitLamb(params, lr=cfg.lr, freeze_step=cfg.steps + 1, **exchange)
     elif name == "amsgrad":
-        opt = CompAMS(params, lr=cfg.lr, compressor="none", bias_correction=cfg.bias_correction, group=group)
+        # Comp-AMS's reference: the same AMSGrad, uncompressed (its bias correction as Comp-AMS's)
+        opt = CompAMS(params, lr=cfg.lr, compressor="none", group=group,
+                      **({} if cfg.bias_correction is None else {"bias_correction": cfg.bias_correction}))
     else:
         opt = _registry_optimizer(name, params, cfg, exchange)
     if name in ("adam", NO_COMMUNICATION):

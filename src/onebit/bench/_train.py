@@ -37,15 +37,17 @@ class TrainConfig(TaskSpec):
     lr: float = 1e-3
     schedule: str = "constant"  # after the learning-rate warm-up
     warmup_steps: int = 0  # learning-rate warm-up (linear from 0)
-    freeze_step: int | str = 60
+    # the two-stage optimizers' freeze (0/1 Adam's variance freeze, DiLoCo's sync_every); None: each one's own
+    freeze_step: int | str | None = None
     seed: int = 0
     eval_batches: int = 8
-    # Short runs freeze long before v is stationary; bias correction keeps the frozen v unbiased.
-    bias_correction: bool = True
+    # the Adam family's bias correction (None: each optimizer's own: on for 1-bit Adam and 0/1 Adam,
+    # off for Comp-AMS, as its paper's AMSGrad)
+    bias_correction: bool | None = None
     topk_ratio: float = 0.01
     qadam_bits: int = 1
     compressor: str | None = None  # what the optimizers that take one send (None: each one's own)
-    local_step_scaler: int | None = None  # 0/1 Adam's (None: the registry's, a quarter of freeze_step)
+    local_step_scaler: int | None = None  # 0/1 Adam's (None: a quarter of freeze_step, or its own)
     powersgd_rank: int = 1
     hierarchical: bool = False
     # the overlapped exchange's (and DDP's) bucket size, MB of fp32 values (None: the default, 25)
