@@ -326,6 +326,14 @@ def test_compare_without_a_freeze_builds_each_optimizer_with_its_defaults(tmp_pa
     # would have compressed, stopped the refreshes and synchronised on these steps)
     assert stages == {"onebit_adam": {"warmup"}, "zero_one_adam": {"variance"}, "diloco": {"local"}}
     assert summary["diloco"]["bytes_sent_per_rank"] == 0
+    # "auto" is the same for every optimizer: its own (0/1 Adam and DiLoCo have no automatic freeze)
+    auto = tmp_path / "auto"
+    assert main(["compare", "--optimizers", names, "--baseline", "onebit_adam", "--steps", "5", "--batch-size", "4",
+                 "--hidden", "32", "--freeze-step", "auto", "--out", str(auto), "--quiet"]) == 0
+    for name in names.split(","):
+        steps = [[(r["loss"], r["stage"], r["bytes_sent"]) for r in _records(d / name / "metrics.jsonl")]
+                 for d in (auto, out)]
+        assert steps[0] == steps[1], name
     demo = tmp_path / "demo"
     assert main(["demo", "--steps", "4", "--batch-size", "4", "--hidden", "32", "--loopback", "--out", str(demo),
                  "--quiet"]) == 0

@@ -118,7 +118,7 @@ def _training_flags(p: argparse.ArgumentParser, steps: int, out: str, bandwidth:
     p.add_argument("--warmup-steps", type=_nonneg_int, default=0, help="linear learning-rate warm-up")
     p.add_argument("--freeze-step", type=_freeze, default=None,
                    help="last warm-up step of 1-bit Adam/LAMB (0/1 Adam: its variance freeze; DiLoCo: its "
-                        "--sync-every): an int or 'auto' (default: each optimizer's own, as a user gets it)")
+                        "--sync-every): an int, or 'auto' (the default: each optimizer's own, as a user gets it)")
     p.add_argument("--topk-ratio", type=_positive_float, default=0.01, help="Comp-AMS top-k fraction")
     p.add_argument("--qadam-bits", type=_positive_int, default=1, help="QAdam's bits per value")
     p.add_argument("--compressor", choices=available(), default=None, metavar="NAME",

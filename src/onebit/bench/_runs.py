@@ -175,7 +175,8 @@ def _registry_optimizer(name: str, params, cfg, exchange: dict[str, Any]) -> tor
         kw["overlap"] = True
         if cfg.bucket_cap_mb is not None:
             kw["bucket_cap_mb"] = cfg.bucket_cap_mb
-    if spec.freeze is not None and cfg.freeze_step is not None:
+    # a freeze step set by hand ("auto", 1-bit Adam's and LAMB's default, leaves each one its own)
+    if spec.freeze is not None and isinstance(cfg.freeze_step, int):
         kw.update(spec.freeze(cfg.freeze_step))
     if spec.seeded:
         kw["seed"] = cfg.seed
