@@ -82,11 +82,20 @@ def _against(name: str) -> str:
     return DDP if name in (DDP, *COUNTERPART.values()) else COUNTERPART.get(name, DDP)
 
 
-def _target(name: str, config: dict) -> tuple:
-    """The key of the run whose final loss is the target of a run of ``name`` with ``config``: the
+def _target(counterpart: str, config: dict) -> tuple:
+    """The key of ``counterpart``'s run whose final loss is the target of a run with ``config``: the
     same task and seed (and learning rate, for a counterpart other than DDP AdamW)."""
-    against = _against(name)
-    return config["task"], against, None if against == DDP else config["lr"], config["seed"]
+    return config["task"], counterpart, None if counterpart == DDP else config["lr"], config["seed"]
+
+
+def _curve(name: str, config: dict) -> tuple:
+    """What tells one curve from another: its optimizer, task, learning rate and seed."""
+    return name, config["task"], config["lr"], config["seed"]
+
+
+def _timing(link: float, name: str, config: dict) -> tuple:
+    """The key of the cluster run at ``link`` whose steps do the work of ``name``'s with ``config``."""
+    return link, name, tuple(config.get(k) for k in _WORK)
 
 
 def _ratio_text(ratios: dict[int, float | None], minutes: list[float]) -> str:
@@ -117,7 +126,7 @@ def report(curve_dirs: list[Path], cluster_dirs: list[Path], on_cluster_dirs: li
                 continue
             if summary.get("skipped_steps"):
                 raise SystemExit(f"{d}: {name} skipped steps: its speed does not count")
-            key = (summary["cluster"]["bandwidth"], name, tuple(summary["config"].get(k) for k in _WORK))
+            key = _timing(summary["cluster"]["bandwidth"], name, summary["config"])
             if key in timed:
                 raise SystemExit(f"{d}: {name} at {_link(key[0])} timed twice, give one")
             timed[key] = summary
@@ -127,13 +136,13 @@ def report(curve_dirs: list[Path], cluster_dirs: list[Path], on_cluster_dirs: li
         _defaults(name, summary)
         if name in (DDP, *COUNTERPART.values()):
             c = summary["config"]
-            key = (c["task"], name, None if name == DDP else c["lr"], c["seed"])
+            key = _target(name, c)
             if key in targets:
                 raise SystemExit(f"two {name} runs of seed {c['seed']} on {c['task']}: its final loss is the target")
             targets[key] = (summary["final_loss"], records, summary)
 
     def price(link: float, name: str, summary: dict, records: list[dict]) -> float | None:
-        cluster = timed.get((link, name, tuple(summary["config"].get(k) for k in _WORK)))
+        cluster = timed.get(_timing(link, name, summary["config"]))
         return None if cluster is None else added_up(f"{name} at {_link(link)}", cluster, records)
 
     out = []
@@ -152,7 +161,7 @@ def report(curve_dirs: list[Path], cluster_dirs: list[Path], on_cluster_dirs: li
             reached, sent, mine_sent, compressed, heldout = [], [], [], [], []
             for summary, records in sorted(runs, key=lambda r: r[0]["config"]["seed"]):
                 seed = summary["config"]["seed"]
-                goal = targets.get(_target(name, summary["config"]))
+                goal = targets.get(_target(against, summary["config"]))
                 if goal is None:
                     raise SystemExit(f"{name} on {task}, seed {seed}: no {against} run of that seed sets its target")
                 loss, theirs, their_summary = goal
@@ -184,11 +193,8 @@ def report(curve_dirs: list[Path], cluster_dirs: list[Path], on_cluster_dirs: li
                          + f" | {len(mine_sent)}/{len(runs)} ({', '.join(reached)}) | {fewer} | {share} "
                          f"| {statistics.fmean(heldout):.3f} ({len(records):,} steps) |")
         out.append(f"**{task}**\n\n" + "\n".join(lines))
-    def run_of(name: str, config: dict) -> tuple:
-        return name, config["task"], config["lr"], config["seed"]
-
-    same = {run_of(n, s["config"]): r for n, s, r in curves}
-    measured = [_measured(name, summary, records, timed, targets, same.get(run_of(name, summary["config"])))
+    same = {_curve(n, s["config"]): r for n, s, r in curves}
+    measured = [_measured(name, summary, records, timed, targets, same.get(_curve(name, summary["config"])))
                 for d in on_cluster_dirs for name, (summary, records) in compare_runs(d).items() if name != FLOOR]
     goals = [f"{against} on {task}" + (f" (lr {lr:g})" if lr else "")
              for task, against, lr in dict.fromkeys(key[:3] for key in targets)]
@@ -211,13 +217,13 @@ def _measured(name: str, summary: dict, records: list[dict], timed: dict, target
     if summary.get("skipped_steps"):
         raise SystemExit(f"{who}: skipped steps: its speed does not count")
     other = _against(name)
-    goal = targets.get(_target(name, c))
+    goal = targets.get(_target(other, c))
     if goal is None:
         raise SystemExit(f"{who}: no {other} curve of that seed sets its target")
     n = steps_to_loss(records, goal[0])
     if n is None:
         return f"{who}: did not reach {other}'s loss in {len(records):,} steps."
-    cluster = timed.get((link, name, tuple(c.get(k) for k in _WORK)))
+    cluster = timed.get(_timing(link, name, c))
     if cluster is None:
         raise SystemExit(f"{who}: no short cluster run times it")
     added = added_up(who, cluster, records[:n])
