@@ -1,6 +1,10 @@
 """DiLoCo against Algorithm 1 of arXiv 2311.08105 written plainly here, on real gloo ranks."""
 
 import io
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -434,3 +438,96 @@ def test_fragments_given_as_parameters_are_checked(fragments, error, match):
         fragments = [given(f) if isinstance(f, int) else [given(i) for i in f] for f in fragments]
     with pytest.raises(error, match=match):
         onebit.DiLoCo(torch.optim.AdamW(model.parameters()), sync_every=4, fragments=fragments)
+
+
+# A run that ends between a streamed synchronisation's launch and its landing, without opt.wait():
+# the last rank optionally dies right after its last step (its peers' exchange then fails).
+_ENDS_IN_FLIGHT = """
+import os, sys
+import torch, torch.distributed as dist, torch.nn.functional as F
+import onebit
+sys.path.insert(0, {examples!r})
+from _bytes import CONTEXT, byte_model, byte_windows
+
+dist.init_process_group("gloo")
+torch.set_num_threads(1)
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.manual_seed(0)
+model = byte_model()
+opt = onebit.DiLoCo(torch.optim.AdamW(model.parameters(), lr=3e-3), sync_every=8, fragments=2, delay=2, timeout=10)
+data = byte_windows(rank, world, 15 * 32)
+for step in range(15):  # fragment 0 launched after step 13, landing at 16: in flight at the end
+    opt.zero_grad()
+    F.cross_entropy(model(data[step * 32:(step + 1) * 32, :CONTEXT]), data[step * 32:(step + 1) * 32, CONTEXT]).backward()
+    opt.step()
+if {dies} and rank == world - 1:
+    os._exit(0)
+dist.destroy_process_group()
+print("rank", rank, "left its loop", flush=True)
+"""
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("dies", [False, True])
+def test_a_run_that_ends_with_a_synchronisation_in_flight_completes_it_at_exit(tmp_path, world, dies):
+    examples = str(Path(__file__).resolve().parent.parent / "examples")
+    script = tmp_path / "ends_in_flight.py"
+    script.write_text(_ENDS_IN_FLIGHT.format(examples=examples, dies=dies))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world), str(script)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "terminate called" not in out, out[-4000:]
+    survivors = world - 1 if dies else world
+    assert out.count("left its loop") == survivors
+    completed = out.count("DiLoCo: the exchange in flight to step 16 was completed at exit and never landed")
+    failed = out.count("DiLoCo: the exchange in flight to step 16 failed while the process exited")
+    # Without a peer dying, it completes on every rank. With one, it completes if the dead rank's
+    # thread had done its part, else it fails within its timeout (10 s): each survivor says which.
+    assert (completed, failed) == (world, 0) if not dies else completed + failed == survivors
+    assert out.count("call opt.wait() before the end of the run") == survivors
+
+
+def _loads(rank, world, which):
+    """Inside an interval of inner steps, each rank saves its model and optimizer; a new run loads
+    the optimizer state beside ``which`` model: the rank's own, rank 0's (the DDP habit) or the
+    one ``anchored()`` gives (every rank's the same)."""
+    torch.set_num_threads(1)
+    model = _model()
+    opt = onebit.DiLoCo(torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=H)
+    for step in range(1, H + 2):
+        _inner_step(model, opt, rank, step)
+        opt.step()
+    with opt.anchored():
+        anchored = {k: v.clone() for k, v in model.state_dict().items()}
+    models = [None] * world
+    torch.distributed.all_gather_object(models, model.state_dict())
+    saved = io.BytesIO()
+    torch.save(opt.state_dict(), saved)
+    model = _model()
+    opt = onebit.DiLoCo(torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=H)
+    model.load_state_dict({"own": models[rank], "rank0": models[0], "anchored": anchored}[which])
+    saved.seek(0)
+    opt.load_state_dict(torch.load(saved, weights_only=True))
+    _inner_step(model, opt, rank, H + 2)
+    try:
+        opt.step()
+    except onebit.optim.ReplicaDivergence as exc:
+        return str(exc)
+    opt.check_replicas()
+    return None
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("which", ["own", "rank0", "anchored"])
+def test_a_rank_that_resumes_beside_parameters_not_its_own_is_stopped_on_every_rank(world, which):
+    messages = run_ranks(_loads, world, which)
+    if which == "own":
+        assert messages == [None] * world
+        return
+    ranks = list(range(1, world)) if which == "rank0" else list(range(world))
+    for rank, message in enumerate(messages):  # every rank stops, each saying where its own differ
+        assert message.startswith(f"the parameters of ranks {ranks} are not those each saved with its DiLoCo state "
+                                  f"at step {H + 1}")
+        assert "each rank must load the model state it saved itself" in message
+        assert ("here, parameter 0 (shape (8, 6)) first" in message) == (rank in ranks)

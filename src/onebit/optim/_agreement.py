@@ -14,7 +14,7 @@ from .. import comm
 if TYPE_CHECKING:
     from ._base import OnebitOptimizer
 
-__all__ = ["check_replicas", "start_agreement"]
+__all__ = ["check_own_parameters", "check_replicas", "parameter_sums", "start_agreement"]
 
 _log = logging.getLogger("onebit.optim")
 
@@ -83,14 +83,41 @@ def check_replicas(opt: OnebitOptimizer, tensors: Sequence[Tensor] | None = None
     if opt.world_size == 1:
         return None
     params = opt.flat.params if tensors is None else tensors
-    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}
-    sums = torch.stack([p.detach().reshape(-1).view(ints[p.element_size()]).sum(dtype=torch.int64) for p in params])
-    table = comm.all_gather_object_sizes(sums.tolist(), opt.process_group, opt.timeout, opt.flat.device)
+    table = comm.all_gather_object_sizes(parameter_sums(params), opt.process_group, opt.timeout, opt.flat.device)
     differs = (table != table[0]).any(dim=0).nonzero()
     if not differs.numel():
         return None
     i = int(differs[0])
-    names = [n for g in opt.param_groups for n in g.get("param_names", [None] * len(g["params"]))]
-    name = names[i] or f"parameter {i} (shape {tuple(params[i].shape)})"
     ranks = [r for r in range(opt.world_size) if table[r, i] != table[0, i]]
-    return f"replicas differ after step {opt._step_count}: {name} on ranks {ranks} differs from rank 0"
+    return f"replicas differ after step {opt._step_count}: {_name(opt, i, params)} on ranks {ranks} differs from rank 0"
+
+
+def parameter_sums(params: Sequence[Tensor]) -> list[int]:
+    """Each tensor's bits, read as integers, summed on its device: any single-value change shows."""
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return torch.stack([p.detach().reshape(-1).view(ints[p.element_size()]).sum(dtype=torch.int64)
+                        for p in params]).tolist()
+
+
+def check_own_parameters(opt: OnebitOptimizer, saved: Sequence[int]) -> str | None:
+    """Which rank's parameters are not those it saved with its optimizer state (``saved``: their
+    :func:`parameter_sums`), as a message (None: every rank's are); one all-reduce, so that every
+    rank raises alike. Between synchronisations each rank holds its own parameters (DiLoCo's
+    inner steps, fragments or merge; 0/1 Adam's local steps) and its optimizer state is only
+    right beside them: rank 0's model, or the one :meth:`~onebit.DiLoCo.anchored` gives, loaded
+    on every rank resumes another run without a word from the replica check, whose anchors agree."""
+    differs = [i for i, (now, then) in enumerate(zip(parameter_sums(opt.flat.params), saved)) if now != then]
+    flags = torch.zeros(opt.world_size, dtype=torch.float32, device=opt.flat.device)
+    flags[opt.rank] = 1.0 if differs else 0.0
+    ranks = [r for r, v in enumerate(comm.agree(flags, opt.process_group, opt.timeout)) if v]
+    if not ranks:
+        return None
+    here = f" (here, {_name(opt, differs[0], opt.flat.params)} first)" if differs else ""
+    return (f"the parameters of ranks {ranks} are not those each saved with its {type(opt).__name__} state at step "
+            f"{opt._step_count}{here}: between synchronisations every rank holds its own, so each rank must load "
+            "the model state it saved itself (not rank 0's, nor the one taken inside anchored())")
+
+
+def _name(opt: OnebitOptimizer, i: int, params: Sequence[Tensor]) -> str:
+    names = [n for g in opt.param_groups for n in g.get("param_names", [None] * len(g["params"]))]
+    return names[i] or f"parameter {i} (shape {tuple(params[i].shape)})"

@@ -37,7 +37,7 @@ from torch.optim import Optimizer
 
 from .. import comm
 from .._checks import COMMON_OPTIONS, check_betas, check_nonneg, check_optional_positive
-from ._agreement import check_replicas, start_agreement
+from ._agreement import check_own_parameters, check_replicas, parameter_sums, start_agreement
 from ._ddp import attach_ddp, check_ddp
 from ._driver import LOCAL, Driver, Plan, Wire, allreduce_factory
 from ._flat import FlatState
@@ -167,6 +167,7 @@ class OnebitOptimizer(Optimizer):
         self._bytes_last = 0
         self._last_stage: str | None = None
         self._ddp_checked = False
+        self._own_parameters: list[int] | None = None  # loaded beside a state saved between synchronisations
         self._driver: Driver | None = None
         self._grad: Tensor | None = None  # the averaged gradients, in a stage that averages them
         self._lay_out(self._stages.current)
@@ -501,6 +502,7 @@ class OnebitOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         comm.check_world_size(self.process_group, self.world_size, type(self).__name__)
+        self._check_loaded_parameters()
         if not self._ddp_checked:  # the model may have been wrapped after the optimizer was built
             check_ddp(self, construction=False)
             self._ddp_checked = True
@@ -591,10 +593,21 @@ class OnebitOptimizer(Optimizer):
         Inside an interval of local steps (not :attr:`synchronised`) the ranks' parameters differ
         by design, and the anchors (the parameters of the last synchronisation) are compared.
         """
+        self._check_loaded_parameters()
         inside = not self.synchronised
         message = check_replicas(self, self.flat.views("anchor") if inside else None)
         if message:
             raise ReplicaDivergence(message + (" (the anchors, inside an interval of local steps)" if inside else ""))
+
+    def _check_loaded_parameters(self) -> None:
+        """Before the first step after :meth:`load_state_dict` of a state saved between
+        synchronisations: raise :class:`ReplicaDivergence` unless every rank holds the parameters
+        it saved beside it (:func:`onebit.optim._agreement.check_own_parameters`)."""
+        if self._own_parameters is not None:
+            saved, self._own_parameters = self._own_parameters, None
+            message = check_own_parameters(self, saved)
+            if message:
+                raise ReplicaDivergence(message)
 
     # ------------------------------------------------------------------ checkpoints
     def _extra_state(self) -> dict[str, Any]:
@@ -619,6 +632,9 @@ class OnebitOptimizer(Optimizer):
             "step": self._step_count,
             "bytes_sent_total": self._bytes_total,
             "flat": {name: buf.clone() for name, buf in self.flat.buffers.items()},
+            # Between synchronisations the state belongs beside this rank's own parameters: their
+            # fingerprint, checked before the first step after a load.
+            **({} if self.synchronised else {"own_parameters": parameter_sums(self.flat.params)}),
             **self._stages.state_dict(),
             **self._extra_state(),
             **self._driver.state_dict(),
@@ -661,6 +677,7 @@ class OnebitOptimizer(Optimizer):
         # Worker/server errors (and Birder's random state) belong to the rank that saved them.
         saved_rank = int(extra.get("rank", self.rank))  # checkpoints of earlier versions have no rank
         own_state = int(extra["world_size"]) == self.world_size and saved_rank == self.rank
+        self._own_parameters = extra.get("own_parameters") if own_state else None
         if not own_state:
             _log.warning(
                 "%s state saved on world size %d by rank %d, loaded on world size %d by rank %d: per-rank "

@@ -39,12 +39,14 @@ before: where the link is the bottleneck, that costs nothing.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import logging
 import math
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -254,8 +256,9 @@ class _Delayed:
     step to come. Its collectives are the only ones on their group: the order of their issue
     is the same on every rank, their timing need not be."""
 
-    def __init__(self, wire: Wire, lands_at: int, land: Tensor, flights: Sequence[_Flight | None]) -> None:
-        self.wire, self.lands_at, self.land = wire, lands_at, land
+    def __init__(self, wire: Wire, lands_at: int, land: Tensor, flights: Sequence[_Flight | None],
+                 owner: str = "") -> None:
+        self.wire, self.lands_at, self.land, self.owner = wire, lands_at, land, owner
         self.bytes_sent = 0
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -263,6 +266,7 @@ class _Delayed:
             self._thread = threading.Thread(target=self._run, args=(flights,), name="onebit-delayed-exchange",
                                             daemon=True)
             self._thread.start()
+            _RUNNING.add(self)
 
     def _run(self, flights: Sequence[_Flight | None]) -> None:
         try:
@@ -279,8 +283,36 @@ class _Delayed:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+            _RUNNING.discard(self)
         if self._error is not None:
             raise self._error
+
+
+# The delayed exchanges whose thread may still be running. A daemon thread still inside a
+# collective when the interpreter finalizes is ended by pthread_exit as it takes the GIL back
+# from C++ -- "terminate called without an active exception", an abort -- and a run that ends
+# between a launch and its landing without wait() had one there on most exits. The threads are
+# daemons so that nothing waits for them unseen; instead they are completed at exit, each
+# bounded by its collectives' timeout (a process group destroyed before then keeps serving the
+# collectives already issued on it: the exchange still completes on every rank).
+_RUNNING: weakref.WeakSet[_Delayed] = weakref.WeakSet()
+
+
+@atexit.register
+def _complete_at_exit() -> None:
+    # Registered after onebit.comm's own exit handler, so it runs before it (atexit is last in,
+    # first out), while the collectives' workers and the GIL still serve the threads.
+    for delayed in list(_RUNNING):
+        try:
+            delayed.join()
+        except Exception as exc:  # logged: what an exit handler raises is printed without its context
+            _log.error("%s: the exchange in flight to step %d failed while the process exited (%s); call "
+                       "opt.wait() before the end of the run to have it raise there", delayed.owner,
+                       delayed.lands_at, exc)
+        else:
+            _log.warning("%s: the exchange in flight to step %d was completed at exit and never landed; call "
+                         "opt.wait() before the end of the run (and before destroy_process_group())",
+                         delayed.owner, delayed.lands_at)
 
 
 @dataclass(frozen=True)
@@ -510,7 +542,7 @@ class Driver:
                     self._launch(b, live, agreed=True)
         land = self._landing()
         if wire.delay:
-            self._delayed.append(_Delayed(wire, self._plan.step + wire.delay, land, self._flights))
+            self._delayed.append(_Delayed(wire, self._plan.step + wire.delay, land, self._flights, self.owner))
             self._end_step()
             return None
         self._gather(len(self._flights))  # every added bucket's all-gather in flight first
