@@ -49,7 +49,7 @@ from pathlib import Path
 
 from _records import added_up, compare_runs, compare_sources, same_losses
 
-from onebit.bench._analysis import mean_interval, step_time, steps_to_loss
+from onebit.bench._analysis import mean_interval, ratio_interval, step_time, steps_to_loss
 from onebit.bench._convergence import _gap, _run
 
 # label as run on SETTINGS_DATE, by a run without its arguments -> (outer step, exchange)
@@ -348,10 +348,10 @@ def _pooled(link: float, who: str, against: str, ratios: dict[int, float | None]
     unreached = [seed for seed, r in ratios.items() if r is None]
     if unreached:
         return head + f"not pooled (seed {unreached[0]}: a run did not reach DDP AdamW's loss)."
-    mean, half = mean_interval([math.log(r) for r in ratios.values()])
+    mean, low, high = ratio_interval(list(ratios.values()))
     worst = min(ratios, key=ratios.get)
-    return (head + f"**{math.exp(mean):.2f}x faster** (geometric mean, 95% interval "
-            f"[{math.exp(mean - half):.2f}, {math.exp(mean + half):.2f}]; worst seed {worst}, {ratios[worst]:.2f}x; "
+    return (head + f"**{mean:.2f}x faster** (geometric mean, 95% interval "
+            f"[{low:.2f}, {high:.2f}]; worst seed {worst}, {ratios[worst]:.2f}x; "
             f"{', '.join(f'seed {k} {r:.2f}x' for k, r in ratios.items())}).")
 
 

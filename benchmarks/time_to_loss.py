@@ -31,13 +31,12 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import math
 import statistics
 from pathlib import Path
 
 from _records import added_up, compare_runs, compare_sources, same_losses
 
-from onebit.bench._analysis import mean_interval, steps_to_loss
+from onebit.bench._analysis import ratio_interval, steps_to_loss
 from onebit.optim import REGISTRY
 
 COUNTERPART = {"onebit_lamb": "lamb"}  # the others': DDP AdamW
@@ -108,10 +107,9 @@ def _ratio_text(ratios: dict[int, float | None], minutes: list[float]) -> str:
     if len(ratios) == 1:
         (seed, r), = ratios.items()
         return took + f"{r:.2f}x (seed {seed} only)"
-    mean, half = mean_interval([math.log(r) for r in ratios.values()])
+    mean, low, high = ratio_interval(list(ratios.values()))
     worst = min(ratios, key=ratios.get)
-    return took + (f"**{math.exp(mean):.2f}x** [{math.exp(mean - half):.2f}, {math.exp(mean + half):.2f}]; "
-                   f"worst seed {worst} {ratios[worst]:.2f}x")
+    return took + f"**{mean:.2f}x** [{low:.2f}, {high:.2f}]; worst seed {worst} {ratios[worst]:.2f}x"
 
 
 def report(curve_dirs: list[Path], cluster_dirs: list[Path], on_cluster_dirs: list[Path]) -> str:

@@ -47,6 +47,13 @@ def mean_interval(values: list[float]) -> tuple[float, float]:
     return mean, t * statistics.stdev(values) / math.sqrt(n)
 
 
+def ratio_interval(ratios: list[float]) -> tuple[float, float, float]:
+    """Paired seeds' ratios (one run's time over another's) pooled on the log scale: their
+    geometric mean and its 95% t-interval, ``(mean, low, high)``."""
+    mean, half = mean_interval([math.log(r) for r in ratios])
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+
 def demo_verdict(summaries: dict[str, dict], *, nodes: int | None, world_size: int, steps: int) -> list[str]:
     """What ``onebit demo`` showed: the measured speed-up of 1-bit Adam over Adam, and without an
     emulated cluster (``nodes`` None: loopback) the cost model's for real links."""
