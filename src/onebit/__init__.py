@@ -6,12 +6,14 @@ compressed collectives they need
 """
 
 from . import comm, compress, hooks, ops, optim
+from ._checkpoints import Checkpoints
 from .feedback import ErrorFeedback
 from .optim import (Birder, CompAMS, DiLoCo, OnebitAdam, OnebitAdamNaive, OnebitLamb, QAdam, ReplicaDivergence,
                     SoftSignSGD, ZeroOneAdam, attach, from_deepspeed_config)
 
 __all__ = [
     "Birder",
+    "Checkpoints",
     "CompAMS",
     "DiLoCo",
     "ErrorFeedback",

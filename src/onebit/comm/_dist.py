@@ -82,12 +82,14 @@ class Transport(Protocol):
     ``concurrent``: collectives of two groups may be issued from two threads at once, each rank
     issuing them at its own times (in the same order within each group). ``worker_threads``: a
     collective's work is finished and released by the backend's own threads (gloo's, NCCL's
-    watchdog), which must never hold its last reference (see ``_HELD``).
+    watchdog), which must never hold its last reference (see ``_HELD``). ``device``: where the
+    tensors of its collectives live.
     """
 
     backend: str
     concurrent: bool
     worker_threads: bool
+    device: torch.device
 
     def size(self) -> int: ...
     def rank(self) -> int: ...
@@ -114,6 +116,12 @@ class _TorchGroup:
         # gloo's groups are independent; NCCL's kernels on two communicators can wait on each other
         # where the ranks issue them in different orders (NCCL's own rule), so not there.
         return "nccl" not in str(dist.get_backend(self.group))
+
+    @property
+    def device(self) -> torch.device:
+        if self.size() > 1 and "nccl" in str(dist.get_backend(self.group)):
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
@@ -190,6 +198,12 @@ def _transport(group: Group) -> Transport:
 def backend_of(group: Group) -> str:
     """The backend name of ``group`` (``"torch"`` or ``"mpi"``)."""
     return _transport(group).backend
+
+
+def device_of(group: Group) -> torch.device:
+    """Where the tensors of ``group``'s collectives must live: the current CUDA device on NCCL,
+    else the CPU."""
+    return _transport(group).device
 
 
 def concurrent(group: Group) -> bool:

@@ -128,6 +128,7 @@ class MPIGroup:
 
     backend = "mpi"
     worker_threads = False  # mpi4py's requests are waited on by the caller's thread
+    device = torch.device("cpu")  # mpi4py's buffers here are host memory
     __slots__ = ("comm",)
 
     def __init__(self, comm: Any = None) -> None:

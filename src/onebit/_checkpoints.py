@@ -1,0 +1,144 @@
+"""Per-rank checkpoints that a death in the middle of a save cannot break (:class:`Checkpoints`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import comm
+
+__all__ = ["Checkpoints"]
+
+_log = logging.getLogger("onebit")
+_STEP = re.compile(r"step-(\d{9})")
+_DONE = "complete.json"  # written last, by rank 0, once every rank's file is in place
+
+
+class Checkpoints:
+    """A run's checkpoints in ``directory``, one file per rank and step, each step a whole.
+
+    The onebit optimizers keep state of each rank's own (error-feedback buffers, random state,
+    DiLoCo's parameters between synchronisations), so every rank saves its own file. A save
+    writes ``step-<step>/rank<r>.pt`` through a temporary file and a rename, waits for every
+    rank (a barrier), and only then marks the step complete; the ``keep`` newest complete steps
+    stay. A rank that dies in the middle of a save -- a node lost, the job killed -- leaves that
+    step unmarked, and :meth:`load` resumes from the last complete one: no rank resumes from a
+    step another rank never finished saving. ``torch.distributed.checkpoint`` is built for
+    state that is the same on every rank or sharded by key, and would merge the ranks'
+    differing buffers saved under one name.
+
+    ``directory`` must be the same storage on every rank (one machine, or a shared filesystem).
+    Loaded on another world size (an elastic restart after a node was lost or came back), rank
+    ``r`` reads the file of rank ``r`` modulo the saved world size; the optimizer then restarts
+    its per-rank buffers and says so.
+
+    Example::
+
+        checkpoints = onebit.Checkpoints("checkpoints")
+        start = 0
+        if (found := checkpoints.load()) is not None:
+            start, state = found
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["opt"])
+        for step in range(start + 1, steps + 1):
+            ...
+            if step % 100 == 0:
+                checkpoints.save(step, model=model.state_dict(), opt=opt.state_dict())
+    """
+
+    __slots__ = ("directory", "keep", "group", "timeout")
+
+    def __init__(self, directory: str | os.PathLike[str], *, keep: int = 2, group: comm.Group = None,
+                 timeout: float | timedelta | None = None) -> None:
+        if not isinstance(directory, (str, os.PathLike)):
+            raise TypeError(f"Invalid directory: {directory!r} (expected a path)")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"Invalid keep value: {keep!r} (expected an int >= 1)")
+        self.directory, self.keep, self.group = Path(directory), keep, group
+        self.timeout = comm.to_timedelta(timeout)
+
+    def save(self, step: int, **state: Any) -> Path:
+        """Save this rank's ``state`` (keyword arguments: state dicts, tensors, plain values) as
+        ``step``; every rank calls it. Returns this rank's file."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"Invalid step value: {step!r} (expected an int >= 0)")
+        rank, world = comm.get_rank(self.group), comm.get_world_size(self.group)
+        where = self.directory / f"step-{step:09d}"
+        where.mkdir(parents=True, exist_ok=True)
+        path = where / f"rank{rank}.pt"
+        tmp = where / f".rank{rank}.pt.tmp"
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before its name is: a crash leaves the old name or the whole file
+        tmp.replace(path)
+        comm.barrier(self.group, self.timeout)  # every rank's file is in place
+        if rank == 0:
+            _write_atomically(where / _DONE, json.dumps({"step": step, "world_size": world}))
+            self._prune(step)
+        return path
+
+    def latest(self) -> int | None:
+        """The newest complete step in the directory (None: none)."""
+        steps = self._steps()
+        return steps[-1] if steps else None
+
+    def load(self) -> tuple[int, dict[str, Any]] | None:
+        """``(step, state)`` of the newest step every rank sees complete (None: nothing saved
+        yet); every rank calls it. The files load with ``weights_only=True``."""
+        newest = self.latest()
+        mine = -1.0 if newest is None else float(newest)
+        # The ranks agree on one step: the oldest of their newest (a shared filesystem may show
+        # a new step to some ranks first). One all-reduce(max) of (newest, -newest).
+        both = torch.tensor([mine, -mine], dtype=torch.float64, device=comm.device_of(self.group))
+        highest, lowest = (int(v) for v in comm.all_reduce_max(both, self.group, self.timeout).tolist())
+        agreed = -lowest
+        if highest < 0:
+            return None
+        if agreed < 0:
+            raise RuntimeError(f"{self.directory}: rank {comm.get_rank(self.group)} or another finds no complete "
+                               f"checkpoint where a rank finds step {highest}: the directory must be the same "
+                               "storage on every rank")
+        where = self.directory / f"step-{agreed:09d}"
+        done = json.loads((where / _DONE).read_text())
+        rank, world = comm.get_rank(self.group), comm.get_world_size(self.group)
+        source = rank % int(done["world_size"])
+        if int(done["world_size"]) != world:
+            _log.warning("checkpoint step %d was saved on %d ranks, loaded on %d: rank %d reads rank %d's file",
+                         agreed, done["world_size"], world, rank, source)
+        return agreed, torch.load(where / f"rank{source}.pt", weights_only=True)
+
+    def _prune(self, step: int) -> None:
+        """Remove the complete steps older than the ``keep`` newest, and the unfinished saves
+        older than ``step`` (a rank died in them)."""
+        complete = self._steps()
+        oldest_kept = complete[-self.keep] if len(complete) >= self.keep else complete[0]
+        for path in self.directory.iterdir():
+            m = _STEP.fullmatch(path.name)
+            n = int(m.group(1)) if m else None
+            if n is not None and (n < oldest_kept or (n < step and n not in complete)):
+                shutil.rmtree(path, ignore_errors=True)
+
+    def _steps(self) -> list[int]:
+        """The complete steps, oldest first."""
+        if not self.directory.is_dir():
+            return []
+        found = (_STEP.fullmatch(p.name) for p in self.directory.iterdir())
+        return sorted(int(m.group(1)) for m in found if m and (self.directory / m.group(0) / _DONE).is_file())
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name("." + path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)

@@ -1,0 +1,143 @@
+"""onebit.Checkpoints on real gloo ranks: a resume bit for bit, a save a rank never finished, another
+world size, pruning, and its arguments."""
+
+import json
+
+import pytest
+import torch
+
+import onebit
+from _harness import run_ranks
+
+STEPS, SAVE_AT = 8, 5
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def _train(rank, model, opt, steps):
+    for step in steps:
+        gen = torch.Generator().manual_seed(1000 * rank + step)
+        opt.zero_grad()
+        x, y = torch.randn(5, 6, generator=gen), torch.randn(5, 3, generator=gen)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def _resumed(rank, world, directory):
+    """Straight to STEPS, saving every step; then a new run from the newest complete save."""
+    torch.set_num_threads(1)
+    checkpoints = onebit.Checkpoints(directory, keep=2)
+
+    def build():
+        model = _model()
+        return model, onebit.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=3)
+
+    model, opt = build()
+    for step in range(1, SAVE_AT + 1):
+        _train(rank, model, opt, [step])
+        checkpoints.save(step, model=model.state_dict(), opt=opt.state_dict())
+    _train(rank, model, opt, range(SAVE_AT + 1, STEPS + 1))
+    straight = [p.detach().clone() for p in model.parameters()]
+    model, opt = build()
+    step, state = checkpoints.load()
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    _train(rank, model, opt, range(step + 1, STEPS + 1))
+    torch.distributed.barrier()  # rank 0 prunes after the last save
+    kept = sorted(p.name for p in checkpoints.directory.iterdir())
+    return step, all(torch.equal(a, b) for a, b in zip(straight, model.parameters())), kept
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_resume_from_the_newest_save_continues_bit_for_bit(tmp_path, world):
+    for step, same, kept in run_ranks(_resumed, world, str(tmp_path)):
+        assert step == SAVE_AT and same
+        assert kept == ["step-000000004", "step-000000005"]  # keep=2
+    assert sorted(p.name for p in (tmp_path / "step-000000005").iterdir()) == \
+        ["complete.json"] + [f"rank{r}.pt" for r in range(world)]
+
+
+def _unfinished(rank, world, directory):
+    """Step 1 saved by every rank; step 2 by rank 0 only (rank 1 never arrives: its barrier times out)."""
+    lost = onebit.Checkpoints(directory, group=torch.distributed.new_group(), timeout=3)
+    lost.save(1, rank=rank)
+    if rank != 1:
+        with pytest.raises(onebit.comm.CollectiveError, match="barrier"):
+            lost.save(2, rank=rank)
+    torch.distributed.barrier()  # the restart, on a group of its own
+    restarted = onebit.Checkpoints(directory)
+    found = restarted.load()
+    restarted.save(3, rank=rank)  # its next save clears the unfinished one (rank 0, once all are in)
+    torch.distributed.barrier()
+    return found, sorted(p.name for p in restarted.directory.iterdir())
+
+
+def test_a_save_a_rank_never_finished_is_not_loaded_and_is_cleared(tmp_path):
+    for rank, (found, kept) in enumerate(run_ranks(_unfinished, 3, str(tmp_path))):
+        assert found == (1, {"rank": rank})
+        assert kept == ["step-000000001", "step-000000003"]
+
+
+def _saved(rank, world, directory):
+    onebit.Checkpoints(directory).save(7, rank=rank, world=world)
+
+
+def _loaded(rank, world, directory):
+    step, state = onebit.Checkpoints(directory).load()
+    return step, state
+
+
+@pytest.mark.parametrize("saved,loaded", [(3, 2), (2, 3)])
+def test_on_another_world_size_rank_r_reads_rank_r_modulo_the_saved_world(tmp_path, saved, loaded, caplog):
+    run_ranks(_saved, saved, str(tmp_path))
+    assert json.loads((tmp_path / "step-000000007" / "complete.json").read_text()) == {"step": 7, "world_size": saved}
+    assert run_ranks(_loaded, loaded, str(tmp_path)) == [(7, {"rank": r % saved, "world": saved}) for r in range(loaded)]
+
+
+def test_one_process_and_an_empty_directory(tmp_path):
+    checkpoints = onebit.Checkpoints(tmp_path / "new")
+    assert checkpoints.load() is None and checkpoints.latest() is None
+    (tmp_path / "new" / "step-000000009").mkdir(parents=True)  # a save that never completed
+    assert checkpoints.load() is None
+    assert checkpoints.save(4, x=torch.ones(2)).name == "rank0.pt"
+    assert checkpoints.latest() == 4
+    step, state = checkpoints.load()
+    assert step == 4 and torch.equal(state["x"], torch.ones(2))
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"directory": 3}, TypeError, "Invalid directory: 3"),
+    ({"directory": "d", "keep": 0}, ValueError, "Invalid keep value: 0"),
+    ({"directory": "d", "keep": True}, ValueError, "Invalid keep value: True"),
+    ({"directory": "d", "timeout": -1}, ValueError, "timeout must be positive"),
+])
+def test_bad_arguments_are_named(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        onebit.Checkpoints(**kwargs)
+
+
+@pytest.mark.parametrize("step", [-1, 2.0, True])
+def test_a_bad_step_is_named(tmp_path, step):
+    with pytest.raises(ValueError, match=f"Invalid step value: {step!r}"):
+        onebit.Checkpoints(tmp_path).save(step)
+
+
+def _apart(rank, world, directory):
+    """Each rank a directory of its own; only rank 0's holds a complete save."""
+    if rank == 0:
+        onebit.Checkpoints(f"{directory}/rank0", group=torch.distributed.new_group([0])).save(5, rank=rank)
+    else:
+        torch.distributed.new_group([0])  # every rank creates every group
+    try:
+        onebit.Checkpoints(f"{directory}/rank{rank}").load()
+    except RuntimeError as exc:
+        return str(exc)
+
+
+def test_ranks_that_do_not_share_the_directory_are_told_so(tmp_path):
+    for message in run_ranks(_apart, 2, str(tmp_path)):
+        assert "finds no complete checkpoint where a rank finds step 5: the directory must be the same storage" \
+            in message
