@@ -20,6 +20,11 @@ runs each of ``--variants`` from that state on the same batches, each written ou
   squared gradients, ``u_t = 0.99 u_(t-1) + 0.01 g_t^2`` bias-corrected (about the last 100
   steps), instead of Adam's ``v_T / (1 - beta2^T)``, which before step ~1,000 weighs every step
   of the warm-up alike, the first steps' large gradients included.
+* ``refreshK`` (``refresh4``, ``refresh8``, ``refresh16``, ``refresh32``): ``frozen``, its variance
+  refreshed every K-th step from that step's exact gradient as if every step since the last
+  refresh had seen it, ``v <- beta2^k v + (1 - beta2^k) g^2`` (``k``: the steps since; the cost of a
+  refresh on several ranks is one fp32 all-reduce every K steps), and bias-corrected at the last
+  refresh. 0/1 Adam refreshes with weight ``1 - beta2`` instead, whatever the steps between.
 
 Recorded: the held-out loss of each variant every ``--every`` steps (4 held-out batches of 512
 windows); with ``adam`` among them, for each tensor how the frozen step compares with Adam's on
@@ -31,6 +36,10 @@ variance, which the automatic freeze watches. The committed runs::
     python benchmarks/frozen_preconditioner.py --seed 0 --variants adam,frozen,recent \\
         --out benchmarks/results/frozen-preconditioner/results.jsonl
     python benchmarks/frozen_preconditioner.py --seed 0 --steps 1024 --every 100 --variants adam \\
+        --out benchmarks/results/frozen-preconditioner/results.jsonl
+    python benchmarks/frozen_preconditioner.py --seed 0 --variants adam,frozen,refresh8,refresh32 \
+        --out benchmarks/results/frozen-preconditioner/results.jsonl
+    python benchmarks/frozen_preconditioner.py --seed 0 --steps 1024 --every 100 --variants adam,refresh8,refresh16 \
         --out benchmarks/results/frozen-preconditioner/results.jsonl
     python benchmarks/frozen_preconditioner.py --report benchmarks/results/frozen-preconditioner/results.jsonl
 """
@@ -45,7 +54,8 @@ import statistics
 import torch
 from _records import append_row, provenance, provenance_note, read_rows
 
-VARIANTS = ("adam", "frozen", "per_tensor", "embeddings_exact", "clip1", "recent")
+VARIANTS = ("adam", "frozen", "per_tensor", "embeddings_exact", "clip1", "recent", "refresh4", "refresh8", "refresh16",
+            "refresh32")
 EMBEDDINGS = ("embed.weight", "position")  # the tensors whose variance goes on as Adam's in embeddings_exact
 BETA1, BETA2, EPS = 0.9, 0.999, 1e-8
 RECENT = 0.99  # the decay of the ``recent`` variant's average of the squared gradients
@@ -85,15 +95,26 @@ class Side:
         names = [n for n, _ in self.model.named_parameters()]
         self.exact = [name == "adam" or (name == "embeddings_exact" and n in EMBEDDINGS) for n in names]
         self.clip = None if name == "adam" else (1.0 if name == "clip1" else 10.0) * ADAM_LARGEST
+        self.every = int(name.removeprefix("refresh")) if name.startswith("refresh") else None
+        self.v_kept = [v.clone() for v in self.v]  # refreshK: the variance as last refreshed, at step since
+        self.since = freeze
 
     @torch.no_grad()
     def step(self, t: int, lr: float) -> None:
+        refresh = self.every is not None and (t - self.since) % self.every == 0
+        decay = BETA2 ** (t - self.since)
+        if refresh:
+            self.since = t
         for k, p in enumerate(self.params):
             g, m, v = p.grad, self.m[k], self.v[k]
             m.lerp_(g, 1 - BETA1)
             v.mul_(BETA2).addcmul_(g, g, value=1 - BETA2)  # Adam's variance, kept by every side
             if self.exact[k]:
                 denominator = v / (1 - BETA2**t)
+            elif self.every is not None:
+                if refresh:  # the exact average enters as if every step since the last refresh had seen it
+                    self.v_kept[k].mul_(decay).addcmul_(g, g, value=1 - decay)
+                denominator = self.v_kept[k] / (1 - BETA2**self.since)
             elif self.name == "per_tensor" and self.l1_frozen[k] > 0:
                 denominator = self.v_frozen[k] * (float((v / (1 - BETA2**t)).sum()) / self.l1_frozen[k])
             else:
