@@ -7,8 +7,11 @@ logging data names (``local_gradient_hook``: DDP sent nothing, the optimizer exc
 import json
 import math
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -97,3 +100,49 @@ def test_switching_pages_plain_script_exits_cleanly(tmp_path):
         proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
         assert "'stage': 'compressed'" in proc.stdout and "'skipped_steps': 0" in proc.stdout
+
+
+def _agent(port, tmp_path, name, *args):
+    """One torchrun agent of an elastic job on this machine (a node of its own), in a session of its own."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc_per_node", "1",
+           "--max-restarts", "3", "--monitor-interval", "1", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "elastic-test",
+           "--rdzv-conf", "last_call_timeout=2", str(EXAMPLES / "elastic_torchrun.py"), *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    return subprocess.Popen(cmd, cwd=EXAMPLES, env=env, stdout=open(tmp_path / f"{name}.log", "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+@pytest.mark.parametrize("optimizer", ["onebit_adam", pytest.param("diloco", marks=pytest.mark.slow)])
+def test_elastic_torchrun_goes_on_without_a_lost_node(tmp_path, optimizer):
+    # Two agents (two nodes of one machine); the second dies with its worker after step 45 of 100,
+    # checkpoints every 10 steps: the first goes on alone from the last complete checkpoint.
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    record = tmp_path / "steps.jsonl"
+    args = ("--optimizer", optimizer, "--steps", "100", "--checkpoints", str(tmp_path / "checkpoints"),
+            "--timeout", "10", "--pause", "0.05", "--record", str(record))
+    first = _agent(port, tmp_path, "first", *args)
+    time.sleep(1)  # the first hosts the rendezvous store
+    second = _agent(port, tmp_path, "second", *args)
+
+    def steps():
+        return [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
+
+    deadline = time.monotonic() + 180
+    while len(steps()) < 45 and time.monotonic() < deadline and first.poll() is None:
+        time.sleep(0.2)
+    killed_after = steps()[-1]["step"]
+    for pid in subprocess.run(["pgrep", "-P", str(second.pid)], capture_output=True, text=True).stdout.split():
+        os.kill(int(pid), signal.SIGKILL)  # its worker, then the agent: the node is gone
+    second.kill()
+    assert first.wait(timeout=240) == 0, (tmp_path / "first.log").read_text()[-5000:]
+    rows = steps()
+    before = [r for r in rows if r["world"] == 2]
+    after = [r for r in rows if r["world"] == 1]
+    assert [r["step"] for r in before] == list(range(1, len(before) + 1)) and before[-1]["step"] >= killed_after
+    resumed = after[0]["resumed_from"]
+    assert resumed == 10 * (killed_after // 10) or resumed == 10 * (before[-1]["step"] // 10)  # the last complete one
+    assert [r["step"] for r in after] == list(range(resumed + 1, 101))  # nothing lost, each step once after it
+    assert all(math.isfinite(r["loss"]) for r in rows) and after[-1]["loss"] < math.log(256)
