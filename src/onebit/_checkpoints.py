@@ -7,9 +7,10 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -74,15 +75,11 @@ class Checkpoints:
         where = self.directory / f"step-{step:09d}"
         where.mkdir(parents=True, exist_ok=True)
         path = where / f"rank{rank}.pt"
-        tmp = where / f".rank{rank}.pt.tmp"
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())  # on disk before its name is: a crash leaves the old name or the whole file
-        tmp.replace(path)
+        _write_atomically(path, lambda f: torch.save(state, f))
         comm.barrier(self.group, self.timeout)  # every rank's file is in place
         if rank == 0:
-            _write_atomically(where / _DONE, json.dumps({"step": step, "world_size": world}))
+            done = json.dumps({"step": step, "world_size": world}).encode()
+            _write_atomically(where / _DONE, lambda f: f.write(done))
             self._prune(step)
         return path
 
@@ -94,6 +91,7 @@ class Checkpoints:
     def load(self) -> tuple[int, dict[str, Any]] | None:
         """``(step, state)`` of the newest step every rank sees complete (None: nothing saved
         yet); every rank calls it. The files load with ``weights_only=True``."""
+        rank, world = comm.get_rank(self.group), comm.get_world_size(self.group)
         newest = self.latest()
         mine = -1.0 if newest is None else float(newest)
         # The ranks agree on one step: the oldest of their newest (a shared filesystem may show
@@ -104,12 +102,11 @@ class Checkpoints:
         if highest < 0:
             return None
         if agreed < 0:
-            raise RuntimeError(f"{self.directory}: rank {comm.get_rank(self.group)} or another finds no complete "
+            raise RuntimeError(f"{self.directory}: rank {rank} or another finds no complete "
                                f"checkpoint where a rank finds step {highest}: the directory must be the same "
                                "storage on every rank")
         where = self.directory / f"step-{agreed:09d}"
         done = json.loads((where / _DONE).read_text())
-        rank, world = comm.get_rank(self.group), comm.get_world_size(self.group)
         source = rank % int(done["world_size"])
         if int(done["world_size"]) != world:
             _log.warning("checkpoint step %d was saved on %d ranks, loaded on %d: rank %d reads rank %d's file",
@@ -120,7 +117,7 @@ class Checkpoints:
         """Remove the complete steps older than the ``keep`` newest, and the unfinished saves
         older than ``step`` (a rank died in them)."""
         complete = self._steps()
-        oldest_kept = complete[-self.keep] if len(complete) >= self.keep else complete[0]
+        oldest_kept = complete[-self.keep:][0]
         for path in self.directory.iterdir():
             m = _STEP.fullmatch(path.name)
             n = int(m.group(1)) if m else None
@@ -135,10 +132,12 @@ class Checkpoints:
         return sorted(int(m.group(1)) for m in found if m and (self.directory / m.group(0) / _DONE).is_file())
 
 
-def _write_atomically(path: Path, text: str) -> None:
+def _write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """``write`` into a temporary file, on disk before it takes ``path``'s name: a crash leaves the
+    old file or the whole new one, never a part."""
     tmp = path.with_name("." + path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
+    with open(tmp, "wb") as f:
+        write(f)
         f.flush()
         os.fsync(f.fileno())
     tmp.replace(path)
