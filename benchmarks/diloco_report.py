@@ -178,10 +178,14 @@ def cluster_report(dirs: list[Path]) -> str:
 def _curve_setting(name: str, summary: dict) -> str:
     config = summary["config"]
     # what the run changed from the defaults of the time-to-loss runs (absent from runs before the option)
-    extra = "".join(f", {key} {config[key]}" for key, default in (("compressor", None), ("schedule", "constant"))
+    extra = "".join(f", {key} {config[key]}" for key, default in (("compressor", None), ("schedule", "constant"),
+                                                                   ("refresh_every", None))
                     if config.get(key, default) != default)
     if name == "onebit_adam":
         asked, took = config["freeze_step"], summary["freeze_step"]
+        asked = "auto" if asked is None else asked  # None: the optimizer's own, "auto"
+        if config.get("refresh_every") is None and "refresh" in summary["step_time_s"]:  # its default's refreshes
+            extra = ", variance refreshed" + extra
         return (f"freeze_step={asked}: " + ("never froze" if took is None else f"compressed from step {took + 1}")
                 + extra)
     return (_setting(name, config) or "every step, fp32") + extra

@@ -11,7 +11,7 @@ defaults and a learning rate only, over paired seeds, at each link speed. Two ki
   are the same whatever the link's speed, so the curve is the cluster's.
 * ``--cluster-times``: short ``onebit compare`` runs on the emulated cluster (``--nodes``, with
   the no-communication floor ``local_adam``), whose median step time of each stage (1-bit Adam's
-  fp32 warm-up and compressed steps, 0/1 Adam's variance refreshes, DiLoCo's inner steps and
+  fp32 warm-up, compressed steps and variance refreshes, 0/1 Adam's variance refreshes, DiLoCo's inner steps and
   synchronisations) prices each step of a curve. A stage costs what it costs whenever it comes,
   so these may set a freeze or an interval by hand to reach each stage in a few steps.
 
@@ -48,7 +48,7 @@ FLOOR = "local_adam"
 _WORK = ("task", "d_model", "layers", "heads", "context", "hidden", "batch_size", "world_size", "bucket_cap_mb",
          "hierarchical", "fragments", "delay", "collective", "compressor")
 # options a run with the defaults leaves unset (1-bit Adam's and LAMB's default freeze is "auto")
-_OPTIONS = ("sync_every", "fragments", "delay", "collective", "compressor", "local_step_scaler")
+_OPTIONS = ("sync_every", "fragments", "delay", "collective", "compressor", "local_step_scaler", "refresh_every")
 
 
 def _defaults(name: str, summary: dict) -> None:

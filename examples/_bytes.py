@@ -30,5 +30,5 @@ def byte_model() -> torch.nn.Module:
 
 
 def freeze_step(text: str) -> int | str:
-    """'auto' (the default: the optimizer decides, after step 100) or the last warm-up step."""
+    """'auto' (the default: the optimizer decides, after step 100 and by step 200) or the last warm-up step."""
     return text if text == "auto" else int(text)

@@ -45,6 +45,7 @@ def test_demo_end_to_end_tiny(where, tmp_path, capsys):
     [
         (["demo", "--steps", "0"], "--steps: must be a positive integer, got 0"),
         (["demo", "--freeze-step", "soon"], "--freeze-step: must be 'auto' or an integer >= 0, got 'soon'"),
+        (["train", "--refresh-every", "0"], "--refresh-every: must be 'never' or a positive integer, got '0'"),
         (["train", "--optimizer", "sgd"], "invalid choice: 'sgd'"),
         (["bench", "disk"], "invalid choice: 'disk'"),
         (["bench", "kernels", "--tasks", "gpt"], "unrecognized arguments: --tasks gpt"),
@@ -338,6 +339,20 @@ def test_compare_without_a_freeze_builds_each_optimizer_with_its_defaults(tmp_pa
     assert main(["demo", "--steps", "4", "--batch-size", "4", "--hidden", "32", "--loopback", "--out", str(demo),
                  "--quiet"]) == 0
     assert "1-bit Adam did not leave its fp32 warm-up in 4 steps" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("every,refreshes", [(None, [11]), ("2", [5, 7, 9, 11]), ("never", [])])
+def test_train_refreshes_1bit_adams_variance_as_asked(tmp_path, every, refreshes):
+    # frozen at step 3: the default refreshes every 8th step after it, 2 every other one, never not at all
+    out = tmp_path / "run"
+    flags = [] if every is None else ["--refresh-every", every]
+    assert main(["train", "--steps", "12", "--batch-size", "4", "--hidden", "32", "--freeze-step", "3", "--quiet",
+                 "--out", str(out), *flags]) == 0
+    stages = [r["stage"] for r in _records(out / "onebit_adam" / "metrics.jsonl")]
+    assert [t for t, stage in enumerate(stages, 1) if stage == "refresh"] == refreshes
+    assert stages[:3] == ["warmup"] * 3 and stages.count("compressed") == 9 - len(refreshes)
+    summary = json.loads((out / "onebit_adam" / "summary.json").read_text())
+    assert summary["steps"] == {s: stages.count(s) for s in set(stages)}
 
 
 def test_model_reads_sizes_as_people_write_them(capsys):

@@ -34,6 +34,7 @@ def test_onebit_adam_arguments_map():
     assert (group["lr"], group["betas"], group["weight_decay"]) == (2e-4, (0.8, 0.98), 0.01)
     assert opt.eps == 1e-6 and opt.max_grad_norm is None  # "gradient_clipping": 0 does not clip
     assert opt.bias_correction is False  # DeepSpeed's update never bias-corrected
+    assert opt.refresh_every is None  # nor refreshed its frozen variance
     assert opt.stats["freeze_step"] is None and opt.freeze.freeze_step == 7
 
 
@@ -68,8 +69,9 @@ def test_zero_one_adam_arguments_map():
 
 def test_overrides_win():
     opt = onebit.from_deepspeed_config(_cfg(lr=1e-3), _params(), bias_correction=True, clip_update=None,
-                                       max_grad_norm=None)
+                                       max_grad_norm=None, refresh_every=8)
     assert opt.bias_correction is True and opt.clip_update is None and opt.max_grad_norm is None
+    assert opt.refresh_every == 8
 
 
 @pytest.mark.parametrize("kind", ["OneBitAdam", "OneBitLamb", "ZeroOneAdam"])

@@ -15,7 +15,7 @@ def test_volume_matches_the_papers_formula():
     # 1-bit Adam section 7.1: 1 / (warmup + (1 - warmup) / 16) for fp16 training (about 5x).
     for warm in (0.15, 0.2):
         m = ModelInput(params=340_000_000, world_size=256, nodes=64, bandwidth=1e9, warmup_fraction=warm,
-                       value_bytes=2)
+                       value_bytes=2, refresh_every=None)  # the paper's variance, never refreshed
         expect = 1 / (warm + (1 - warm) / 16 * (1 + 4 * 256 * 8 / 340_000_000))
         assert _by_name(m)["onebit_adam"].volume_reduction == pytest.approx(expect, rel=1e-6)
     assert _by_name(m)["birder"].volume_reduction == pytest.approx(16, rel=1e-3)
@@ -43,7 +43,13 @@ def test_speedups_and_end_to_end_formula():
     assert rows["adam"].stage_speedup == 1.0
     s = rows["onebit_adam"].stage_speedup
     assert s > 5
-    assert rows["onebit_adam"].end_to_end_speedup == pytest.approx(1 / (0.2 + 0.8 / s))
+    # every 8th step after the warm-up an fp32 refresh (1-bit Adam's default); 1-bit LAMB has none
+    assert rows["onebit_adam"].warmup_fraction == pytest.approx(0.2 + 0.8 / 8)
+    assert rows["onebit_adam"].end_to_end_speedup == pytest.approx(1 / (0.3 + 0.7 / s))
+    assert rows["onebit_lamb"].end_to_end_speedup == pytest.approx(1 / (0.2 + 0.8 / rows["onebit_lamb"].stage_speedup))
+    never = _by_name(ModelInput(params=8_400_000, world_size=4, nodes=4, bandwidth=2e8, compute=0.2,
+                                warmup_fraction=0.2, refresh_every=None))["onebit_adam"]
+    assert never.end_to_end_speedup == pytest.approx(1 / (0.2 + 0.8 / s))
     assert rows["birder"].end_to_end_speedup == pytest.approx(rows["birder"].stage_speedup)
     # One node: nothing crosses the network, nothing to gain.
     one = _by_name(ModelInput(params=8_400_000, world_size=4, nodes=1, bandwidth=2e8, compute=0.2))
@@ -52,7 +58,7 @@ def test_speedups_and_end_to_end_formula():
 
 def test_zero_one_adam_local_steps_send_nothing():
     base = dict(params=8_400_000, world_size=4, nodes=4, bandwidth=2e8, compute=0.2, warmup_fraction=0.2)
-    rows = _by_name(ModelInput(**base, refresh_fraction=0.2, local_fraction=0.0))
+    rows = _by_name(ModelInput(**base, refresh_fraction=0.2, local_fraction=0.0, refresh_every=None))
     # refreshes in place of the warm-up and no local steps: 1-bit Adam's figures
     assert rows["zero_one_adam"].end_to_end_speedup == pytest.approx(rows["onebit_adam"].end_to_end_speedup)
     assert rows["zero_one_adam"].volume_reduction == pytest.approx(rows["onebit_adam"].volume_reduction)
@@ -124,6 +130,8 @@ def test_bad_input():
         ModelInput(params=1, world_size=4, nodes=4, bandwidth=1e9, fragments=3)
     with pytest.raises(ValueError, match="delay must be an int in \\[0, sync_every / fragments\\), got 125"):
         ModelInput(params=1, world_size=4, nodes=4, bandwidth=1e9, fragments=4, delay=125)
+    with pytest.raises(ValueError, match="refresh_every must be None or a positive int, got 0"):
+        ModelInput(params=1, world_size=4, nodes=4, bandwidth=1e9, refresh_every=0)
     with pytest.raises(ValueError, match="unknown collective 'ring'"):
         collective_cost("ring", ModelInput(params=1, world_size=4, nodes=4, bandwidth=1e9))
 

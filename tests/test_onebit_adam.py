@@ -30,14 +30,19 @@ def _adam_reference(world, steps, lr, betas, eps, weight_decay):
     return [p.detach() for p in params]
 
 
-def _algorithm1(world, steps, freeze, lr, b1, b2, eps, bias_correction=False, clip=None, per_tensor=False):
+def _algorithm1(world, steps, freeze, lr, b1, b2, eps, bias_correction=False, clip=None, per_tensor=False,
+                refresh=None):
     """Algorithm 1 with n simulated workers, one process, fused momentum; the paper's form
     without bias correction or step clip, or onebit's with both (clip: the multiple of
-    Adam's largest step) and, with `per_tensor`, one scale for each tensor's piece of a chunk."""
+    Adam's largest step) and, with `per_tensor`, one scale for each tensor's piece of a chunk.
+    `refresh`: every refresh-th step after the freeze, the averaged gradient enters m, and v (or
+    its bias-corrected estimate) takes g^2 as Adam's v would had every step since its last update
+    seen g: v_t = b2^k v_{t-k} + (1 - b2^k) g^2."""
     params = [p.clone() for p in _params()]
     sizes = [p.numel() for p in params]
     m = torch.zeros(sum(sizes))
     v = torch.zeros(sum(sizes))
+    last = freeze  # the step whose gradient last entered v
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     car = SimulatedCompressedAllReduce(world, sum(sizes), segments=starts if per_tensor else None)
     for step in range(1, steps + 1):
@@ -49,8 +54,15 @@ def _algorithm1(world, steps, freeze, lr, b1, b2, eps, bias_correction=False, cl
             m = b1 * m + (1 - b1) * g
             v = b2 * v + (1 - b2) * g * g
             denom = (v / (1 - b2**step if bias_correction else 1.0)).sqrt() + eps
-        else:  # lines 5-13, the variance frozen at step `freeze`
-            m = car([b1 * m + (1 - b1) * g for g in gs])
+        else:  # lines 5-13, the variance frozen at step `freeze` (or refreshed)
+            if refresh is not None and (step - freeze) % refresh == 0:
+                g = sum(gs) / world
+                m = b1 * m + (1 - b1) * g
+                v = b2 ** (step - last) * v + (1 - b2 ** (step - last)) * g * g
+                denom = (v / (1 - b2**step if bias_correction else 1.0)).sqrt() + eps
+                last = step
+            else:
+                m = car([b1 * m + (1 - b1) * g for g in gs])
             if clip is not None:  # Adam's largest step, Kingma & Ba section 2.1
                 bound = clip * max(1.0, (1 - b1) / math.sqrt(1 - b2)) * bc1 * denom
                 m = torch.maximum(torch.minimum(m, bound), -bound)
@@ -82,19 +94,93 @@ def test_warmup_equals_adamw_on_averaged_gradient(world):
 def test_compression_stage_matches_algorithm_1_and_replicas_agree(world, defaults):
     kw = dict(lr=0.02, betas=(0.9, 0.99), eps=1e-8)
     # onebit's form, with a clip tight enough to bind on this problem; or the paper's
-    ours = dict(clip_update=0.3) if defaults else dict(bias_correction=False, clip_update=None, scales="chunk")
+    ours = dict(clip_update=0.3) if defaults else dict(bias_correction=False, clip_update=None, scales="chunk",
+                                                         refresh_every=None)
     res = run_ranks(_train, world, 14, dict(kw, freeze_step=5, **ours))
     expect = _algorithm1(world, 14, 5, 0.02, 0.9, 0.99, 1e-8, bias_correction=defaults, clip=ours["clip_update"],
-                         per_tensor=defaults)
+                         per_tensor=defaults, refresh=8 if defaults else None)
     for r in res:
         assert r["digests"] == res[0]["digests"], "replicas diverged"
         for got, want in zip(r["params"], expect):
             assert torch.allclose(got, want, rtol=1e-4, atol=1e-6), (got - want).abs().max()
     stats = res[0]["stats"]
-    assert [s["stage"] for s in stats] == ["warmup"] * 5 + ["compressed"] * 9
+    # the default refreshes the variance every 8 steps after the freeze
+    assert [s["stage"] for s in stats] == ["warmup"] * 5 + ["compressed"] * 7 + (
+        ["refresh", "compressed"] if defaults else ["compressed"] * 2)
     assert stats[-1]["freeze_step"] == 5
     # compression stage: two 1-bit slots (all-to-all + all-gather) per peer instead of fp32
     assert 0 < stats[-1]["bytes_sent"] < stats[0]["bytes_sent"]
+
+
+@pytest.mark.parametrize("world,defaults", [(2, True), (3, True), (2, False)])
+def test_refreshes_match_algorithm_1_with_refreshed_variance(world, defaults):
+    """Every 3rd step after the freeze all-reduces the gradients in fp32 and refreshes m and v;
+    the steps between are Algorithm 1's, with the refreshed preconditioner."""
+    kw = dict(lr=0.02, betas=(0.9, 0.99), eps=1e-8, refresh_every=3)
+    ours = dict(clip_update=0.3) if defaults else dict(bias_correction=False, clip_update=None, scales="chunk")
+    res = run_ranks(_train, world, 16, dict(kw, freeze_step=4, **ours))
+    expect = _algorithm1(world, 16, 4, 0.02, 0.9, 0.99, 1e-8, bias_correction=defaults, clip=ours["clip_update"],
+                         per_tensor=defaults, refresh=3)
+    frozen = _algorithm1(world, 16, 4, 0.02, 0.9, 0.99, 1e-8, bias_correction=defaults, clip=ours["clip_update"],
+                         per_tensor=defaults)
+    for r in res:
+        assert r["digests"] == res[0]["digests"], "replicas diverged"
+        for got, want in zip(r["params"], expect):
+            assert torch.allclose(got, want, rtol=1e-4, atol=1e-6), (got - want).abs().max()
+    assert any(not torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(expect, frozen))
+    stats = res[0]["stats"]
+    assert [s["stage"] for s in stats] == ["warmup"] * 4 + ["compressed", "compressed", "refresh"] * 4
+    assert stats[6]["bytes_sent"] == stats[0]["bytes_sent"] > stats[5]["bytes_sent"]  # fp32, as the warm-up
+
+
+def test_refresh_every_step_is_adamw():
+    """Refreshed at every step, 1-bit Adam never sends a 1-bit code: it is AdamW on the average."""
+    kw = dict(lr=0.05, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.01)
+    res = run_ranks(_train, 2, 10, dict(kw, freeze_step=3, refresh_every=1, clip_update=None))
+    for got, want in zip(res[0]["params"], _adam_reference(2, 10, **kw)):
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got - want).abs().max()
+    assert [s["stage"] for s in res[0]["stats"]] == ["warmup"] * 3 + ["refresh"] * 7
+
+
+@pytest.mark.parametrize("resume_at", [6, 7])
+def test_resume_before_and_at_a_refresh_is_bit_exact(resume_at):
+    kw = dict(lr=0.02, freeze_step=4, refresh_every=3)  # refreshes at steps 7, 10, 13
+    straight = run_ranks(_train, 2, 14, kw)
+    resumed = run_ranks(_train, 2, 14, kw, resume_at)
+    for a, b in zip(straight, resumed):
+        assert a["digests"] == b["digests"]
+        assert [s["stage"] for s in a["stats"]] == [s["stage"] for s in b["stats"]]
+
+
+@pytest.mark.parametrize("saved_every", [None, 5])
+def test_a_state_saved_with_other_refreshes_refreshes_from_its_own_last_update(saved_every):
+    """Saved at step 12 by Algorithm 1 (frozen at 3) or refreshing every 5 (last at 8), loaded with
+    refreshes every 8: the next refresh comes 8 steps after that state's last update (or at once,
+    step 13, where those are past), its variance
+    weighted by the steps since: v_hat_t = (b2^k (1 - b2^s) v_hat_s + (1 - b2^k) g^2) / (1 - b2^t)."""
+    b2, eps = 0.99, 1e-8
+    grads = [torch.full((3,), 0.1 * t) for t in range(1, 31)]
+    saved = onebit.OnebitAdam([torch.nn.Parameter(torch.zeros(3))], betas=(0.9, b2), freeze_step=3,
+                              refresh_every=saved_every)
+    for g in grads[:12]:
+        saved.param_groups[0]["params"][0].grad = g.clone()
+        saved.step()
+    p = torch.nn.Parameter(saved.param_groups[0]["params"][0].detach().clone())
+    opt = onebit.OnebitAdam([p], betas=(0.9, b2), freeze_step=3, refresh_every=8)
+    opt.load_state_dict(saved.state_dict())
+    last = 3 if saved_every is None else 8
+    first = max(13, last + 8)
+    v_hat = (opt.state[p]["frozen_denom"] - eps).square()
+    stages = []
+    for t, g in enumerate(grads[12:], 13):
+        p.grad = g.clone()
+        opt.step()
+        stages.append(opt.stats["stage"])
+        if t == first:
+            k = t - last
+            want = (b2**k * (1 - b2**last) * v_hat + (1 - b2**k) * g * g) / (1 - b2**t)
+            assert torch.allclose((opt.state[p]["frozen_denom"] - eps).square(), want, rtol=1e-5)
+    assert [t for t, s in enumerate(stages, 13) if s == "refresh"] == list(range(first, 31, 8))
 
 
 def test_compression_stage_world_1_matches_algorithm_1():
@@ -160,7 +246,9 @@ def test_auto_freeze_thresholds_by_default(cls):
 
     def frozen_at(**kw):
         p = torch.nn.Parameter(torch.zeros(1))
-        opt = cls([p], freeze_step="auto", freeze_window=2, **kw)
+        # 1-bit Adam without refreshes: with them "auto" freezes after two windows at the latest
+        opt = cls([p], freeze_step="auto", freeze_window=2, **kw, **({"refresh_every": None} if cls is onebit.OnebitAdam
+                                                                       else {}))
         for t in range(1, 200):
             p.grad = torch.full((1,), 1.0 / t)
             opt.step()
@@ -176,11 +264,28 @@ def test_auto_freeze_thresholds_by_default(cls):
         assert frozen_at() == first_in_band(0.96, True)
 
 
+@pytest.mark.parametrize("kw,frozen", [({}, 20), ({"min_freeze_step": 30}, 30), ({"max_freeze_step": 12}, 12),
+                                       ({"freeze_window": 15}, 30), ({"refresh_every": None}, None),
+                                       ({"bias_correction": False}, None)])
+def test_auto_freezes_by_twice_its_window_when_refreshed(kw, frozen):
+    # a variance that keeps growing never meets the criterion; refreshed (the default), "auto" freezes
+    # after two of its windows at the latest (round(0.1 / (1 - beta2)) = 10 steps each), never before
+    # min_freeze_step; frozen for good, it waits for the criterion; on the raw variance the window is
+    # round(1 / (1 - beta2)) = 100 steps
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = onebit.OnebitAdam([p], betas=(0.9, 0.99), **kw)
+    for t in range(1, 41):
+        p.grad = torch.full((2,), 1.1**t)
+        opt.step()
+    assert opt.stats["freeze_step"] == frozen
+    assert opt.stats["stage"] == ("warmup" if frozen is None else "refresh" if (40 - frozen) % 8 == 0 else "compressed")
+
+
 def test_stats_report_the_auto_criterion():
     # ||v_t||_1 / ||v_{t-D}||_1 of the bias-corrected variance, written plainly; D = 2
     beta2 = 0.999
     p = torch.nn.Parameter(torch.zeros(3))
-    opt = onebit.OnebitAdam([p], lr=1e-3, freeze_step="auto", freeze_window=2)
+    opt = onebit.OnebitAdam([p], lr=1e-3, freeze_step="auto", freeze_window=2, refresh_every=None)
     v, corrected, seen = torch.zeros(3), [], []
     for t in range(1, 6):
         g = torch.tensor([1.0, -2.0, 0.5]) * t
@@ -291,6 +396,8 @@ def test_bad_arguments():
         (dict(bias_correction="yes"), TypeError, "Invalid bias_correction value: 'yes'"),
         (dict(clip_update=0), ValueError, "Invalid clip_update value: 0 (expected None or a positive number)"),
         (dict(clip_update=True), ValueError, "Invalid clip_update value: True"),
+        (dict(refresh_every=0), ValueError, "Invalid refresh_every value: 0 (expected an int >= 1)"),
+        (dict(refresh_every=2.5), TypeError, "Invalid refresh_every value: 2.5 (expected an int >= 1)"),
         (dict(compressor="bogus"), ValueError, "unknown compressor 'bogus'"),
         (dict(scales="layer"), ValueError, "Invalid scales value: 'layer' (expected 'tensor' or 'chunk')"),
         (dict(timeout=0), ValueError, "timeout must be positive, got 0"),
@@ -371,7 +478,8 @@ def _quiet_neighbour(rank, world, scales):
     loud = torch.nn.Parameter(torch.zeros(512))
     quiet = torch.nn.Parameter(torch.zeros(64))
     lr, freeze = 1e-3, 20
-    opt = onebit.OnebitAdam([loud, quiet], lr=lr, bias_correction=False, freeze_step=freeze, scales=scales)
+    opt = onebit.OnebitAdam([loud, quiet], lr=lr, bias_correction=False, freeze_step=freeze, scales=scales,
+                            refresh_every=None)
     gen = torch.Generator().manual_seed(rank)
     path = 0.0
     for step in range(1, 2 * freeze + 1):

@@ -149,6 +149,14 @@ def test_one_bucket_gives_the_one_shot_bits_through_both_stages(world):
             assert all(n == 1 for n in r["in_backward"]), f"{name}: the bucket was not launched during backward"
 
 
+def test_refreshes_overlapped_give_the_one_shot_bits():
+    # every other step after the freeze an fp32 refresh, launched during backward as the warm-up's
+    for r in run_ranks(_lockstep, 2, "onebit_adam", 25.0, FREEZE + 5, {"refresh_every": 2}):
+        assert all(r["same"]) and r["stage"] == "compressed"
+        assert r["bytes"][FREEZE + 1] == r["bytes"][0] > r["bytes"][FREEZE]  # step FREEZE + 2: a refresh
+        assert all(n == 1 for n in r["in_backward"])
+
+
 def test_the_naive_control_clips_the_average_with_overlap():
     # max_grad_norm clips the averaged gradient there, which step() has in full
     res = run_ranks(_lockstep, 2, "onebit_adam_naive", 25.0, 4, {"max_grad_norm": 0.05})

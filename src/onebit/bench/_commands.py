@@ -74,7 +74,8 @@ def _config(args: argparse.Namespace, optimizer: str):
         batch_size=args.batch_size, lr=args.lr, schedule=args.schedule, warmup_steps=args.warmup_steps,
         freeze_step=args.freeze_step,
         seed=args.seed, topk_ratio=min(args.topk_ratio, 1.0), qadam_bits=args.qadam_bits, compressor=args.compressor,
-        local_step_scaler=args.local_step_scaler, powersgd_rank=args.powersgd_rank, hierarchical=args.hierarchical,
+        local_step_scaler=args.local_step_scaler, refresh_every=args.refresh_every, powersgd_rank=args.powersgd_rank,
+        hierarchical=args.hierarchical,
         bucket_cap_mb=args.bucket_cap_mb, sync_every=args.sync_every, fragments=args.fragments, delay=args.delay,
         collective=args.collective, context=args.context,
         hidden=args.hidden, d_model=args.d_model, layers=args.layers, heads=args.heads,
@@ -248,6 +249,7 @@ def _compare_round(args: argparse.Namespace, names: list[str], summaries: dict[s
         model = ModelInput(params=summaries[args.baseline]["parameters"], world_size=args.world_size,
                            nodes=args.nodes, bandwidth=args.bandwidth, latency=args.latency, compute=0.0,
                            warmup_fraction=min(1.0, warm), topk_ratio=min(args.topk_ratio, 1.0),
+                           **({} if args.refresh_every is None else {"refresh_every": _refresh_every(args)}),
                            **{k: getattr(args, k) for k in ("sync_every", "fragments", "delay")
                               if getattr(args, k) is not None})
     rows, note = compare_rows(summaries, runs, args.baseline, model, hierarchical=args.hierarchical)
@@ -424,10 +426,15 @@ _MODEL_COLUMNS = (
     "MB/exch: megabytes out of the busiest node in one exchange (DiLoCo: one synchronisation); "
     "MB/step: the same averaged over every step of the run; step ms: a step that exchanges (compute "
     "+ communication + compression); stage: its speedup over adam's step; fp32: the share of "
-    "steps that send fp32 (1-bit Adam and LAMB's warm-up, 0/1 Adam's refreshes); overall: the speedup "
-    "over the whole run, counting those and the steps that send nothing (0/1 Adam's local steps, "
+    "steps that send fp32 (1-bit Adam and LAMB's warm-up, 1-bit Adam's and 0/1 Adam's refreshes); overall: "
+    "the speedup over the whole run, counting those and the steps that send nothing (0/1 Adam's local steps, "
     "DiLoCo's inner steps); volume: adam's bytes over this optimizer's, summed over the run and every "
     "link, those inside a node too (birder_hierarchical's fp32 reduce-scatter inside each node).")
+
+
+def _refresh_every(args: argparse.Namespace) -> int | None:
+    """``--refresh-every`` as 1-bit Adam takes it (``"never"``: ``None``)."""
+    return None if args.refresh_every == "never" else args.refresh_every
 
 
 def model(args: argparse.Namespace) -> int:
@@ -438,6 +445,7 @@ def model(args: argparse.Namespace) -> int:
         m = ModelInput(params=args.params, world_size=args.world_size, nodes=args.nodes, bandwidth=bandwidth,
                        latency=args.latency, compute=args.compute_ms / 1e3, kernel_gbps=gbps,
                        warmup_fraction=args.warmup_fraction, refresh_fraction=args.refresh_fraction,
+                       refresh_every=_refresh_every(args),
                        local_fraction=args.local_fraction, sync_every=args.sync_every, fragments=args.fragments,
                        delay=args.delay, topk_ratio=args.topk_ratio,
                        value_bytes=args.value_bytes)

@@ -48,6 +48,7 @@ class ModelInput:
     compute: float = 0.0  # seconds of forward + backward + update per step
     kernel_gbps: float = 4.5  # GB/s of the compression kernels (one CPU thread; `onebit model --device`)
     warmup_fraction: float = 0.15  # 1-bit Adam / LAMB steps before the freeze
+    refresh_every: int | None = 8  # 1-bit Adam's fp32 variance refreshes after the freeze (its default; None: none)
     refresh_fraction: float = 0.01  # 0/1 Adam's variance refreshes (fp32 all-reduce)
     local_fraction: float = 0.5  # 0/1 Adam's local steps (the paper: up to 54% fewer rounds than 1-bit Adam)
     sync_every: int = 500  # DiLoCo's inner steps per synchronisation (H; the paper's and onebit.DiLoCo's default)
@@ -79,6 +80,9 @@ class ModelInput:
         for name in ("warmup_fraction", "refresh_fraction", "local_fraction"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
+        if self.refresh_every is not None and (isinstance(self.refresh_every, bool)
+                                               or not isinstance(self.refresh_every, int) or self.refresh_every < 1):
+            raise ValueError(f"refresh_every must be None or a positive int, got {self.refresh_every!r}")
         if self.refresh_fraction + self.local_fraction > 1:
             raise ValueError(f"refresh_fraction + local_fraction must be <= 1, got "
                              f"{self.refresh_fraction!r} + {self.local_fraction!r}")
@@ -186,8 +190,9 @@ def predict(m: ModelInput) -> list[Prediction]:
     # name (as `onebit train --optimizer`), collective, cost-model kind, kernel time, uncompressed and
     # local-step fractions (None: DiLoCo's, from its synchronisations): the uncompressed references,
     # then the registry's rows
-    exact = {None: (0.0, 0.0), "warmup": (m.warmup_fraction, 0.0), "refresh": (m.refresh_fraction, m.local_fraction),
-             "sync": (0.0, None)}
+    refreshed = m.warmup_fraction + ((1.0 - m.warmup_fraction) / m.refresh_every if m.refresh_every else 0.0)
+    exact = {None: (0.0, 0.0), "warmup": (m.warmup_fraction, 0.0), "warmup_refreshed": (refreshed, 0.0),
+             "refresh": (m.refresh_fraction, m.local_fraction), "sync": (0.0, None)}
     rows = [(name, full, "allreduce_full", 0.0, 0.0, 0.0)
             for name in ("adam", "lamb", "amsgrad", "softsign_sgd", "ddp_allreduce")]
     rows.append(("ddp_fp16", "ring all-reduce fp16", "allreduce_fp16", 0.0, 0.0, 0.0))

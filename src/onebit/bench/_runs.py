@@ -182,6 +182,8 @@ def _registry_optimizer(name: str, params, cfg, exchange: dict[str, Any]) -> tor
         kw["seed"] = cfg.seed
     # the training options it takes (the registry's): Adam's bias correction, Top-k's ratio, QAdam's bits, ...
     kw.update({arg: getattr(cfg, option) for option, arg in spec.options.items() if getattr(cfg, option) is not None})
+    if kw.get("refresh_every") == "never":  # 1-bit Adam's frozen variance, never refreshed (Algorithm 1)
+        kw["refresh_every"] = None
     return make_optimizer(name.removesuffix("_overlap"), params, **kw)
 
 

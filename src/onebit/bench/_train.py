@@ -48,6 +48,7 @@ class TrainConfig(TaskSpec):
     qadam_bits: int = 1
     compressor: str | None = None  # what the optimizers that take one send (None: each one's own)
     local_step_scaler: int | None = None  # 0/1 Adam's (None: a quarter of freeze_step, or its own)
+    refresh_every: int | str | None = None  # 1-bit Adam's variance refreshes: every K steps, "never" (None: its own)
     powersgd_rank: int = 1
     hierarchical: bool = False
     # the overlapped exchange's (and DDP's) bucket size, MB of fp32 values (None: the default, 25)
@@ -280,6 +281,7 @@ def train(cfg: TrainConfig, out: Path, progress: bool = True, cluster=None) -> d
         "eval_loss": results[0]["eval_loss"],
         "freeze_step": results[0]["freeze_step"],
         "bytes_sent_per_rank": sum(r["bytes_sent"] for r in records),
+        "steps": {stage: sum(r["stage"] == stage for r in records) for stage in stages},
         "step_time_s": step_times,
         "samples_per_s": {stage: t and per_step / t for stage, t in step_times.items()},
         # Time waiting in onebit's collectives (DDP's own all-reduce runs inside backward, not timed here).

@@ -9,7 +9,7 @@ from ._deepspeed import from_deepspeed_config
 from ._diloco import DiLoCo, outer_step
 from ._freeze import FreezeSchedule
 from ._functional import adam_step_bound, clip_to_adam_step_
-from ._onebit_adam import OnebitAdam, OnebitAdamNaive, adam, onebit_adam
+from ._onebit_adam import OnebitAdam, OnebitAdamNaive, adam, onebit_adam, refresh_preconditioner
 from ._onebit_lamb import OnebitLamb, lamb, onebit_lamb
 from ._registry import COUNTERPARTS, REGISTRY, Cost, Counterpart, Spec, Variant, make_optimizer
 from ._zero_one_adam import ZeroOneAdam, ZeroOneSchedule, local_step, refresh_variance, synchronise
@@ -49,6 +49,7 @@ __all__ = [
     "onebit_lamb",
     "outer_step",
     "qadam_direction",
+    "refresh_preconditioner",
     "refresh_variance",
     "soft_sign_direction",
     "soft_sign_moments",

@@ -74,7 +74,7 @@ class OnebitOptimizer(Optimizer):
     ``max_grad_norm``.
 
     ``max_grad_norm`` (gradient clipping, DeepSpeed's ``gradient_clipping``): where the
-    optimizer forms the averaged gradient -- the warm-up of 1-bit Adam and 1-bit LAMB,
+    optimizer forms the averaged gradient -- the warm-up of 1-bit Adam (and its refreshes) and 1-bit LAMB,
     SoftSignSGD, Comp-AMS's average of compressed gradients, OnebitAdamNaive's compressed
     average, 0/1 Adam's steps up to ``var_freeze_step`` -- that gradient is scaled by
     ``min(1, max_grad_norm / (norm + 1e-6))`` over all parameters, exactly what
@@ -687,6 +687,8 @@ class OnebitOptimizer(Optimizer):
             )
         try:
             self._stages.load_state_dict(extra)
+            if self._stages.current.averages != (self._grad is not None):  # stages alike but for that
+                self._lay_out(self._stages.current)
             self._load_extra_state(extra, own_state)
             self._driver.load_state_dict(extra, own_state)
             self._plan_next()

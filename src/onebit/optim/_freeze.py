@@ -23,7 +23,8 @@ compressed stage fell further behind LAMB on a large, sparsely used embedding
 (``benchmarks/results/convergence-auto-1000/``).
 
 The freeze is never before ``min_step`` (e.g. the learning-rate warm-up length) nor before
-``D + 1`` steps of history exist, and at the latest at ``max_step``. ``v`` is computed from
+``D + 1`` steps of history exist, and at the latest at ``max_step`` (1-bit Adam with its default
+variance refreshes: after two windows, 200 steps, since a refreshed variance need not wait). ``v`` is computed from
 the all-reduced gradient, so it is bit-identical on every rank and every rank takes the
 decision on the same step without another collective.
 """
@@ -52,7 +53,9 @@ _CORRECTED_THRESHOLD = 0.85  # 1-bit Adam's, over 0.1 / (1 - beta2) steps of the
 
 class FreezeSchedule:
     """Decides the last warm-up step: fixed (an int) or ``"auto"`` (the variance-norm criterion,
-    on the variance bias-corrected with ``corrected_beta2`` when given: ``v_t / (1 - beta2^t)``)."""
+    on the variance bias-corrected with ``corrected_beta2`` when given: ``v_t / (1 - beta2^t)``).
+    ``max_windows``: without a ``max_step``, freeze after that many windows at the latest (never
+    before ``min_step``; None: no bound)."""
 
     def __init__(
         self,
@@ -63,6 +66,7 @@ class FreezeSchedule:
         min_step: int,
         max_step: int | None,
         corrected_beta2: float | None = None,
+        max_windows: int | None = None,
     ) -> None:
         if freeze_step != "auto" and (isinstance(freeze_step, bool) or not isinstance(freeze_step, int)):
             raise TypeError(f"Invalid freeze_step value: {freeze_step!r} (expected an int >= 0 or 'auto')")
@@ -76,6 +80,8 @@ class FreezeSchedule:
                 raise ValueError(f"Invalid {name} value: {value!r}")
         if max_step is not None and (isinstance(max_step, bool) or not isinstance(max_step, int) or max_step < min_step):
             raise ValueError(f"Invalid max_freeze_step value: {max_step!r} (must be an int >= min_freeze_step)")
+        if max_step is None and max_windows is not None:
+            max_step = max(min_step, max_windows * window)
         self.freeze_step = freeze_step
         self.threshold = threshold
         self.window = window
@@ -118,7 +124,8 @@ class FreezeSchedule:
 
 
 def freeze_schedule(freeze_step: int | str, beta2: float, *, threshold: float | None, window: int | None,
-                    min_step: int, max_step: int | None, corrected: bool) -> FreezeSchedule:
+                    min_step: int, max_step: int | None, corrected: bool,
+                    max_windows: int | None = None) -> FreezeSchedule:
     """:class:`FreezeSchedule` with the threshold and window ``D`` unless given: 0.85 and
     ``round(0.1 / (1 - beta2))`` when the criterion reads the bias-corrected variance
     (``corrected``), else the paper's 0.96 and ``round(1 / (1 - beta2))``."""
@@ -127,7 +134,7 @@ def freeze_schedule(freeze_step: int | str, beta2: float, *, threshold: float | 
     if window is None:
         window = max(1, round((0.1 if corrected else 1.0) / (1.0 - beta2)))
     return FreezeSchedule(freeze_step, threshold=threshold, window=window, min_step=min_step, max_step=max_step,
-                          corrected_beta2=beta2 if corrected else None)
+                          corrected_beta2=beta2 if corrected else None, max_windows=max_windows)
 
 
 def warn_early_freeze(owner: str, frozen_at: int, beta2: float) -> None:
@@ -149,14 +156,15 @@ def warn_early_freeze(owner: str, frozen_at: int, beta2: float) -> None:
         )
 
 
-def count_unused(owner: str, frozen: Tensor, value: float, offsets: Sequence[tuple[int, int]]) -> list[int]:
+def count_unused(owner: str, frozen: Tensor, value: float, offsets: Sequence[tuple[int, int]], *,
+                 log: bool = True) -> list[int]:
     """The parameters (indices into ``offsets``) whose flat frozen state ``frozen`` holds
     ``value`` somewhere: it had a zero variance at the freeze, no gradient through the whole
     warm-up (an embedding row never looked up, a frozen tensor). No mask is kept:
     :func:`mask_unused_` re-derives it from the frozen state of those parameters, at no memory
-    cost between steps."""
+    cost between steps. ``log``: say how many values at INFO."""
     counts = [int((frozen[lo:hi] == value).sum()) for lo, hi in offsets]
-    if any(counts):
+    if log and any(counts):
         _log.info("%s: %d values had a zero gradient through the warm-up; their momentum is held at zero",
                   owner, sum(counts))
     return [i for i, count in enumerate(counts) if count]

@@ -5,7 +5,9 @@ says whether it has a gradient on some rank -- the others keep their value and m
 :func:`adam` is eq. (1), the warm-up (and the naive control's every step); the momentum a
 rank sends in the compression stage is ``beta1 m + (1 - beta1) g`` (Algorithm 1 line 6,
 :func:`~onebit.optim._functional.ema_`); :func:`onebit_adam` is lines 11-13 on its
-error-compensated 1-bit average.
+error-compensated 1-bit average; :func:`refresh_preconditioner` is a refresh of the frozen
+variance (``refresh_every``, not in the paper: 0/1 Adam's variance refreshes, weighted by the
+steps since the last one).
 """
 
 from __future__ import annotations
@@ -16,19 +18,19 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from .. import comm
-from .._checks import check_adam_args, check_bool, check_optional_positive, check_overlap
+from .._checks import check_adam_args, check_bool, check_optional_positive, check_overlap, check_positive_int
 from ._base import OnebitOptimizer
 from ._driver import COMPRESSED_FORMED, COMPRESSED_GRADIENT, EXACT_GRADIENT, Wire
 from ._freeze import count_unused, freeze_schedule, mask_unused_, warn_early_freeze
 from ._functional import adam_denominator, adam_denominators, apply_update_, clip_to_adam_step_, ema_
-from ._stages import OneStage, Stage, TwoStages
+from ._stages import OneStage, RefreshedStages, Stage, TwoStages
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
     from .._checks import CommonOptions
 
-__all__ = ["OnebitAdam", "OnebitAdamNaive", "adam", "onebit_adam"]
+__all__ = ["OnebitAdam", "OnebitAdamNaive", "adam", "onebit_adam", "refresh_preconditioner"]
 
 
 def adam(
@@ -101,10 +103,57 @@ def onebit_adam(
         apply_update_(p, exp_avg[lo:hi], denom, lr=lrs[i], weight_decay=weight_decays[i], step_size=lrs[i] / bc1)
 
 
+def refresh_preconditioner(
+    offsets: Sequence[tuple[int, int]],
+    *,
+    grads: Sequence[Tensor] | Mapping[int, Tensor],
+    active: Sequence[bool],
+    exp_avg: Tensor,
+    frozen_denom: Tensor,
+    step: int,
+    since: int,
+    betas: Sequence[tuple[float, float]],
+    eps: float,
+    bias_correction: bool,
+    indices: Iterable[int] | None = None,
+) -> None:
+    """A refresh of the frozen state at ``step`` from the gradients' exact average ``g``
+    (``grads[i]``, read for the active parameters only): ``m <- beta1 m + (1 - beta1) g``, and
+    the variance behind ``frozen_denom`` takes ``g^2`` as if each of the ``step - since`` steps
+    since it was last updated (the freeze, or the last refresh) had seen it --
+    ``v <- beta2^k v + (1 - beta2^k) g^2`` with ``k = step - since`` -- so that it keeps Adam's
+    memory of about ``1 / (1 - beta2)`` steps however rarely it is refreshed (0/1 Adam's
+    refreshes add one ``g^2`` with weight ``1 - beta2`` each: their variance mostly remembers
+    the early ones). With ``bias_correction`` ``frozen_denom`` is ``sqrt(v_hat) + eps``, ``v_hat =
+    v / (1 - beta2^t)``, and the update is made on ``v_hat``; without, on ``v``. The step itself is
+    then :func:`onebit_adam`'s, on the exact ``m``. ``indices``: only those parameters (None: all)."""
+    for i in range(len(offsets)) if indices is None else indices:
+        if not active[i]:
+            continue
+        lo, hi = offsets[i]
+        beta1, beta2 = betas[i]
+        g = grads[i].reshape(-1)
+        exp_avg[lo:hi].lerp_(g, 1.0 - beta1)
+        decay = beta2 ** (step - since)
+        keep, take = decay, 1.0 - decay
+        if bias_correction:  # on v_hat: v_t / (1 - beta2^t) from v_since / (1 - beta2^since)
+            keep, take = keep * (1.0 - beta2**since) / (1.0 - beta2**step), take / (1.0 - beta2**step)
+        d = frozen_denom[lo:hi]
+        d.sub_(eps).square_().mul_(keep).addcmul_(g, g, value=take).sqrt_().add_(eps)
+
+
+# "auto"'s latest freeze with refreshes, in windows of its criterion (on the bias-corrected variance,
+# 100 steps at beta2 = 0.999). Frozen there (step 200 of 1,024) and refreshed every 8, the 12.9M GPT
+# ended ahead of never freezing on 3 seeds (benchmarks/results/time-to-loss/gpt); frozen at 204 for
+# good it stalled. The criterion itself fired after 395-457 steps there.
+_REFRESHED_WINDOWS = 2
 # Adam's moments, and the gradients' average: the warm-up, and the naive control's every step
 _ADAM = ("exp_avg", "exp_avg_sq")
 # The compression stage: the variance becomes the frozen preconditioner in place (Algorithm 1 line 2)
 _FROZEN = Stage(COMPRESSED_FORMED, ("exp_avg", "frozen_denom"), renames={"exp_avg_sq": "frozen_denom"})
+# A refresh of the frozen state (refresh_every): the gradients' exact fp32 average, as in the warm-up
+_REFRESH = Stage(Wire("refresh", formed=False, exact=True), ("exp_avg", "frozen_denom"), averages=True,
+                 renames=_FROZEN.renames)
 
 
 class _AdamFamily(OnebitOptimizer):
@@ -154,6 +203,11 @@ class OnebitAdam(_AdamFamily):
       the preconditioner ``sqrt(v_T / (1 - beta2^T)) + eps`` itself (``state[p]["frozen_denom"]``
       from then on): the compression stage holds ``m``, that, and the collective's worker and
       server errors -- 3 + 1/w model sizes.
+    * Refreshes (``refresh_every``, not in the paper; every 8th step after the freeze by
+      default): the step all-reduces the gradients in fp32 and refreshes ``m`` and the frozen
+      variance from their average (:func:`onebit.optim.refresh_preconditioner`), so that the
+      preconditioner follows the gradients after an early freeze; ``stats["stage"]`` is
+      ``"refresh"``. ``refresh_every=None``: Algorithm 1.
 
     Args:
         params: parameters or param groups (options ``lr``, ``betas``, ``weight_decay``).
@@ -172,7 +226,9 @@ class OnebitAdam(_AdamFamily):
             on the bias-corrected variance, 100 steps at 0.999; ``round(1 / (1 - beta2))`` on the
             raw one, without bias correction).
         min_freeze_step: "auto" never freezes before this step (set it to the LR warm-up).
-        max_freeze_step: "auto" freezes at this step at the latest (``None``: no limit).
+        max_freeze_step: "auto" freezes at this step at the latest (``None``: with refreshes,
+            after two of its windows -- step 200 with the defaults -- or at ``min_freeze_step`` if
+            later; without refreshes, no limit).
         compressor: compressor of the momentum exchange (``"sign"``; ``"identity"`` gives the
             paper's "1-bit Adam (32-bits)" ablation).
         scales: ``"tensor"``: a compressor with scales (``"sign"``) gives each parameter's
@@ -183,6 +239,14 @@ class OnebitAdam(_AdamFamily):
             step, ``lr (1 - beta1) / sqrt(1 - beta2)`` (:func:`onebit.optim.clip_to_adam_step_`;
             not in the paper; ``None``: no clip). Without it, values whose frozen variance is
             tiny take steps of ``lr * scale / sqrt(v)`` from the 1-bit exchange.
+        refresh_every: after the freeze, every ``refresh_every``-th step refreshes the frozen
+            variance (not in the paper; ``None``: frozen for good, Algorithm 1): that step
+            all-reduces the gradients in fp32, as the warm-up does, and the variance takes their
+            square as if every step since its last update had seen it
+            (:func:`onebit.optim.refresh_preconditioner`), so that the preconditioner follows the
+            gradients' scale where it moves after the freeze; the other steps are 1-bit. A variance
+            frozen for good stalls a run frozen early at a constant learning rate; refreshed, the
+            freeze can come early, so ``"auto"`` freezes by ``max_freeze_step``'s default at the latest.
         hierarchical: exchange with Birder's Hierarchical-1-bit-All-Reduce
             (:func:`onebit.comm.compressed_allreduce`: ``True``, ``False`` or ``"auto"``).
         ranks_per_node: ranks on each node, for the hierarchical exchange (``None``: detected).
@@ -249,6 +313,7 @@ class OnebitAdam(_AdamFamily):
         compressor: str = "sign",
         scales: str = "tensor",
         clip_update: float | None = 10.0,
+        refresh_every: int | None = 8,
         hierarchical: bool | str = False,
         ranks_per_node: int | None = None,
         overlap: bool | str | None = None,
@@ -256,13 +321,18 @@ class OnebitAdam(_AdamFamily):
         **options: Unpack[CommonOptions],
     ) -> None:
         self.clip_update = check_optional_positive("clip_update", clip_update)
+        self.refresh_every = None if refresh_every is None else check_positive_int("refresh_every", refresh_every)
         check_overlap(overlap)
         beta2 = check_adam_args(lr, betas, eps, weight_decay)[1]
-        self._stages = TwoStages(type(self).__name__, Stage(EXACT_GRADIENT, _ADAM, averages=True), _FROZEN,
-                                 freeze_schedule(freeze_step, beta2, threshold=freeze_threshold, window=freeze_window,
-                                                 min_step=min_freeze_step, max_step=max_freeze_step,
-                                                 corrected=check_bool("bias_correction", bias_correction)),
-                                 watch="exp_avg_sq")
+        warmup = Stage(EXACT_GRADIENT, _ADAM, averages=True)
+        schedule = freeze_schedule(freeze_step, beta2, threshold=freeze_threshold, window=freeze_window,
+                                   min_step=min_freeze_step, max_step=max_freeze_step,
+                                   corrected=check_bool("bias_correction", bias_correction),
+                                   max_windows=None if self.refresh_every is None else _REFRESHED_WINDOWS)
+        name = type(self).__name__
+        self._stages = (TwoStages(name, warmup, _FROZEN, schedule, watch="exp_avg_sq") if self.refresh_every is None
+                        else RefreshedStages(name, warmup, _FROZEN, _REFRESH, schedule, watch="exp_avg_sq",
+                                             every=self.refresh_every))
         self._unused: list[int] = []  # the parameters with values unused through the warm-up
         self._init_adam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, group=group, options=options)
@@ -289,36 +359,47 @@ class OnebitAdam(_AdamFamily):
     def _apply_part(self, wire: Wire, average: Tensor | None, members: Sequence[int] | None) -> None:
         """The step of parameters ``members`` alone (None: all; each parameter's update reads only
         its own state and average): the overlapped exchange applies each bucket as it lands."""
-        if not wire.formed:
+        if wire == EXACT_GRADIENT:  # the warm-up
             self._adam(average, members)
             return
         b = self.flat.buffers
+        step, updated = self._step_count, self._stages.updated_at
+        if wire == _REFRESH.wire:  # the exact average enters m and the frozen variance
+            refresh_preconditioner(self.flat.offsets, grads=self.flat.split(average, members), active=self._active,
+                                   indices=members, exp_avg=b["exp_avg"], frozen_denom=b["frozen_denom"], step=step,
+                                   since=updated, betas=self._hyper("betas"), eps=self.eps,
+                                   bias_correction=self.bias_correction)
+            updated = step
         unused = self._unused if members is None else set(members).intersection(self._unused)
         mask_unused_(b["exp_avg"], b["frozen_denom"], self.eps, self.flat.offsets, unused)
         onebit_adam(self.flat.params, self.flat.offsets, active=self._active, indices=members, exp_avg=b["exp_avg"],
-                    frozen_denom=b["frozen_denom"], step=self._step_count, lrs=self._hyper("lr"),
+                    frozen_denom=b["frozen_denom"], step=step, lrs=self._hyper("lr"),
                     betas=self._hyper("betas"), weight_decays=self._hyper("weight_decay"),
                     bias_correction=self.bias_correction, clip_update=self.clip_update,
-                    frozen_at=self._stages.frozen_at)
+                    frozen_at=updated)
 
     def _enter(self, stage: Stage) -> None:
         """Algorithm 1 line 2: the variance, renamed ``"frozen_denom"``, becomes in place the frozen
         preconditioner ``sqrt(v_T / (1 - beta2^T)) + eps`` (``1`` for ``1 - beta2^T`` without bias
         correction). The compression stage only ever divides by it, so it takes ``v``'s buffer
         rather than a second model-sized one, and costs nothing per step; it reads each rank's own
-        gradients where they lie (no averaged gradients' buffer)."""
+        gradients where they lie (no averaged gradients' buffer). Back from a refresh, which
+        updated it in place: the values still without a gradient."""
         frozen_at = self._stages.frozen_at
-        d = self.flat.buffers["frozen_denom"]
-        bc2 = [1.0 - beta2**frozen_at if self.bias_correction else 1.0 for _, beta2 in self._hyper("betas")]
-        adam_denominators(d, self.flat.offsets, eps=self.eps, bias_corrections2=bc2, out=d)
-        self._note_unused()
-        if not self.bias_correction:
-            warn_early_freeze(type(self).__name__, frozen_at, max(b for _, b in self._hyper("betas")))
+        froze = frozen_at == self._step_count  # else back from a refresh, or into one
+        if froze:
+            d = self.flat.buffers["frozen_denom"]
+            bc2 = [1.0 - beta2**frozen_at if self.bias_correction else 1.0 for _, beta2 in self._hyper("betas")]
+            adam_denominators(d, self.flat.offsets, eps=self.eps, bias_corrections2=bc2, out=d)
+            if not self.bias_correction:
+                warn_early_freeze(type(self).__name__, frozen_at, max(b for _, b in self._hyper("betas")))
+        if stage is not _REFRESH:
+            self._note_unused(log=froze)
 
-    def _note_unused(self) -> None:
-        # sqrt(v_hat) + eps == eps: no gradient through the warm-up (or one below eps's rounding)
+    def _note_unused(self, log: bool = True) -> None:
+        # sqrt(v_hat) + eps == eps: no gradient through the warm-up and refreshes (or one below eps's rounding)
         self._unused = count_unused(type(self).__name__, self.flat.buffers["frozen_denom"], self.eps,
-                                   self.flat.offsets)
+                                   self.flat.offsets, log=log)
 
     def _load_extra_state(self, state: Mapping[str, Any], own_state: bool) -> None:
         if self._stages.frozen_at is not None:

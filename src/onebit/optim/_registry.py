@@ -46,7 +46,8 @@ class Cost:
     :data:`onebit.bench.COLLECTIVES` (``"onebit"``, ``"allgather_topk"``, ...), described by
     ``label``; ``kernels``: the compression arithmetic's share of 1-bit Adam's (compress, the
     server's average, decode); ``exact``: the steps that send fp32 instead (``"warmup"``: the
-    warm-up fraction, ``"refresh"``: 0/1 Adam's refreshes, its local steps sending nothing)."""
+    warm-up fraction, ``"warmup_refreshed"``: that and every ``refresh_every``-th step after it,
+    1-bit Adam's variance refreshes, ``"refresh"``: 0/1 Adam's refreshes, its local steps sending nothing)."""
 
     collective: str
     label: str
@@ -119,7 +120,8 @@ REGISTRY: dict[str, Spec] = {
     "onebit_adam": Spec(OnebitAdam, "adamw", lambda w: 3.0 + 1.0 / w, overlap=True, hierarchical=True,
                         freeze=lambda t: {"freeze_step": t}, test_kwargs={"lr": 0.01, "freeze_step": 2},
                         matrix="onebit_adam", variants={"identity": _IDENTITY, "overlap": _OVERLAP}, target=3.0,
-                        costs={"onebit_adam": Cost("onebit", _ONEBIT, exact="warmup")}, options=_ADAM_OPTIONS),
+                        costs={"onebit_adam": Cost("onebit", _ONEBIT, exact="warmup_refreshed")},
+                        options={**_ADAM_OPTIONS, "refresh_every": "refresh_every"}),
     # m, v, the exchanged gradient, worker and server error
     "onebit_adam_naive": Spec(OnebitAdamNaive, "adamw", lambda w: 4.0 + 1.0 / w, overlap=True, hierarchical=True,
                               test_kwargs={"lr": 0.01}, costs={"onebit_adam_naive": Cost("onebit", _ONEBIT)},

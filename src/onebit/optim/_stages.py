@@ -12,6 +12,8 @@ the math of the change. The policies:
 * :class:`OneStage` -- one stage for every step (Birder, Comp-AMS, the controls);
 * :class:`TwoStages` -- a warm-up until a :class:`~onebit.optim.FreezeSchedule` watching a
   buffer decides, then the compression stage (1-bit Adam, 1-bit LAMB);
+* :class:`RefreshedStages` -- the same, with a refresh of the frozen state every few steps
+  after the freeze (1-bit Adam's ``refresh_every``);
 * :class:`StepStages` -- the stage of each step a function of its number (0/1 Adam's
   variance refreshes, synchronisations and local steps; an outer loop's inner steps and
   synchronisations fit the same way).
@@ -29,7 +31,7 @@ from torch import Tensor
 from ._driver import Wire
 from ._freeze import FreezeSchedule
 
-__all__ = ["OneStage", "Stage", "StepStages", "TwoStages"]
+__all__ = ["OneStage", "RefreshedStages", "Stage", "StepStages", "TwoStages"]
 
 _log = logging.getLogger("onebit.optim")
 
@@ -79,8 +81,9 @@ class OneStage:
 class TwoStages:
     """``warmup`` until ``schedule`` decides, from the buffer named ``watch`` (the variance:
     its l1 norm for the automatic criterion), then ``compressed`` from the next step on;
-    ``frozen_at`` is the last warm-up step (None before). ``owner`` names the optimizer in
-    the log."""
+    ``frozen_at`` is the last warm-up step (None before), ``updated_at`` the last step whose
+    gradients entered the frozen state (the freeze; :class:`RefreshedStages`: or the last refresh).
+    ``owner`` names the optimizer in the log."""
 
     def __init__(self, owner: str, warmup: Stage, compressed: Stage, schedule: FreezeSchedule, *,
                  watch: str) -> None:
@@ -88,6 +91,7 @@ class TwoStages:
         self.stages = (warmup, compressed)
         self.schedule = schedule
         self.frozen_at: int | None = None
+        self.updated_at: int | None = None
         self.current = warmup
 
     @property
@@ -102,16 +106,47 @@ class TwoStages:
             return
         l1 = float(buffers[self.watch].sum()) if self.schedule.auto else None  # v >= 0: its sum is its l1 norm
         if self.schedule.should_freeze(step, l1):
-            self.frozen_at, self.current = step, self.stages[1]
+            self.frozen_at = self.updated_at = step
+            self.current = self.stages[1]
             _log.info("%s: warm-up ended at step %d; compression stage starts", self.owner, step)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"frozen_at": self.frozen_at, "freeze": self.schedule.state_dict()}
+        return {"frozen_at": self.frozen_at, "updated_at": self.updated_at, "freeze": self.schedule.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.schedule.load_state_dict(state["freeze"])
         self.frozen_at = state["frozen_at"]
+        self.updated_at = state.get("updated_at", self.frozen_at)  # (saved before refreshes: the freeze)
         self.current = self.stages[self.frozen_at is not None]
+
+
+class RefreshedStages(TwoStages):
+    """:class:`TwoStages`, then after the freeze the ``refresh`` stage every ``every`` steps after
+    the last update of the frozen state (the freeze, or the last refresh: ``updated_at``, saved,
+    so that a state saved without refreshes, or with another interval, refreshes next from its own
+    last update) and the compressed stage at the others."""
+
+    def __init__(self, owner: str, warmup: Stage, compressed: Stage, refresh: Stage, schedule: FreezeSchedule, *,
+                 watch: str, every: int) -> None:
+        super().__init__(owner, warmup, compressed, schedule, watch=watch)
+        self.stages = (warmup, compressed, refresh)
+        self.every = every
+
+    def _next(self, step: int) -> Stage:
+        """The stage of the step after ``step``."""
+        if self.frozen_at is None:
+            return self.stages[0]
+        return self.stages[2 if step + 1 - self.updated_at >= self.every else 1]
+
+    def advance(self, step: int, buffers: Mapping[str, Tensor]) -> None:
+        if self.current is self.stages[2]:
+            self.updated_at = step
+        super().advance(step, buffers)
+        self.current = self._next(step)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.current = self._next(int(state["step"]))
 
 
 class StepStages:
