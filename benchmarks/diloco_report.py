@@ -184,7 +184,7 @@ def _curve_setting(name: str, summary: dict) -> str:
     if name == "onebit_adam":
         asked, took = config["freeze_step"], summary["freeze_step"]
         asked = "auto" if asked is None else asked  # None: the optimizer's own, "auto"
-        if config.get("refresh_every") is None and "refresh" in summary["step_time_s"]:  # its default's refreshes
+        if config.get("refresh_every") is None and "refresh" in summary.get("step_time_s", ()):  # the default's
             extra = ", variance refreshed" + extra
         return (f"freeze_step={asked}: " + ("never froze" if took is None else f"compressed from step {took + 1}")
                 + extra)
