@@ -65,22 +65,23 @@ def _fraction(text: str) -> float:
     return value
 
 
-def _refresh(text: str) -> int | str:
-    if text == "never":
-        return text
-    try:
-        return _positive_int(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"must be 'never' or a positive integer, got {text!r}") from None
+def _word_or_int(word: str, minimum: int, what: str):
+    """An argparse type: ``word`` itself, or an int of at least ``minimum`` (``what``, in the error)."""
+    number = _int_at_least(minimum, what)
+
+    def parse(text: str) -> int | str:
+        if text == word:
+            return text
+        try:
+            return number(text)
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(f"must be {word!r} or {what}, got {text!r}") from None
+
+    return parse
 
 
-def _freeze(text: str) -> int | str:
-    if text == "auto":
-        return text
-    try:
-        return _nonneg_int(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"must be 'auto' or an integer >= 0, got {text!r}") from None
+_refresh = _word_or_int("never", 1, "a positive integer")
+_freeze = _word_or_int("auto", 0, "an integer >= 0")
 
 
 def _bandwidth(text: str) -> float:
