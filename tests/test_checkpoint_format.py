@@ -1,5 +1,7 @@
-"""Checkpoints written by onebit 0.1.0 (``fixtures/checkpoints-0.1.pt``) load into today's
-optimizers and resume to the bits the saving version reached.
+"""Checkpoints written by onebit 0.1.0 (``fixtures/checkpoints-0.1.pt``; DiLoCo's,
+``fixtures/diloco-0.1.pt``, by 0.1.0 as it stood before DiLoCo stood apart from the 1-bit
+family's base, its outer momentum a flat buffer) load into today's optimizers and resume to the
+bits the saving version reached.
 
 The fixture holds, per optimizer, a state_dict saved mid-run (compression stage where there
 is one; 1-bit Adam also bucketed, with ``overlap=True``), the model at that step, and the
@@ -23,7 +25,7 @@ from torch import nn
 
 import onebit
 
-FIXTURE = pathlib.Path(__file__).with_name("fixtures") / "checkpoints-0.1.pt"
+FIXTURES = pathlib.Path(__file__).with_name("fixtures")
 
 MAKERS = {
     "OnebitAdam": lambda p: onebit.OnebitAdam(p, lr=1e-2, freeze_step=2, scales="chunk"),
@@ -38,6 +40,16 @@ MAKERS = {
                                                            bucket_cap_mb=0.002),
     "QAdam": lambda p: onebit.QAdam(p, lr=1e-2, bits=2),
 }
+# Saved inside an interval of inner steps, after two synchronisations; the streamed one with a
+# synchronisation in flight; the all-reduce's with its errors kept.
+DILOCO_MAKERS = {
+    "DiLoCo": lambda p: onebit.DiLoCo(p, lr=1e-2, sync_every=2),
+    "DiLoCo/streamed": lambda p: onebit.DiLoCo(p, lr=1e-2, sync_every=4, fragments=2, delay=1),
+    "DiLoCo/allreduce": lambda p: onebit.DiLoCo(p, lr=1e-2, sync_every=2, collective="allreduce",
+                                                error_feedback=True),
+}
+# The fixture files, and the optimizers each holds.
+FIXTURE_MAKERS = {"checkpoints-0.1.pt": MAKERS, "diloco-0.1.pt": DILOCO_MAKERS}
 
 
 def model() -> nn.Module:
@@ -51,13 +63,13 @@ def batch(step: int) -> torch.Tensor:
     return torch.randn(5, 6, generator=torch.Generator().manual_seed(step))
 
 
-@pytest.mark.parametrize("name", sorted(MAKERS))
-def test_a_checkpoint_of_version_0_1_resumes_to_the_same_bits(name):
+@pytest.mark.parametrize("fixture,name", [(f, n) for f, makers in FIXTURE_MAKERS.items() for n in sorted(makers)])
+def test_a_checkpoint_of_version_0_1_resumes_to_the_same_bits(fixture, name):
     torch.set_num_threads(1)
-    saved = torch.load(FIXTURE, weights_only=True)[name]
+    saved = torch.load(FIXTURES / fixture, weights_only=True)[name]
     net = model()
     net.load_state_dict(saved["model"])
-    opt = MAKERS[name](net.parameters())
+    opt = FIXTURE_MAKERS[fixture][name](net.parameters())
     opt.load_state_dict(saved["optimizer"])
     at, steps = saved["steps"]
     for step in range(at + 1, steps + 1):

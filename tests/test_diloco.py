@@ -123,6 +123,75 @@ def test_matches_the_algorithm_written_plainly(world, compressor, collective, er
     assert not torch.equal(results[0][0][-1], results[1][0][-1])  # inside an interval they differ
 
 
+# Any torch.optim optimizer as the outer one: Adam on the averaged outer gradients, written out.
+OUTER_ADAM = {"lr": 0.05, "betas": (0.8, 0.95), "eps": 1e-6}
+
+
+def _adam_outer_oracle(world):
+    """Every worker's parameters after every step: H AdamW steps, then the exact mean of
+    delta_i = anchor - x_i as the gradient of Adam on the anchor (m, v, bias-corrected), x_i <- anchor."""
+    models = [_model() for _ in range(world)]
+    inners = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    anchor = _flat(models[0]).clone()
+    m, v, t = torch.zeros_like(anchor), torch.zeros_like(anchor), 0
+    (b1, b2), lr, eps = OUTER_ADAM["betas"], OUTER_ADAM["lr"], OUTER_ADAM["eps"]
+    history = []
+    for step in range(1, STEPS + 1):
+        for rank in range(world):
+            _inner_step(models[rank], inners[rank], rank, step)
+            inners[rank].step()
+        if step % H == 0:
+            delta = sum(anchor - _flat(model) for model in models) / world
+            t += 1
+            m = b1 * m + (1 - b1) * delta
+            v = b2 * v + (1 - b2) * delta * delta
+            anchor = anchor - lr * (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + eps)
+            for model in models:
+                with torch.no_grad():
+                    for p, value in zip(model.parameters(), anchor.split([p.numel() for p in model.parameters()])):
+                        p.copy_(value.view_as(p))
+        history.append([_flat(model).clone() for model in models])
+    return history
+
+
+def _adam_outer(rank, world, resume_at):
+    torch.set_num_threads(1)
+
+    def build(model):
+        return onebit.DiLoCo(torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=H, compressor="identity",
+                             outer=lambda anchors: torch.optim.Adam(anchors, **OUTER_ADAM))
+
+    model = _model()
+    opt = build(model)
+    history = []
+    for step in range(1, STEPS + 1):
+        _inner_step(model, opt, rank, step)
+        opt.step()
+        history.append(_flat(model).clone())
+        if step == resume_at:  # into new objects, through torch.save
+            buf = io.BytesIO()
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+            buf.seek(0)
+            saved = torch.load(buf, weights_only=True)
+            model = _model()
+            opt = build(model)  # (it broadcasts rank 0's parameters: each rank's own are loaded after)
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["opt"])
+    return history, type(opt.outer).__name__, sorted(opt.outer.state_dict()["state"])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_any_torch_optim_optimizer_is_the_outer_one(world):
+    oracle = _adam_outer_oracle(world)
+    plain = run_ranks(_adam_outer, world, None)
+    resumed = run_ranks(_adam_outer, world, H + 1)  # saved inside the second interval, its Adam state in it
+    for rank, ((history, kind, state), (again, _, _)) in enumerate(zip(plain, resumed)):
+        assert kind == "Adam" and state == [0, 1, 2, 3]
+        for step, (ours, expected) in enumerate(zip(history, oracle), start=1):
+            assert torch.allclose(ours, expected[rank], rtol=1e-5, atol=1e-6), (rank, step)
+        assert all(torch.equal(a, b) for a, b in zip(history, again))  # the resume changes no bit
+
+
 # Streaming DiLoCo: two fragments, each synchronised every SH steps, staggered by SH / 2, each
 # exchange sent TAU steps before it lands; on arrival x <- ALPHA x + (1 - ALPHA) anchor.
 SH, TAU, ALPHA = 6, 2, 0.5
@@ -396,6 +465,10 @@ def test_a_checkpoint_loads_only_into_the_same_streaming_schedule():
     ({"error_feedback": 1}, TypeError, "Invalid error_feedback value: 1"),
     ({"collective": "ring"}, ValueError, "Invalid collective value: 'ring' \\(expected 'allgather' or 'allreduce'\\)"),
     ({"overlap": True}, TypeError, "unexpected keyword argument 'overlap'"),
+    ({"outer": lambda a: torch.optim.SGD(a, lr=1.0), "outer_lr": 0.5}, TypeError, "given outer= and also outer_lr="),
+    ({"outer": "sgd"}, TypeError, "Invalid outer value: 'sgd' \\(expected a factory of a torch.optim.Optimizer"),
+    ({"outer": lambda a: a}, TypeError, "Invalid outer value: it made a list, not a torch.optim.Optimizer"),
+    ({"nesterov": 1}, TypeError, "Invalid nesterov value: 1"),
     ({"fragments": 0}, ValueError, "Invalid fragments value: 0"),
     ({"fragments": 2, "sync_every": 5}, ValueError, "Invalid fragments value: 2 \\(sync_every=5 must be a"),
     ({"fragments": 5, "sync_every": 5}, ValueError, "Invalid fragments value: 5 \\(more than the 4 parameters"),

@@ -390,7 +390,7 @@ def _train_cell(task: ConvergenceTask, cell: Cell, steps: int, batch: int, seed:
         replicas = str(exc)
     stats = opt.stats
     extra = {}
-    if ratios and stats["freeze_step"] is not None:
+    if ratios and stats.get("freeze_step") is not None:
         low, high = opt.options["factor_min"], opt.options["factor_max"]
         extra = {"ratio_trace": ratios, "ratio_at_min": sum(r <= low for r in ratios[-1]) / len(ratios[-1]),
                  "ratio_at_max": sum(r >= high for r in ratios[-1]) / len(ratios[-1])}
@@ -404,7 +404,7 @@ def _train_cell(task: ConvergenceTask, cell: Cell, steps: int, batch: int, seed:
         "skipped_steps": stats["skipped_steps"],
         "replicas": replicas,
         "bytes_sent_per_rank": stats["bytes_sent_total"],
-        "freeze_step": stats["freeze_step"],
+        "freeze_step": stats.get("freeze_step"),  # (DiLoCo has none)
         "stage_steps": stage_steps,
         **extra,
         "losses": run["losses"],

@@ -213,5 +213,6 @@ def build_run(name: str, model: nn.Module, cfg, per_node: int | None) -> Run:
         opt = _registry_optimizer(name, params, cfg, exchange)
     if name in ("adam", NO_COMMUNICATION):
         return Run(model, opt, lambda: "warmup", lambda: None)
-    return Run(model, opt, lambda: opt.stats["stage"], lambda: opt.stats["freeze_step"],
-               overlap=lambda: opt.stats.get("overlap"), variance_ratio=lambda: opt.stats["variance_ratio"])
+    # (DiLoCo has no warm-up to freeze nor its criterion)
+    return Run(model, opt, lambda: opt.stats["stage"], lambda: opt.stats.get("freeze_step"),
+               overlap=lambda: opt.stats.get("overlap"), variance_ratio=lambda: opt.stats.get("variance_ratio"))

@@ -6,7 +6,7 @@ from ._birder import Birder, SoftSignSGD, soft_sign_direction, soft_sign_moments
 from ._comp_ams import CompAMS, QAdam, comp_ams, qadam_direction
 from ._ddp import attach, local_gradient_hook
 from ._deepspeed import from_deepspeed_config
-from ._diloco import DiLoCo, outer_step
+from ._diloco import DiLoCo
 from ._freeze import FreezeSchedule
 from ._functional import adam_step_bound, clip_to_adam_step_
 from ._onebit_adam import OnebitAdam, OnebitAdamNaive, adam, onebit_adam, refresh_preconditioner
@@ -47,7 +47,6 @@ __all__ = [
     "make_optimizer",
     "onebit_adam",
     "onebit_lamb",
-    "outer_step",
     "qadam_direction",
     "refresh_preconditioner",
     "refresh_variance",

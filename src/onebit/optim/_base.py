@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import logging
-import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -36,11 +34,12 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from .. import comm
-from .._checks import COMMON_OPTIONS, check_betas, check_nonneg, check_optional_positive
-from ._agreement import check_own_parameters, check_replicas, parameter_sums, start_agreement
+from ._agreement import check_own_parameters, check_replicas, param_names, parameter_sums, start_agreement
 from ._ddp import attach_ddp, check_ddp
-from ._driver import LOCAL, Driver, Plan, Wire, allreduce_factory
+from ._driver import Driver, Plan, Wire, allreduce_factory
 from ._flat import FlatState
+from ._setup import (broadcast_parameters, check_groups, check_params, check_same_parameters_everywhere, clip_,
+                     clip_coef, common_options)
 from ._shards import Shards
 from ._stages import OneStage, Stage, StepStages, TwoStages
 
@@ -124,22 +123,14 @@ class OnebitOptimizer(Optimizer):
         group: comm.Group,
         **options: Unpack[CommonOptions],
     ) -> None:
-        unknown = sorted(set(options) - set(COMMON_OPTIONS))
-        if unknown:
-            raise TypeError(f"{type(self).__name__}() got an unexpected keyword argument {unknown[0]!r}")
-        options = {**COMMON_OPTIONS, **options}
-        on_nonfinite, check_every = options["on_nonfinite"], options["check_replicas_every"]
-        if on_nonfinite not in ("skip", "raise"):
-            raise ValueError(f"Invalid on_nonfinite value: {on_nonfinite!r} (expected 'skip' or 'raise')")
-        if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 0:
-            raise ValueError(f"Invalid check_replicas_every value: {check_every!r} (expected an int >= 0)")
-        self.max_grad_norm = check_optional_positive("max_grad_norm", options["max_grad_norm"])
-        self.on_nonfinite = on_nonfinite
-        self.check_replicas_every = check_every
+        options = common_options(options, type(self).__name__)
+        self.max_grad_norm = options["max_grad_norm"]
+        self.on_nonfinite = options["on_nonfinite"]
+        self.check_replicas_every = options["check_replicas_every"]
         super().__init__(params, defaults)
-        self._check_groups(defaults)
+        check_groups(self.param_groups, defaults, type(self))
         self.process_group = comm.resolve_group(group)
-        self.timeout = comm.to_timedelta(options["timeout"])
+        self.timeout = options["timeout"]
         self.world_size = comm.get_world_size(self.process_group)
         self.rank = comm.get_rank(self.process_group)
         self._shards = Shards([p for g in self.param_groups for p in g["params"]], self.process_group,
@@ -148,17 +139,10 @@ class OnebitOptimizer(Optimizer):
             self._check_shardable()
         # The flat state holds what is updated: the parameters, or their FSDP2 shards
         params = self._shards.tensors
-        _check_params(params)
-        self._check_same_parameters_everywhere(params)
+        check_params(params)
+        check_same_parameters_everywhere(params, self.process_group, self.timeout)
         if options["broadcast_parameters"]:
-            with torch.no_grad():
-                for p in params:
-                    if p.is_contiguous():
-                        comm.broadcast(p.data, 0, self.process_group, self.timeout)
-                    else:  # channels_last and other layouts travel in logical order
-                        buf = p.data.contiguous()
-                        comm.broadcast(buf, 0, self.process_group, self.timeout)
-                        p.data.copy_(buf)
+            broadcast_parameters(params, self.process_group, self.timeout)
         self.flat = FlatState(params)
         self._step_count = 0
         self._active: list[bool] = [True] * len(params)
@@ -181,13 +165,10 @@ class OnebitOptimizer(Optimizer):
                              "max_norm) before step() instead")
 
     def _drive(self, collective: Callable[[int, int], Any] | None, *, overlap: bool | str | None = False,
-               bucket_cap_mb: float = 25.0, alignment: int = 1, key: str = "allreduce",
-               fragments: list[tuple[int, int, list[int]]] | None = None, delayed_group: comm.Group = None) -> None:
+               bucket_cap_mb: float = 25.0, alignment: int = 1, key: str = "allreduce") -> None:
         """Start the exchange driver (the end of a subclass's constructor): ``collective(start,
         end)`` makes the compressed collective of the flat values ``[start, end)``
-        (:class:`~onebit.optim._driver.Driver`); ``fragments``: its buckets, ``(lo, hi, members)``,
-        where the optimizer's wires name the ones they send; ``delayed_group``: the group of the
-        exchanges that stay in flight across steps. With ``overlap``, ``max_grad_norm`` is refused
+        (:class:`~onebit.optim._driver.Driver`). With ``overlap``, ``max_grad_norm`` is refused
         where a stage forms what it sends: the local clip needs every gradient before the first
         bucket leaves. ``overlap="warmup"``: only the exact exchange leaves during backward; ``None``
         (the default of the optimizers with an fp32 warm-up) is ``"warmup"`` where that can help --
@@ -207,7 +188,7 @@ class OnebitOptimizer(Optimizer):
         warm_group = comm.duplicate(self.process_group, self.timeout) if overlap == "warmup" else None
         self._driver = Driver(self.flat, self.process_group, self.timeout, collective, overlap=overlap,
                               bucket_cap_mb=bucket_cap_mb, alignment=alignment, key=key, owner=type(self).__name__,
-                              fragments=fragments, delayed_group=delayed_group, warm_group=warm_group)
+                              warm_group=warm_group)
         self._plan_next()
         if self._ddp_wrapped:
             self._stop_warmup_in_backward_for_ddp()
@@ -245,8 +226,8 @@ class OnebitOptimizer(Optimizer):
     @property
     def synchronised(self) -> bool:
         """Whether the replicas are meant to be bit-identical now (False only inside an interval
-        of local steps: 0/1 Adam's, DiLoCo's inner steps, where the parameters of the last
-        synchronisation are kept in the flat buffer ``anchor``)."""
+        of 0/1 Adam's local steps, where the parameters of the last synchronisation are kept in the
+        flat buffer ``anchor``)."""
         return True
 
     @property
@@ -277,9 +258,8 @@ class OnebitOptimizer(Optimizer):
         raise NotImplementedError
 
     def _apply(self, wire: Wire, average: Tensor | None) -> None:
-        """The step, on the landed ``average`` (None where it was consumed chunk by chunk). A wire
-        with a ``delay`` is applied twice: at its launch with None (its exchange in flight), and
-        ``delay`` steps later with the average that landed."""
+        """The step, on the landed ``average`` (None where it was consumed chunk by chunk, or where
+        the wire is not ``exchanged``)."""
         raise NotImplementedError
 
     def _apply_part(self, wire: Wire, average: Tensor | None, members: Sequence[int]) -> None:
@@ -315,14 +295,8 @@ class OnebitOptimizer(Optimizer):
                 if add:
                     target.add_(rows[0])
 
-    def _land(self) -> None:
-        """The delayed exchanges that land at this step (:class:`~onebit.optim._driver.Wire`'s ``delay``)."""
-        for wire, average in self._driver.arrivals(self._step_count):
-            self._apply(wire, average)
-
     def _present(self) -> list[bool]:
-        """Per parameter: it has a gradient here, for the step's agreement (an optimizer may add what
-        it must agree on, e.g. DiLoCo's gradients since the last synchronisation)."""
+        """Per parameter: it has a gradient here, for the step's agreement."""
         return [p.grad is not None for p in self.flat.params]
 
     def _enter(self, stage: Stage) -> None:
@@ -361,40 +335,6 @@ class OnebitOptimizer(Optimizer):
         self._link_state()
 
     # ------------------------------------------------------------------ helpers
-    def _check_groups(self, defaults: Mapping[str, Any]) -> None:
-        """Param groups may override the defaults: validate what each group will use. A constructor
-        option that is not per-group (eps, say) given in a group would be ignored: refuse it."""
-        signature = set(inspect.signature(type(self).__init__).parameters) | set(COMMON_OPTIONS)
-        global_only = signature - set(defaults) - {"self", "params", "options"}
-        for i, g in enumerate(self.param_groups):
-            ignored = sorted(global_only & set(g))
-            if ignored:
-                raise ValueError(
-                    f"param group {i} sets {ignored}, which {type(self).__name__} takes only for all "
-                    f"parameters (per-group options: {sorted(defaults)})"
-                )
-            if "lr" in g:
-                check_nonneg("learning rate", g["lr"])
-            if "betas" in g:
-                check_betas(g["betas"])
-            if "weight_decay" in g:
-                check_nonneg("weight_decay", g["weight_decay"])
-
-    def _check_same_parameters_everywhere(self, params: list[Tensor]) -> None:
-        """Compare parameter count, total size and shapes across ranks with one small all-gather.
-
-        A mismatch would otherwise surface as a hang or a size error deep inside the first
-        collective; here every rank raises the same ``ValueError`` at construction.
-        """
-        if self.world_size == 1:
-            return
-        shapes = ";".join("x".join(map(str, p.shape)) for p in params)
-        mine = [len(params), sum(p.numel() for p in params), zlib.crc32(shapes.encode())]
-        table = comm.all_gather_object_sizes(mine, self.process_group, self.timeout, params[0].device)
-        if not bool((table == table[0]).all()):
-            rows = ", ".join(f"rank {r}: {int(t[0])} tensors / {int(t[1])} values" for r, t in enumerate(table))
-            raise ValueError(f"parameters differ across ranks ({rows}; shape checksums {table[:, 2].tolist()})")
-
     def attach_ddp(self, model: DistributedDataParallel | None = None) -> list[DistributedDataParallel]:
         """Switch off DDP's all-reduce on ``model`` (default: every DDP module holding these
         parameters) with :func:`onebit.optim.local_gradient_hook`; see :func:`onebit.optim.attach`."""
@@ -425,23 +365,14 @@ class OnebitOptimizer(Optimizer):
     def _clip_local_grads(self) -> None:
         """With ``max_grad_norm``: ``clip_grad_norm_`` on this rank's own gradients, in place, the
         norm taken in fp32 over all of them (the stages whose averaged gradient never exists)."""
-        present = [p.grad for p in self.flat.params if p.grad is not None]
-        if self.max_grad_norm is not None and present:
-            coef = self._clip_coef(torch.linalg.vector_norm(torch.stack(
-                [torch.linalg.vector_norm(g, dtype=torch.float32) for g in present])))
-            for g in present:
-                g.mul_(coef)
+        clip_([p.grad for p in self.flat.params], self.max_grad_norm)
 
     def _clip_grad_(self, grad: Tensor) -> Tensor:
         """With ``max_grad_norm``: ``clip_grad_norm_`` on the flat averaged gradient (zeros where
         a parameter has no gradient), on the device."""
         if self.max_grad_norm is not None:
-            grad.mul_(self._clip_coef(torch.linalg.vector_norm(grad)))
+            grad.mul_(clip_coef(self.max_grad_norm, torch.linalg.vector_norm(grad)))
         return grad
-
-    def _clip_coef(self, norm: Tensor) -> Tensor:
-        """``min(1, max_grad_norm / (norm + 1e-6))``, as ``clip_grad_norm_`` scales, on the device."""
-        return (self.max_grad_norm / (norm + 1e-6)).clamp_(max=1.0)
 
     # ------------------------------------------------------------------ API
     @property
@@ -482,17 +413,12 @@ class OnebitOptimizer(Optimizer):
            rank has a non-finite gradient (or its GradScaler
            found one), every rank skips the step and leaves all state untouched
            (``stats["skipped_steps"]`` counts them), or raises ``FloatingPointError`` with
-           ``on_nonfinite="raise"``. A stage whose wire is not ``agreed`` (DiLoCo's inner steps,
-           which send nothing) skips on this rank alone, with no collective, and the skipped
-           step counts, so that every rank reaches the next exchange at the same step.
+           ``on_nonfinite="raise"``.
         3. **Clip** (``max_grad_norm``): each rank's own gradients, where the stage never forms
            their average.
         4. **Exchange**: the stage's wire -- the exact mean, the compressed collective, or
-           nothing -- into where the average lands; clipped where it is the gradients'. A wire
-           that is ``local_first`` has each rank take its own step before it forms what it sends.
-        5. **Apply**: the algorithm's step on it, the only place the state moves; an exchange
-           whose wire has a ``delay`` stays in flight and is applied when it lands, that many
-           steps later (DiLoCo's streamed synchronisations). An optimizer that
+           nothing -- into where the average lands; clipped where it is the gradients'.
+        5. **Apply**: the algorithm's step on it, the only place the state moves. An optimizer that
            :attr:`applies_by_bucket` steps each bucket's parameters as the bucket lands.
         6. **Advance**: the next step's stage (its state laid out where it changes), handed to the
            driver as its plan.
@@ -514,38 +440,35 @@ class OnebitOptimizer(Optimizer):
                                        or getattr(self, "found_inf", None) is not None)
                 wire = self._stages.current.wire
                 with comm.span("agree", "step"):  # 2
-                    agreement = start_agreement(self, everywhere=wire.agreed, stale=self._driver.stale)
+                    agreement = start_agreement(
+                        self.flat.params, self._present(), self._shards.agreement_group, self.timeout,
+                        step=self._step_count + 1, rank=self.rank, on_nonfinite=self.on_nonfinite,
+                        scale=getattr(self, "grad_scale", None), found_inf=getattr(self, "found_inf", None),
+                        stale=self._driver.stale)
                     # The last bucket's all-gather leaves behind the agreement: on a busy link the
                     # agreement then waits for the bytes before it only, and the buckets before the
                     # last can be applied while that all-gather is on the wire.
                     with comm.span("gather", "step"):
                         self._driver.gather()
                     nonfinite, self._active, stale = agreement()
-                if nonfinite and wire.agreed:
+                if nonfinite:
                     self._skipped += 1
                     self._driver.abandon()
                 else:
                     self._step_count += 1
                     self._last_stage = wire.stage
-                    if nonfinite:  # this rank's own step (not agreed), skipped: it still counts
-                        self._skipped += 1
+                    if wire.formed or not wire.exchanged:  # 3
+                        self._clip_local_grads()
+                    if self._by_bucket(wire):  # 4 and 5, each bucket applied as it lands
+                        with comm.span("exchange", "step"):
+                            self._driver.run(self._active, landed=self._apply_landed(wire), stale=stale)
                     else:
-                        if wire.formed or not wire.exchanged:  # 3
-                            self._clip_local_grads()
-                        if wire.local_first:
-                            with comm.span("local", "step"):
-                                self._apply(LOCAL, None)
-                        if self._by_bucket(wire):  # 4 and 5, each bucket applied as it lands
-                            with comm.span("exchange", "step"):
-                                self._driver.run(self._active, landed=self._apply_landed(wire), stale=stale)
-                        else:
-                            with comm.span("exchange", "step"):  # 4
-                                average = self._driver.run(self._active, stale=stale) if wire.exchanged else None
-                                if average is not None and not wire.formed:
-                                    self._clip_grad_(average)
-                            with comm.span("apply", "step"):  # 5
-                                self._apply(wire, average)
-                    self._land()
+                        with comm.span("exchange", "step"):  # 4
+                            average = self._driver.run(self._active, stale=stale) if wire.exchanged else None
+                            if average is not None and not wire.formed:
+                                self._clip_grad_(average)
+                        with comm.span("apply", "step"):  # 5
+                            self._apply(wire, average)
                     self._advance()  # 6
                     if self.check_replicas_every and self._step_count % self.check_replicas_every == 0:
                         self.check_replicas()
@@ -561,8 +484,8 @@ class OnebitOptimizer(Optimizer):
         """Whether this step applies each bucket as it lands: a declared capability, for a wire
         exchanged in this step whose average is not clipped as a whole (``max_grad_norm`` on the
         averaged gradients)."""
-        return (self.applies_by_bucket and self._driver.lands_by_bucket and wire.exchanged and not wire.local_first
-                and not wire.delay and (wire.formed or self.max_grad_norm is None))
+        return (self.applies_by_bucket and self._driver.lands_by_bucket and wire.exchanged
+                and (wire.formed or self.max_grad_norm is None))
 
     def _apply_landed(self, wire: Wire) -> Callable[[Tensor, Sequence[int]], None]:
         """What the driver calls with each bucket's landed average and its parameters."""
@@ -572,10 +495,9 @@ class OnebitOptimizer(Optimizer):
         return landed
 
     def wait(self) -> None:
-        """Wait for the exchanges still in flight across steps (a wire's ``delay``: DiLoCo's
-        streamed synchronisations) to complete; each still lands at its step. Call it before
-        destroying the process group where a run may end between such a launch and its landing."""
-        self._driver.wait()
+        """Nothing of this optimizer's exchange stays in flight after ``step()``: returns at once
+        (as :meth:`onebit.DiLoCo.wait`, which waits for a streamed synchronisation, so that one
+        training loop serves every onebit optimizer)."""
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Gradient accumulation with an exchange during backward (``overlap=True``, or the warm-up's
@@ -595,7 +517,8 @@ class OnebitOptimizer(Optimizer):
         """
         self._check_loaded_parameters()
         inside = not self.synchronised
-        message = check_replicas(self, self.flat.views("anchor") if inside else None)
+        message = check_replicas(self.flat.views("anchor") if inside else self.flat.params, self.process_group,
+                                 self.timeout, step=self._step_count, names=param_names(self.param_groups))
         if message:
             raise ReplicaDivergence(message + (" (the anchors, inside an interval of local steps)" if inside else ""))
 
@@ -605,7 +528,9 @@ class OnebitOptimizer(Optimizer):
         it saved beside it (:func:`onebit.optim._agreement.check_own_parameters`)."""
         if self._own_parameters is not None:
             saved, self._own_parameters = self._own_parameters, None
-            message = check_own_parameters(self, saved)
+            message = check_own_parameters(self.flat.params, saved, self.process_group, self.timeout,
+                                           step=self._step_count, owner=type(self).__name__,
+                                           names=param_names(self.param_groups))
             if message:
                 raise ReplicaDivergence(message)
 
@@ -698,17 +623,3 @@ class OnebitOptimizer(Optimizer):
                 "(saved by another optimizer, or truncated)"
             ) from None
 
-
-def _check_params(params: list[Tensor]) -> None:
-    if not params:
-        raise ValueError("optimizer got an empty parameter list")
-    devices = {p.device for p in params}
-    if len(devices) != 1:
-        raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
-    if any(not p.is_floating_point() for p in params):
-        raise TypeError("all parameters must be floating-point tensors")
-    wide = [tuple(p.shape) for p in params if p.dtype == torch.float64]
-    if wide:
-        # The state and the math are fp32: an fp64 parameter would be rounded to fp32 every step.
-        raise TypeError(f"float64 parameters are not supported (state and updates are fp32), got shapes {wide}; "
-                        "use float32, bfloat16 or float16 parameters")

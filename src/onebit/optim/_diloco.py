@@ -1,69 +1,65 @@
 """DiLoCo (Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models",
 arXiv 2311.08105) with its outer gradients sent at 1 bit a value.
 
-Each rank takes ``sync_every`` (H) steps of its own inner optimizer; at every H-th step, after
-its inner step, it sends its outer gradient ``delta_i = anchor - x_i`` (the anchor: the
-parameters of the last synchronisation, Algorithm 1 line 9), the ranks average them
-(line 10; here each rank's compressed outer gradient is all-gathered and the average taken
-exactly, or they go through 1-bit Adam's compressed all-reduce, which compresses the average
-again), and the outer optimizer moves the anchor with the average in place of a gradient
-(line 12): :func:`outer_step`, Nesterov momentum SGD as ``torch.optim.SGD`` computes it.
-Every rank then continues from the same new anchor; the inner optimizer's state stays its own.
+A wrapper around the user's inner ``torch.optim`` optimizer, as torchft's ``DiLoCo``: each rank
+takes ``sync_every`` (H) steps of it on its own; at every H-th step, after its inner step, it
+sends its outer gradient ``delta_i = anchor - x_i`` (the anchor: the parameters of the last
+synchronisation, Algorithm 1 line 9), the ranks average them (line 10; here each rank's
+compressed outer gradient is all-gathered and the average taken exactly, or they go through
+1-bit Adam's compressed all-reduce, which compresses the average again), and the outer
+optimizer -- any ``torch.optim`` optimizer over the anchors, Nesterov momentum SGD by default --
+moves the anchors with the average in the place of a gradient (line 12). Every rank then
+continues from the same new anchor; the inner optimizer's state stays its own.
 
 Streaming DiLoCo (Douillard et al., arXiv 2501.18512, section 2): with ``fragments`` P the
-model is cut into P fragments (contiguous ones of about equal size, or the parameters the
-user groups, e.g. the paper's strided fragments of every P-th layer), each synchronised
-every H steps on its own schedule, staggered by H / P, so one synchronisation sends 1 / P of
-the model; with ``delay`` tau its exchange is launched tau steps before it lands and stays in
-flight under the inner steps between; on arrival the outer step moves the fragment's anchor
-and the fragment's parameters become ``merge * x + (1 - merge) * anchor`` (the paper's
-alpha), keeping part of the tau local steps taken meanwhile.
+model is cut into P fragments (``_fragments.py``: contiguous ones of about equal size, or the
+parameters the user groups, e.g. the paper's strided fragments of every P-th layer), each
+synchronised every H steps on its own schedule, staggered by H / P, so one synchronisation
+sends 1 / P of the model; with ``delay`` tau its exchange is launched tau steps before it lands
+and stays in flight under the inner steps between; on arrival the outer step moves the
+fragment's anchor and the fragment's parameters become ``merge * x + (1 - merge) * anchor`` (the
+paper's alpha), keeping part of the tau local steps taken meanwhile.
+
+DiLoCo calls :mod:`onebit.comm` itself; what it shares with the 1-bit family -- the agreement on
+skipping a step, the replica check, the checks at construction -- are helpers that take values
+(``_agreement.py``, ``_setup.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+import logging
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from .. import comm, compress
-from .._checks import check_bool, check_nonneg, check_positive, check_positive_int, check_scales
-from ._base import OnebitOptimizer
-from ._driver import Wire, allgather_factory
-from ._stages import Stage, StepStages
+from .._checks import check_bool, check_nonneg, check_positive_int, check_scales
+from ._agreement import check_own_parameters, check_replicas, param_names, parameter_sums, start_agreement
+from ._base import ReplicaDivergence
+from ._ddp import attach_ddp, check_ddp
+from ._flat import FlatState
+from ._fragments import Schedule, build_fragments, by_size, check_state, fragment_of, fragments_state, load_fragments
+from ._setup import (broadcast_parameters, check_groups, check_params, check_same_parameters_everywhere, clip_,
+                     common_options)
+from ._shards import Shards
+from ._wrapped import inner_optimizer, load_flat_momentum, outer_factory
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
     from .._checks import CommonOptions
 
-__all__ = ["DiLoCo", "outer_step"]
+__all__ = ["DiLoCo"]
 
-_BUFFERS = ("anchor", "outer_momentum")
-# Inner steps send nothing and wait for nothing: not even the agreement on skipping a step
-_INNER = Stage(Wire("local", formed=True, exact=False, exchanged=False, agreed=False), _BUFFERS)
+_log = logging.getLogger("onebit.optim")
 
 
-def outer_step(anchor: Tensor, momentum: Tensor, delta: Tensor, *, lr: float, momentum_factor: float,
-               nesterov: bool) -> None:
-    """The outer optimizer (Algorithm 1 line 12), in place on flat fp32 tensors: ``delta`` (the
-    averaged outer gradient) in the place of a gradient in ``torch.optim.SGD``'s update,
-    ``b <- mu b + delta``, ``anchor <- anchor - lr (delta + mu b)`` with Nesterov, else
-    ``anchor - lr b``. ``momentum_factor=0``: ``anchor - lr delta`` (``lr=1``: FedAvg, the
-    average of the ranks' parameters)."""
-    if momentum_factor:
-        momentum.mul_(momentum_factor).add_(delta)
-        direction = delta.add(momentum, alpha=momentum_factor) if nesterov else momentum
-    else:
-        direction = delta
-    anchor.sub_(direction, alpha=lr)
-
-
-class DiLoCo(OnebitOptimizer):
+class DiLoCo(Optimizer):
     """DiLoCo's outer loop around any ``torch.optim`` optimizer, its outer gradients sent at 1 bit
     a value (section 3, Algorithm 1 of arXiv 2311.08105).
 
@@ -73,7 +69,8 @@ class DiLoCo(OnebitOptimizer):
     every ``sync_every`` steps it is followed by the synchronisation: ``delta_i = anchor - x_i``
     is averaged over the group (``compressor="sign"``: 1 bit per value and one scale per tensor
     piece, every rank's all-gathered; ``"identity"``: the exact fp32 mean, DiLoCo as published)
-    and :func:`outer_step` moves the anchor, which every rank's parameters then take,
+    and the outer optimizer moves the anchor with it in the place of a gradient (Algorithm 1
+    line 12: Nesterov momentum SGD by default), and every rank's parameters then take the anchor,
     bit for bit; :meth:`check_replicas` compares the anchors between synchronisations.
     The inner optimizer's state is never averaged or reset. Its param groups are this
     optimizer's: a learning-rate scheduler built on either schedules the inner steps. An inner
@@ -93,10 +90,16 @@ class DiLoCo(OnebitOptimizer):
         inner: the inner optimizer's class (or a factory ``inner(params, lr=lr)``), where
             ``params`` are parameters (default ``torch.optim.AdamW``).
         sync_every: inner steps per synchronisation (H; the paper: 500).
-        outer_lr: the outer learning rate (0.7 in the paper; 1 with ``outer_momentum=0`` is
-            periodic averaging).
-        outer_momentum: the outer momentum (0.9 in the paper).
-        nesterov: Nesterov momentum (the paper's outer optimizer).
+        outer: the outer optimizer: a factory ``outer(anchors)`` of any ``torch.optim`` optimizer
+            over the anchors (one fp32 tensor per parameter, shaped like it; its ``.grad`` is the
+            averaged outer gradient at a synchronisation, None for a parameter without a gradient
+            on any rank since the last one). None (default): ``torch.optim.SGD(anchors,
+            lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)``, the paper's. Built once;
+            :attr:`outer` holds it (an LR scheduler may be built on it).
+        outer_lr: the default outer optimizer's learning rate (default 0.7, the paper's; 1 with
+            ``outer_momentum=0`` is periodic averaging).
+        outer_momentum: its momentum (default 0.9, the paper's).
+        nesterov: its Nesterov momentum (default True, the paper's; without momentum, none).
         compressor: ``"sign"`` (default: 1 bit per value and a scale per tensor piece),
             ``"identity"`` (the exact fp32 mean, DiLoCo as published), another name of
             :func:`onebit.compress.available` or a :class:`onebit.compress.Compressor` (e.g.
@@ -134,7 +137,7 @@ class DiLoCo(OnebitOptimizer):
         group: the process group the workers average over (``None``: the default group).
         **options: ``timeout``, ``broadcast_parameters``, ``on_nonfinite``,
             ``check_replicas_every``, ``max_grad_norm`` (each rank clips its own gradients
-            before its inner step) -- see :class:`onebit.optim.OnebitOptimizer`.
+            before its inner step) -- see :class:`onebit.optim.CommonOptions`.
 
     Examples:
         >>> model = torch.nn.Linear(4, 2)
@@ -156,9 +159,10 @@ class DiLoCo(OnebitOptimizer):
         inner: Callable[..., Optimizer] | None = None,
         weight_decay: float | None = None,
         sync_every: int = 500,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        nesterov: bool = True,
+        outer: Callable[[list[Tensor]], Optimizer] | None = None,
+        outer_lr: float | None = None,
+        outer_momentum: float | None = None,
+        nesterov: bool | None = None,
         fragments: int | Iterable[Iterable[Tensor]] = 1,
         delay: int = 0,
         merge: float | None = None,
@@ -169,41 +173,13 @@ class DiLoCo(OnebitOptimizer):
         group: comm.Group = None,
         **options: Unpack[CommonOptions],
     ) -> None:
-        if isinstance(params, Optimizer):
-            given = [name for name, value in (("inner", inner), ("lr", lr), ("weight_decay", weight_decay))
-                     if value is not None]
-            if given:
-                raise TypeError(f"DiLoCo was given the inner optimizer {type(params).__name__} and also "
-                                f"{given[0]}=: set it on the inner optimizer")
-            inner = params
-        else:
-            lr = 1e-3 if lr is None else check_nonneg("lr", lr)
-            if inner is not None and not callable(inner):
-                raise TypeError(f"Invalid inner value: {inner!r} (expected a torch.optim.Optimizer class or factory)")
-            decay = {} if weight_decay is None else {"weight_decay": check_nonneg("weight_decay", weight_decay)}
-            inner = (inner or torch.optim.AdamW)(params, lr=lr, **decay)
-            if not isinstance(inner, Optimizer):
-                raise TypeError(f"Invalid inner value: it made a {type(inner).__name__}, not a torch.optim.Optimizer")
-        if isinstance(inner, OnebitOptimizer):
-            raise TypeError(f"Invalid inner value: {type(inner).__name__} (it exchanges itself; DiLoCo's inner "
-                            "steps are each rank's own: use a torch.optim optimizer)")
+        self.inner = inner = inner_optimizer(params, lr, inner, weight_decay)
         self.sync_every = check_positive_int("sync_every", sync_every)
-        self.outer_lr = check_positive("outer_lr", outer_lr)
-        self.outer_momentum = check_nonneg("outer_momentum", outer_momentum)
-        if self.outer_momentum >= 1:
-            raise ValueError(f"Invalid outer_momentum value: {outer_momentum} (expected a number in [0, 1))")
-        self.nesterov = check_bool("nesterov", nesterov)
         # each parameter's fragment, where the user gave them (None: cut by size once the layout is known)
-        given = None if isinstance(fragments, int) else _fragment_of(fragments, inner.param_groups)
-        self.fragments = check_positive_int("fragments", fragments) if given is None else max(given) + 1
-        if self.sync_every % self.fragments:
-            shown = fragments if given is None else f"{self.fragments} lists"
-            raise ValueError(f"Invalid fragments value: {shown} (sync_every={sync_every} must be a multiple of it)")
-        period = self.sync_every // self.fragments  # steps between two landings
-        if isinstance(delay, bool) or not isinstance(delay, int) or not 0 <= delay < period:
-            raise ValueError(f"Invalid delay value: {delay!r} (expected an int in [0, {period}): "
-                             "sync_every / fragments steps between two synchronisations)")
-        self.delay = delay
+        given = None if isinstance(fragments, int) else \
+            fragment_of(fragments, [p for g in inner.param_groups for p in g["params"]])
+        self._schedule = Schedule(self.sync_every, fragments if given is None else given, delay)
+        self.fragments, self.delay = self._schedule.fragments, delay
         if merge is None:
             merge = 0.5 if delay else 0.0
         self.merge = check_nonneg("merge", merge)
@@ -217,44 +193,131 @@ class DiLoCo(OnebitOptimizer):
             raise ValueError(f"Invalid collective value: {collective!r} (expected 'allgather' or 'allreduce')")
         self.collective = collective
         self.error_feedback = check_bool("error_feedback", error_feedback)
-        self.inner = inner
-        exact = compress.get(compressor).name == "identity"
-        # The driver's buckets are the fragments' runs of consecutive parameters, in order: where the
-        # fragments are cut by size each is one run, and fragment p sends bucket p
-        owners = list(range(self.fragments)) if given is None else [f for f, _ in _runs(given)]
-        outer = tuple(Stage(Wire("outer", formed=True, exact=exact, local_first=True, delay=delay,
-                                 buckets=tuple(b for b, f in enumerate(owners) if f == p)), _BUFFERS)
-                      for p in range(self.fragments))
-        self._stages = StepStages((_INNER, *outer), _stage_of(outer, period, delay), self.sync_every)
-        super().__init__(inner.param_groups, dict(inner.defaults), group=group, **options)
-        # Per parameter: a gradient here since its fragment was last sent (on some rank, once the
-        # synchronisation's agreement has run); and of each fragment in flight, those agreed then.
-        self._touched = [False] * len(self.flat.params)
-        self._sent: list[list[bool] | None] = [None] * self.fragments
-        for anchor, p in zip(self.flat.views("anchor"), self.flat.params):
+        scales = check_scales(scales)  # (before anything is built: a bad value is the caller's)
+        make_outer = outer_factory(outer, outer_lr, outer_momentum, nesterov)
+        options = common_options(options, type(self).__name__)
+        self.max_grad_norm, self.on_nonfinite = options["max_grad_norm"], options["on_nonfinite"]
+        self.check_replicas_every, self.timeout = options["check_replicas_every"], options["timeout"]
+        # Its param groups are the inner optimizer's (the same dicts): a scheduler on either moves both
+        super().__init__(inner.param_groups, dict(inner.defaults))
+        check_groups(self.param_groups, self.defaults, type(self))
+        self.process_group = comm.resolve_group(group)
+        self.world_size = comm.get_world_size(self.process_group)
+        self.rank = comm.get_rank(self.process_group)
+        self._shards = Shards([p for g in self.param_groups for p in g["params"]], self.process_group,
+                              type(self).__name__, self.timeout)
+        if self._shards.sharded and self.max_grad_norm is not None:
+            raise ValueError(f"Invalid max_grad_norm value with FSDP2-sharded parameters: {self.max_grad_norm!r} "
+                             "(the norm spans every shard); call torch.nn.utils.clip_grad_norm_(model.parameters(), "
+                             "max_norm) before step() instead")
+        params = self._shards.tensors  # what is averaged: the parameters, or their FSDP2 shards
+        check_params(params)
+        check_same_parameters_everywhere(params, self.process_group, self.timeout)
+        if options["broadcast_parameters"]:
+            broadcast_parameters(params, self.process_group, self.timeout)
+        self.flat = FlatState(params)
+        anchors = self.flat.split(self.flat.new("anchor"))
+        for anchor, p in zip(anchors, params):
             anchor.copy_(p.detach())  # the parameters every rank starts from (rank 0's, broadcast)
-        self._fragment_of = given or _by_size(self.flat.offsets, self.fragments)
-        runs = _runs(self._fragment_of)
-        self._buckets = [(self.flat.offsets[m[0]][0], self.flat.offsets[m[-1]][1], m) for _, m in runs]
-        self._bucket_fragment = [f for f, _ in runs]
-        # An exchange in flight across inner steps is completed on a thread (the driver's), over a
-        # group of its own: when each rank issues its collectives there differs, their order does not.
-        if delay and self.world_size > 1 and not comm.concurrent(self.process_group):
-            raise ValueError(f"Invalid delay value with a {comm.backend_of(self.process_group)} group whose backend "
-                             f"is not thread-safe across groups: {delay} (the exchange in flight is completed on a "
-                             "thread of its own: NCCL, or MPI without MPI_THREAD_MULTIPLE, do not allow it); use "
-                             "delay=0, or a gloo group")
-        stream = comm.duplicate(self.process_group, self.timeout) if delay else None
-        if exact:
-            exchange = None
-        elif collective == "allgather":
-            exchange = allgather_factory(self.flat.offsets, self.process_group if stream is None else stream,
-                                         self.timeout, compressor, error_feedback=self.error_feedback,
-                                         scales=check_scales(scales))
-        else:
-            exchange = self._allreduce(compressor, hierarchical=False, ranks_per_node=None, overlap=False,
-                                       scales=check_scales(scales), group=stream)
-        self._drive(exchange, fragments=self._buckets, delayed_group=stream)
+        for p, anchor in zip(self._shards.params, anchors):
+            self.state[p] = {"anchor": anchor}  # for inspection
+        self.outer = make_outer(anchors)
+        self._anchors = anchors
+        self._fragment_of = given or by_size(self.flat.offsets, self.fragments)
+        self._fragments = build_fragments(self.flat, self._fragment_of, compressor, collective=collective,
+                                          error_feedback=self.error_feedback, scales=scales, delay=delay,
+                                          group=self.process_group, timeout=self.timeout)
+        self._step_count = self._skipped = self._bytes_last = self._bytes_total = 0
+        self._last_stage: str | None = None
+        # Per parameter: a gradient here since its fragment was last sent (on some rank, once the
+        # synchronisation's agreement has run)
+        self._touched = [False] * len(params)
+        self._late_bytes = 0  # sent by the flights' threads, counted when they land
+        self._own_parameters: list[int] | None = None  # loaded beside a state saved between synchronisations
+        self._ddp_checked = False
+        check_ddp(self, construction=True)
+
+    # ------------------------------------------------------------------ the step
+    # torch.amp.GradScaler then hands us ``grad_scale`` and ``found_inf`` as attributes and leaves
+    # the skip decision to step(): a synchronisation's must be the same on every rank.
+    _step_supports_amp_scaling = True
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        """The inner step; at every ``sync_every``-th step (with fragments, at each fragment's)
+        the synchronisation after it: agree, form ``anchor - x``, average, outer step.
+
+        1. **Agree**: at a synchronisation, one small all-reduce of "a gradient here is not
+           finite" and of which parameters had a gradient since their fragment's last one; if
+           any rank's is not finite, every rank skips the step (it does not count). An inner
+           step sends nothing: a rank with a non-finite gradient skips its own, which counts.
+        2. **Inner step** on this rank's own gradients (clipped with ``max_grad_norm``).
+        3. **Send** the fragment's outer gradients; with a ``delay`` its exchange stays in flight,
+           completed on a thread.
+        4. **Land** each synchronisation due at this step: the outer optimizer moves the
+           fragment's anchors with the average, the parameters take them (or the merge).
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        comm.check_world_size(self.process_group, self.world_size, type(self).__name__)
+        self._check_loaded_parameters()
+        if not self._ddp_checked:  # the model may have been wrapped after the optimizer was built
+            check_ddp(self, construction=False)
+            self._ddp_checked = True
+        self._shards.bind_grads()
+        try:
+            with comm.measure() as meter:
+                step = self._step_count + 1
+                sent = self._schedule.sent_at(step)
+                fragment = None if sent is None else self._fragments[sent]
+                params = self.flat.params
+                present = [t or p.grad is not None for t, p in zip(self._touched, params)]
+                with comm.span("agree", "step"):  # 1
+                    nonfinite, active, _ = start_agreement(
+                        params, present, self._shards.agreement_group if fragment else self._shards.shard_group,
+                        self.timeout, step=step, rank=self.rank, on_nonfinite=self.on_nonfinite,
+                        everywhere=fragment is not None, scale=getattr(self, "grad_scale", None),
+                        found_inf=getattr(self, "found_inf", None))()
+                if nonfinite:
+                    self._skipped += 1
+                if not (nonfinite and fragment):  # a synchronisation is skipped everywhere, an inner step here
+                    self._step_count, self._last_stage = step, "outer" if fragment else "local"
+                    if not nonfinite:
+                        with comm.span("local", "step"):  # 2
+                            clip_([p.grad for p in params], self.max_grad_norm)
+                            self.inner.step()
+                        self._touched = [t or a for t, a in zip(self._touched, active)]
+                    if fragment is not None:
+                        with comm.span("exchange", "step"):  # 3
+                            fragment.send(self.flat.buffers["anchor"], params, self.flat.offsets, self._touched,
+                                          lands_at=step + self.delay, in_flight=self.delay > 0)
+                        for i in fragment.members:  # what was touched is agreed now, the rest starts again
+                            self._touched[i] = False
+                    for f in self._fragments:  # 4
+                        if f.flight is not None and f.flight.lands_at <= step:
+                            with comm.span("apply", "step"):
+                                self._late_bytes += f.land(self.outer, self._anchors, params, self.flat.offsets,
+                                                           merge=self.merge, error_feedback=self.error_feedback)
+                    if self.check_replicas_every and step % self.check_replicas_every == 0:
+                        self.check_replicas()
+        finally:
+            self._shards.release_grads()
+        self._bytes_last = meter.bytes_sent + self._late_bytes
+        self._bytes_total += self._bytes_last
+        self._late_bytes = 0
+        return loss
+
+    # ------------------------------------------------------------------ API
+    @property
+    def stats(self) -> dict[str, Any]:
+        """``step``, ``stage`` of the last step (``"local"``: an inner step; ``"outer"``: one that
+        sent a synchronisation), ``bytes_sent`` (this rank, last step, with what its flights sent
+        since they left), ``bytes_sent_total`` and ``skipped_steps``."""
+        first = "local" if self._schedule.sent_at(1) is None else "outer"
+        return {"step": self._step_count, "stage": self._last_stage or first, "bytes_sent": self._bytes_last,
+                "bytes_sent_total": self._bytes_total, "skipped_steps": self._skipped}
 
     @contextlib.contextmanager
     def anchored(self) -> Iterator[None]:
@@ -276,7 +339,7 @@ class DiLoCo(OnebitOptimizer):
         """
         own = [p.detach().clone() for p in self.flat.params]
         with torch.no_grad():
-            for p, anchor in zip(self.flat.params, self.flat.views("anchor")):
+            for p, anchor in zip(self.flat.params, self._anchors):
                 p.copy_(anchor)
         try:
             yield
@@ -292,161 +355,93 @@ class DiLoCo(OnebitOptimizer):
         fragments or a merge, the ranks' parameters differ by design)."""
         return self.fragments == 1 and not self.merge and self._step_count % self.sync_every == 0
 
-    # ------------------------------------------------------------------ the contract
-    def _form(self, i: int, lo: int, hi: int, grad: Tensor | None, live: bool, group: dict[str, Any], step: int,
-              scratch: Tensor, out: Tensor, agreed: bool) -> None:
-        """The outer gradient ``anchor - x`` (Algorithm 1 line 9) of values ``[lo, hi)``."""
-        first = self.flat.offsets[i][0]
-        x = self.flat.params[i].detach().reshape(-1)[lo - first : hi - first]  # logical order
-        torch.sub(self.flat.buffers["anchor"][lo:hi], x, out=out)
+    def wait(self) -> None:
+        """Wait for the synchronisations still in flight (``delay``) to complete; each still lands
+        at its step. Call it before destroying the process group where a run may end between such
+        a launch and its landing."""
+        for f in self._fragments:
+            if f.flight is not None:
+                f.flight.join()
 
-    def _landing(self, wire: Wire) -> Tensor:
-        # the outer gradients of the fragment sent, averaged in place (its ranges alone are written and read)
-        return torch.empty(self.flat.numel, dtype=torch.float32, device=self.flat.device)
+    @torch.no_grad()
+    def check_replicas(self) -> None:
+        """Raise :class:`~onebit.optim.ReplicaDivergence` naming the first parameter that differs
+        between ranks: the parameters where :attr:`synchronised`, else the anchors (the parameters
+        of the last synchronisation, which every rank shares)."""
+        self._check_loaded_parameters()
+        inside = not self.synchronised
+        message = check_replicas(self._anchors if inside else self.flat.params, self.process_group, self.timeout,
+                                 step=self._step_count, names=param_names(self.param_groups))
+        if message:
+            raise ReplicaDivergence(message + (" (the anchors, inside an interval of local steps)" if inside else ""))
 
-    def _present(self) -> list[bool]:
-        # A synchronisation's agreement carries each parameter's gradients since its last one.
-        return [t or p.grad is not None for t, p in zip(self._touched, self.flat.params)]
+    def _check_loaded_parameters(self) -> None:
+        """Before the first step after :meth:`load_state_dict` of a state saved between
+        synchronisations: raise :class:`~onebit.optim.ReplicaDivergence` unless every rank holds
+        the parameters it saved beside it."""
+        if self._own_parameters is not None:
+            saved, self._own_parameters = self._own_parameters, None
+            message = check_own_parameters(self.flat.params, saved, self.process_group, self.timeout,
+                                           step=self._step_count, owner=type(self).__name__,
+                                           names=param_names(self.param_groups))
+            if message:
+                raise ReplicaDivergence(message)
 
-    def _apply(self, wire: Wire, average: Tensor | None) -> None:
-        if not wire.exchanged:
-            self.inner.step()
-            self._touched = [t or a for t, a in zip(self._touched, self._active)]
-            return
-        f = self._bucket_fragment[wire.buckets[0]]
-        pieces = [self._buckets[k] for k in wire.buckets]
-        members = [i for _, _, m in pieces for i in m]
-        if average is None or not wire.delay:  # sent: what was touched is agreed now, the rest starts again
-            self._sent[f] = [self._touched[i] for i in members]
-            for i in members:
-                self._touched[i] = False
-        if average is None:
-            return
-        touched, self._sent[f] = dict(zip(members, self._sent[f])), None
-        # A parameter without a gradient on any rank during the whole interval is not updated (the
-        # library's rule for missing gradients): its outer gradient is zero, but the 1-bit exchange
-        # gives it its neighbours' scale and the outer momentum would move it.
-        b, step = self.flat.buffers, {"lr": self.outer_lr, "momentum_factor": self.outer_momentum,
-                                      "nesterov": self.nesterov}
-        spans = [(lo, hi) for lo, hi, _ in pieces] if all(touched.values()) else \
-            [self.flat.offsets[i] for i in members if touched[i]]
-        for lo, hi in spans:
-            outer_step(b["anchor"][lo:hi], b["outer_momentum"][lo:hi], average[lo:hi], **step)
-        anchors = self.flat.views("anchor")
-        for i in members:
-            if touched[i]:
-                p = self.flat.params[i]
-                # merge: the paper's alpha; 0 takes the anchor bit for bit
-                p.copy_(torch.lerp(p.detach().float(), anchors[i], 1 - self.merge) if self.merge else anchors[i])
-        if not self.error_feedback:
-            self._driver.reset(wire.buckets)
+    def attach_ddp(self, model: DistributedDataParallel | None = None) -> list[DistributedDataParallel]:
+        """Switch off DDP's all-reduce on ``model`` (default: every DDP module holding these
+        parameters): the inner steps are each rank's own (see :func:`onebit.optim.attach`)."""
+        return attach_ddp(self, model)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Only during construction: the anchors and the collectives are sized for the parameters
+        given then."""
+        if hasattr(self, "flat"):
+            raise ValueError("DiLoCo cannot add a param group after construction (its anchors and collectives are "
+                             "sized for the parameters it was built with); pass every group to the constructor, "
+                             "with lr=0 for groups that start later")
+        super().add_param_group(param_group)
 
     # ------------------------------------------------------------------ checkpoints
-    def _extra_state(self) -> dict[str, Any]:
-        return {"inner": self.inner.state_dict(), "touched": list(self._touched), "sent": list(self._sent),
-                "streaming": [self.fragments, self.delay], "fragment_of": self._fragment_of,
-                "collective": self.collective}
+    def state_dict(self) -> dict[str, Any]:
+        """The anchors, the inner and outer optimizers' states, the synchronisations in flight
+        (waited for, their averages saved) and the collectives' errors: everything needed to
+        resume bit-exactly (loads with ``weights_only=True``)."""
+        sd = super().state_dict()
+        sd["state"] = {}  # the anchors are saved once, as the flat buffer below
+        self.wait()
+        sd["onebit"] = {
+            "world_size": self.world_size, "rank": self.rank, "step": self._step_count,
+            "bytes_sent_total": self._bytes_total, "flat": {"anchor": self.flat.buffers["anchor"].clone()},
+            # Between synchronisations the state belongs beside this rank's own parameters: their
+            # fingerprint, checked before the first step after a load.
+            **({} if self.synchronised else {"own_parameters": parameter_sums(self.flat.params)}),
+            "inner": self.inner.state_dict(), "outer": self.outer.state_dict(), "touched": list(self._touched),
+            "streaming": [self.fragments, self.delay], "fragment_of": self._fragment_of, "collective": self.collective,
+            **fragments_state(self._fragments),
+        }
+        return sd
 
-    def _check_extra_state(self, state: Mapping[str, Any]) -> None:
-        saved = list(state.get("streaming", [1, 0]))  # checkpoints from before streaming: the whole model at once
-        if saved != [self.fragments, self.delay]:
-            raise ValueError(f"DiLoCo state_dict saved with fragments={saved[0]}, delay={saved[1]}; this optimizer has "
-                             f"fragments={self.fragments}, delay={self.delay} (its schedule and the exchanges in "
-                             "flight depend on them): build it with the saved ones")
-        # a checkpoint from before the option: its fragments cut by size
-        saved = state.get("fragment_of") or _by_size(self.flat.offsets, self.fragments)
-        if list(saved) != self._fragment_of:
-            raise ValueError(f"DiLoCo state_dict saved with its parameters in the fragments {list(saved)}; this "
-                             f"optimizer has them in {self._fragment_of}: build it with the saved fragments")
-        # checkpoints from before the option: the compressed all-reduce, the only exchange then
-        collective = state.get("collective", "allreduce")
-        if collective != self.collective and self._collectives[0] is not None:  # the exact exchange has neither
-            raise ValueError(f"DiLoCo state_dict saved with collective={collective!r}; this optimizer has "
-                             f"collective={self.collective!r} (their error state differs): build it with the saved one")
-
-    def _load_extra_state(self, state: Mapping[str, Any], own_state: bool) -> None:
-        self.inner.load_state_dict(state["inner"])
-        self._touched = [bool(t) for t in state["touched"]]
-        self._sent = [None if s is None else [bool(t) for t in s] for s in state.get("sent", [None] * self.fragments)]
-        self.param_groups = self.inner.param_groups  # one list again: loading made each its own
-
-
-def fragment_bounds(offsets: Sequence[tuple[int, int]], fragments: int) -> list[tuple[int, int, list[int]]]:
-    """``(lo, hi, parameter indices)`` of ``fragments`` contiguous fragments of the flat values
-    at ``offsets``, each ending at the parameter boundary nearest its share ``k / fragments`` of
-    the values (at least one parameter each)."""
-    n = len(offsets)
-    if fragments > n:
-        raise ValueError(f"Invalid fragments value: {fragments} (more than the {n} parameters)")
-    total, ends, last = offsets[-1][1], [hi for _, hi in offsets], -1
-    cuts = []
-    for k in range(1, fragments):
-        nearest = min(range(n), key=lambda j: abs(ends[j] - k * total / fragments))
-        last = min(max(nearest, last + 1), n - fragments + k - 1)
-        cuts.append(last)
-    firsts = [0, *(c + 1 for c in cuts)]
-    lasts = [*cuts, n - 1]
-    return [(offsets[a][0], offsets[z][1], list(range(a, z + 1))) for a, z in zip(firsts, lasts)]
-
-
-def _fragment_of(fragments: Iterable[Iterable[Tensor]], param_groups: list[dict[str, Any]]) -> list[int]:
-    """Each parameter's fragment (in param-group order), from ``fragments`` given as lists of
-    parameters: every parameter of the inner optimizer in exactly one."""
-    if isinstance(fragments, (str, Tensor)) or not isinstance(fragments, Iterable):
-        raise TypeError(f"Invalid fragments value: a {type(fragments).__name__} (expected an int, or lists of "
-                        "parameters)")
-    fragments = list(fragments)
-    if not fragments:
-        raise ValueError("Invalid fragments value: [] (expected an int, or lists of parameters)")
-    index = {id(p): i for i, p in enumerate(p for g in param_groups for p in g["params"])}
-    fragment_of: list[int | None] = [None] * len(index)
-    for f, members in enumerate(fragments):
-        if isinstance(members, Tensor) or not isinstance(members, Iterable):
-            raise TypeError(f"Invalid fragments value: fragment {f} is a {type(members).__name__} (expected a list "
-                            "of parameters)")
-        members = list(members)
-        if not members:
-            raise ValueError(f"Invalid fragments value: fragment {f} is empty (expected a list of parameters)")
-        for p in members:
-            if not isinstance(p, Tensor):
-                raise TypeError(f"Invalid fragments value: fragment {f} holds a {type(p).__name__} (expected "
-                                "parameters)")
-            i = index.get(id(p))
-            if i is None:
-                raise ValueError(f"Invalid fragments value: fragment {f} holds a tensor of shape {tuple(p.shape)} "
-                                 "that is not a parameter of the inner optimizer")
-            if fragment_of[i] is not None:
-                where = f"listed twice in fragment {f}" if fragment_of[i] == f else \
-                    f"in fragments {fragment_of[i]} and {f}"
-                raise ValueError(f"Invalid fragments value: parameter {i} is {where} (each parameter in exactly one)")
-            fragment_of[i] = f
-    missing = [i for i, f in enumerate(fragment_of) if f is None]
-    if missing:
-        raise ValueError(f"Invalid fragments value: parameters {missing} of the inner optimizer are in no fragment "
-                         "(each parameter in exactly one)")
-    return fragment_of
-
-
-def _runs(fragment_of: Sequence[int]) -> list[tuple[int, list[int]]]:
-    """``(fragment, parameter indices)`` of each run of consecutive parameters in one fragment."""
-    runs: list[tuple[int, list[int]]] = []
-    for i, f in enumerate(fragment_of):
-        if runs and runs[-1][0] == f:
-            runs[-1][1].append(i)
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (also those of onebit 0.x, whose outer momentum was a flat
+        buffer); a state saved by another rank or on another world size restarts the
+        collectives' errors (with a warning)."""
+        extra = check_state(state_dict, self.flat, fragments=self.fragments, delay=self.delay,
+                            fragment_of=self._fragment_of, collective=self.collective, exact=self._fragments[0].exact)
+        self.wait()  # an exchange still in flight writes into the collectives' errors: done first
+        self.flat.buffers["anchor"].copy_(extra["flat"]["anchor"])
+        self.inner.load_state_dict(extra["inner"])
+        self.param_groups = self.inner.param_groups  # one list again: loading made the inner's anew
+        if "outer" in extra:
+            self.outer.load_state_dict(extra["outer"])
         else:
-            runs.append((f, [i]))
-    return runs
-
-
-def _by_size(offsets: Sequence[tuple[int, int]], fragments: int) -> list[int]:
-    """Each parameter's fragment where ``fragments`` are cut by size (:func:`fragment_bounds`)."""
-    return [f for f, (_, _, members) in enumerate(fragment_bounds(offsets, fragments)) for _ in members]
-
-
-def _stage_of(outer: tuple[Stage, ...], period: int, delay: int):
-    """Fragment p's synchronisation lands at the steps ``k period`` with ``k = p + 1`` modulo the
-    number of fragments, and is sent ``delay`` steps before."""
-    def stage_of(sync_every: int, step: int) -> Stage:
-        k, sent = divmod(step + delay, period)
-        return outer[(k - 1) % len(outer)] if not sent else _INNER
-    return stage_of
+            load_flat_momentum(self.outer, self._anchors, self.flat.split(extra["flat"]["outer_momentum"]))
+        self._step_count, self._bytes_total = int(extra["step"]), int(extra["bytes_sent_total"])
+        self._touched = [bool(t) for t in extra["touched"]]
+        saved_rank = int(extra.get("rank", self.rank))  # checkpoints of earlier versions have no rank
+        own_state = int(extra["world_size"]) == self.world_size and saved_rank == self.rank
+        self._own_parameters = extra.get("own_parameters") if own_state else None
+        if not own_state:
+            _log.warning("DiLoCo state saved on world size %d by rank %d, loaded on world size %d by rank %d: "
+                         "the compression errors restart at zero; save and load one state_dict per rank to resume "
+                         "exactly", extra["world_size"], saved_rank, self.world_size, self.rank)
+        load_fragments(self._fragments, extra, own_state, self.flat.device)

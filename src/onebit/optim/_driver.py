@@ -39,14 +39,10 @@ before: where the link is the bottleneck, that costs nothing.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import dataclasses
 import logging
 import math
-import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -59,11 +55,13 @@ from .. import comm, compress
 from ..comm import Consume
 from .._checks import check_scales
 
+from ._flat import starts_inside
+
 if TYPE_CHECKING:
     from ._flat import FlatState
 
 __all__ = ["COMPRESSED_FORMED", "COMPRESSED_GRADIENT", "Buckets", "Driver", "EXACT_GRADIENT", "LOCAL", "Plan", "Wire",
-           "allgather_factory", "allreduce_factory", "bucket_bounds"]
+           "allreduce_factory", "bucket_bounds"]
 
 _log = logging.getLogger("onebit.optim")
 
@@ -248,73 +246,6 @@ class _Flight:
             self.gathering = True
 
 
-class _Delayed:
-    """A delayed exchange (``Wire.delay``): its wire, the step it lands at, the buffer it lands
-    in; the rest of its buckets' exchanges (``flights``, None: nothing sent) runs on a thread of
-    its own, so that each phase leaves as soon as the one before is done whatever this rank is
-    computing, and nothing on this rank -- nor a peer that saves a checkpoint -- waits for a
-    step to come. Its collectives are the only ones on their group: the order of their issue
-    is the same on every rank, their timing need not be."""
-
-    def __init__(self, wire: Wire, lands_at: int, land: Tensor, flights: Sequence[_Flight | None],
-                 owner: str = "") -> None:
-        self.wire, self.lands_at, self.land, self.owner = wire, lands_at, land, owner
-        self.bytes_sent = 0
-        self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
-        if any(f is not None for f in flights):
-            self._thread = threading.Thread(target=self._run, args=(flights,), name="onebit-delayed-exchange",
-                                            daemon=True)
-            self._thread.start()
-            _RUNNING.add(self)
-
-    def _run(self, flights: Sequence[_Flight | None]) -> None:
-        try:
-            with comm.measure() as meter:  # this thread's own meter: the driver adds its bytes when it lands
-                for flight in flights:
-                    if flight is not None:
-                        comm.run_stages(flight.stages)
-            self.bytes_sent = meter.bytes_sent
-        except BaseException as exc:  # raised where it is joined, in step() or state_dict()
-            self._error = exc
-
-    def join(self) -> None:
-        """Wait for the exchange to complete; raise what stopped it (a timeout: a dead peer)."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-            _RUNNING.discard(self)
-        if self._error is not None:
-            raise self._error
-
-
-# The delayed exchanges whose thread may still be running. A daemon thread still inside a
-# collective when the interpreter finalizes is ended by pthread_exit as it takes the GIL back
-# from C++ -- "terminate called without an active exception", an abort -- and a run that ends
-# between a launch and its landing without wait() had one there on most exits. The threads are
-# daemons so that nothing waits for them unseen; instead they are completed at exit, each
-# bounded by its collectives' timeout (a process group destroyed before then keeps serving the
-# collectives already issued on it: the exchange still completes on every rank).
-_RUNNING: weakref.WeakSet[_Delayed] = weakref.WeakSet()
-
-
-@atexit.register
-def _complete_at_exit() -> None:
-    # Registered after onebit.comm's own exit handler, so it runs before it (atexit is last in,
-    # first out), while the collectives' workers and the GIL still serve the threads.
-    for delayed in list(_RUNNING):
-        try:
-            delayed.join()
-        except Exception as exc:  # logged: what an exit handler raises is printed without its context
-            _log.error("%s: the exchange in flight to step %d failed while the process exited (%s); call "
-                       "opt.wait() before the end of the run to have it raise there", delayed.owner,
-                       delayed.lands_at, exc)
-        else:
-            _log.warning("%s: the exchange in flight to step %d was completed at exit and never landed; call "
-                         "opt.wait() before the end of the run (and before destroy_process_group())",
-                         delayed.owner, delayed.lands_at)
-
-
 @dataclass(frozen=True)
 class Wire:
     """What a stage sends, as an optimizer declares it.
@@ -327,25 +258,12 @@ class Wire:
     ``exact``: the exact fp32 mean (an all-reduce); else the optimizer's compressed collectives.
     ``exchanged``: False for a step each rank takes on its own (0/1 Adam's local steps): nothing
     is sent, ``_apply`` gets no average and reads the local gradients itself.
-    ``local_first``: each rank first takes its own step (``_apply`` with :data:`LOCAL`) and what
-    it sends is formed from where that got it (DiLoCo's outer synchronisation, after the last
-    inner step); never during backward.
-    ``buckets``: the driver's buckets the stage sends (a streamed synchronisation's fragment;
-    None: every bucket). ``delay``: the steps its exchange stays in flight -- it is launched in
-    this step and lands ``delay`` steps later, where ``_apply`` gets it (0: in this step).
-    ``agreed``: the ranks agree whether to take the step (a non-finite gradient on any rank skips
-    it everywhere); False for a step that sends nothing and must not wait for the network
-    (DiLoCo's inner steps): each rank skips on its own gradients, and the step still counts.
     """
 
     stage: str
     formed: bool
     exact: bool
     exchanged: bool = True
-    local_first: bool = False
-    buckets: tuple[int, ...] | None = None
-    delay: int = 0
-    agreed: bool = True
 
 
 EXACT_GRADIENT = Wire("warmup", formed=False, exact=True)
@@ -379,15 +297,11 @@ class Driver:
 
     ``collective(start, end)`` makes the compressed collective of the flat values
     ``[start, end)`` (``None``: the optimizer has none; it may return None for a span it cannot
-    exchange, which then sends nothing). ``fragments``: the buckets, ``(lo, hi, members)``, as
-    the optimizer cuts them (without ``alignment``), each sent by the wires that name it.
-    ``delayed_group``: where the exact exchanges of delayed wires run (a group of their own,
-    whose collectives may then be issued whenever each rank gets to them: nothing else runs
-    there; the optimizer builds its delayed compressed collectives on it too). A bucket of the
-    overlapped exchange sends the values of its span: its own range, or with ``alignment`` > 1
-    (Block-Sign's blocks of the fused gradient) from the first multiple of ``alignment`` inside
-    it to where the span of the bucket launched before it starts, so that no block straddles
-    two exchanges; a bucket with an empty span sends nothing, its values going with the next one.
+    exchange, which then sends nothing). A bucket of the overlapped exchange sends the values of
+    its span: its own range, or with ``alignment`` > 1 (Block-Sign's blocks of the fused
+    gradient) from the first multiple of ``alignment`` inside it to where the span of the bucket
+    launched before it starts, so that no block straddles two exchanges; a bucket with an empty
+    span sends nothing, its values going with the next one.
 
     A bucket's input is formed where its average lands and exchanged in place (the
     collective's ``stages``), except where it must stay out of that buffer -- a bucket formed
@@ -400,22 +314,16 @@ class Driver:
     def __init__(self, flat: FlatState, group: comm.Group, timeout: timedelta,
                  collective: Callable[[int, int], Any] | None, *, overlap: bool | str, bucket_cap_mb: float,
                  alignment: int = 1, key: str = "allreduce", owner: str = "",
-                 fragments: list[tuple[int, int, list[int]]] | None = None,
-                 delayed_group: comm.Group = None, warm_group: comm.Group = None) -> None:
+                 warm_group: comm.Group = None) -> None:
         self.flat, self.group, self.timeout, self.key, self.owner = flat, group, timeout, key, owner
-        self.delayed_group = delayed_group
         self.buckets: Buckets | None = None
         vectors = [p.dim() == 1 for p in flat.params]  # (bucket_bounds: a bias goes with its weight)
-        if fragments is not None:  # the optimizer's own contiguous buckets, sent by the wires that name them
-            self.bounds = fragments
-            self.spans = [(lo, hi) for lo, hi, _ in fragments]
-        else:
-            self.bounds = bucket_bounds(flat.offsets, _bucket_cap(bucket_cap_mb), vectors) \
-                if overlap is True else [(0, flat.numel, list(range(len(flat.params))))]
-            # A span ends where the span of the bucket launched before it (the parameters after it)
-            # starts -- at the model's end for the first bucket.
-            starts = [min(flat.numel, -(-lo // alignment) * alignment) for lo, _, _ in self.bounds]
-            self.spans = list(zip(starts, [flat.numel, *starts]))
+        self.bounds = bucket_bounds(flat.offsets, _bucket_cap(bucket_cap_mb), vectors) \
+            if overlap is True else [(0, flat.numel, list(range(len(flat.params))))]
+        # A span ends where the span of the bucket launched before it (the parameters after it)
+        # starts -- at the model's end for the first bucket.
+        starts = [min(flat.numel, -(-lo // alignment) * alignment) for lo, _, _ in self.bounds]
+        self.spans = list(zip(starts, [flat.numel, *starts]))
         # Every bucket sends its own parameters' values (no alignment moves some to the next one):
         # a bucket that has landed holds its parameters' whole average.
         self.lands_by_bucket = self.spans == [(lo, hi) for lo, hi, _ in self.bounds]
@@ -445,8 +353,6 @@ class Driver:
         self._flights: list[_Flight | None] = [None] * len(self.bounds)  # None: nothing sent
         self._compressed_in_flight = False
         self._land: Tensor | Consume | None = None
-        self._delayed: list[_Delayed] = []  # exchanges in flight across steps, in launch order
-        self._late_bytes = 0  # sent by the delayed exchanges landed since the last done()
 
     # ------------------------------------------------------------------ the step
     def stats(self) -> dict[str, Any]:
@@ -462,8 +368,7 @@ class Driver:
         """What the next step sends (before its backward: its buckets may leave during it)."""
         self._plan = plan
         if self._warm is not None:  # (buckets already launched in this step are all sent)
-            self.buckets.active = self.warmup_in_backward and plan.wire.exact and not plan.wire.delay \
-                or bool(self._warm_flights)
+            self.buckets.active = self.warmup_in_backward and plan.wire.exact or bool(self._warm_flights)
 
     @property
     def warmup_in_backward(self) -> bool:
@@ -515,15 +420,13 @@ class Driver:
             stale: bool = False) -> Tensor | None:
         """The planned step, which every rank agreed to take (``live[i]``: parameter ``i`` has a
         gradient on some rank): launch the one-shot exchange, land every bucket's average;
-        returns it (None where it was handed out chunk by chunk, or where the wire's ``delay``
-        keeps it in flight: :meth:`arrivals` hands it out then). ``landed(average, members)``,
+        returns it (None where it was handed out chunk by chunk). ``landed(average, members)``,
         where given, is called as each bucket lands, in bucket order, with the step's buffer
         (landed for that bucket's parameters ``members``) -- the others may still be in flight;
         only where :attr:`lands_by_bucket`. A collective that fails leaves the buckets before
         its own applied. ``stale``: some rank's warm-up buckets sent during backward are stale (the
         step's agreement of :attr:`stale`): they are dropped, the exchange runs here again, and in
         ``step()`` from now on."""
-        wire = self._plan.wire
         if self._warm_flights:
             if not stale:
                 land = self._landing()
@@ -537,14 +440,10 @@ class Driver:
             self.stop_warmup_in_backward("the gradients changed after their bucket left: accumulation outside "
                                          "no_sync(), GradScaler, a clip or another change of p.grad before step()")
         if self.buckets is None or self._warm is not None:
-            for b in range(len(self.bounds)) if wire.buckets is None else wire.buckets:
+            for b in range(len(self.bounds)):
                 with comm.labelled(bucket=b):
                     self._launch(b, live, agreed=True)
         land = self._landing()
-        if wire.delay:
-            self._delayed.append(_Delayed(wire, self._plan.step + wire.delay, land, self._flights, self.owner))
-            self._end_step()
-            return None
         self._gather(len(self._flights))  # every added bucket's all-gather in flight first
         for b, flight in enumerate(self._flights):
             if flight is not None:
@@ -554,20 +453,6 @@ class Driver:
                         landed(land, self.bounds[b][2])
         self._end_step()
         return land if isinstance(land, Tensor) else None
-
-    def arrivals(self, step: int) -> Iterator[tuple[Wire, Tensor]]:
-        """The delayed exchanges that land at ``step``, each waited for: ``(wire, average)``, in
-        launch order."""
-        while self._delayed and self._delayed[0].lands_at <= step:
-            delayed = self._delayed.pop(0)
-            delayed.join()
-            self._late_bytes += delayed.bytes_sent
-            yield delayed.wire, delayed.land
-
-    def wait(self) -> None:
-        """Wait for every delayed exchange in flight (each still lands at its step)."""
-        for delayed in self._delayed:
-            delayed.join()
 
     def abandon(self) -> None:
         """Every rank skips the step: wait for the exchanges launched and drop them. A compressed
@@ -596,10 +481,8 @@ class Driver:
                 c.reset()
 
     def done(self) -> int:
-        """Bytes sent outside ``step()``'s own meter: by the launches during backward, and by the
-        delayed exchanges that landed in this step after their first phase."""
-        late, self._late_bytes = self._late_bytes, 0
-        return late + (0 if self.buckets is None else self.buckets.done())
+        """Bytes sent outside ``step()``'s own meter: by the launches during backward."""
+        return 0 if self.buckets is None else self.buckets.done()
 
     def _end_step(self) -> None:
         self._flights = [None] * len(self.bounds)
@@ -663,8 +546,7 @@ class Driver:
         land = self._landing()
         form(land[lo:hi], lo, members, live, agreed, False)
         if wire.exact:
-            group = self.delayed_group if wire.delay else self.group
-            stages = comm.all_reduce_mean_stages(land[lo:hi], group, self.timeout)
+            stages = comm.all_reduce_mean_stages(land[lo:hi], self.group, self.timeout)
         elif collective is None:  # no whole block in this bucket: its values go with the next one
             return
         else:
@@ -682,15 +564,10 @@ class Driver:
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """The collectives' errors (and random state): ``{key: state}`` of the one-shot collective,
-        or the bucketing and ``{"bucket_" + key: [state or None]}``; nothing without collectives.
-        Delayed exchanges in flight are waited for first (their threads complete them with the
-        other ranks' whatever those do meanwhile) and saved as ``"arrivals"``: their wires, steps
-        and averages."""
+        or the bucketing and ``{"bucket_" + key: [state or None]}``; nothing without collectives."""
         state: dict[str, Any] = {}
         if self._warm is not None:  # the exchange of a resumed warm-up leaves where it did (the same bits)
             state["warmup_in_backward"] = self.warmup_in_backward
-        if self._delayed:
-            state["arrivals"] = [self._arrival_state(d) for d in self._delayed]
         if all(c is None for c in self.collectives):
             return state
         if len(self.bounds) == 1:
@@ -698,27 +575,10 @@ class Driver:
         return {**state, "bucket_bounds": [[lo, hi] for lo, hi, _ in self.bounds],
                 "bucket_" + self.key: [None if c is None else c.state_dict() for c in self.collectives]}
 
-    def _arrival_state(self, delayed: _Delayed) -> dict[str, Any]:
-        delayed.join()
-        wire = dataclasses.asdict(delayed.wire)
-        buckets = range(len(self.bounds)) if delayed.wire.buckets is None else delayed.wire.buckets
-        return {"wire": {**wire, "buckets": None if wire["buckets"] is None else list(wire["buckets"])},
-                "lands_at": delayed.lands_at,
-                "average": {b: delayed.land[self.bounds[b][0]:self.bounds[b][1]].clone() for b in buckets}}
-
     def load_state_dict(self, state: Mapping[str, Any], own_state: bool) -> None:
         """Restore :meth:`state_dict`; saved with another bucketing, by another rank or on another
         world size, the errors restart at zero (freshly seeded)."""
-        self.wait()  # an exchange still in flight writes into the collectives' errors: done first
         self._warm_off = self._warm_off or not state.get("warmup_in_backward", True)
-        self._delayed = []
-        for arrival in state.get("arrivals", ()):
-            wire = dict(arrival["wire"])
-            wire["buckets"] = None if wire["buckets"] is None else tuple(wire["buckets"])
-            land = self.flat.zeros()
-            for b, average in arrival["average"].items():
-                land[self.bounds[b][0]:self.bounds[b][1]].copy_(average)
-            self._delayed.append(_Delayed(Wire(**wire), int(arrival["lands_at"]), land, ()))
         if all(c is None for c in self.collectives):
             return
         key = self.key
@@ -763,16 +623,6 @@ def allreduce_factory(offsets: Sequence[tuple[int, int]], group: comm.Group, tim
     return collective
 
 
-def allgather_factory(offsets: Sequence[tuple[int, int]], group: comm.Group, timeout: timedelta, compressor: Any, *,
-                      error_feedback: bool, scales: str = "chunk") -> Callable[[int, int], comm.CompressedAllGather]:
-    """``collective(start, end)`` for :class:`Driver`: :class:`onebit.comm.CompressedAllGather`
-    (every rank's compressed values, averaged exactly) of the flat values of parameters at
-    ``offsets``; ``scales`` as :func:`allreduce_factory`'s."""
-    segments = _segmenter(offsets, compressor, scales)
-    return lambda start, end: comm.CompressedAllGather(compressor, group, error_feedback=error_feedback,
-                                                       segments=segments(start, end), timeout=timeout)
-
-
 def _segmenter(offsets: Sequence[tuple[int, int]], compressor: Any,
                scales: str) -> Callable[[int, int], list[int] | None]:
     """``segments(start, end)`` of a bucket's collective: where the parameters starting inside
@@ -780,4 +630,4 @@ def _segmenter(offsets: Sequence[tuple[int, int]], compressor: Any,
     ``scales="tensor"``; None (one scale per chunk) otherwise."""
     if check_scales(scales) != "tensor" or not compress.get(compressor).blockwise:
         return lambda start, end: None
-    return lambda start, end: [lo - start for lo, _ in offsets if start < lo < end]
+    return lambda start, end: starts_inside(offsets, start, end)

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-__all__ = ["FlatState"]
+__all__ = ["FlatState", "starts_inside"]
 
 
 class FlatState:
@@ -62,3 +62,10 @@ class FlatState:
                 out[lo - base : hi - base].zero_()
             else:
                 out[lo - base : hi - base].copy_(p.grad.reshape(-1))
+
+
+def starts_inside(offsets: Iterable[tuple[int, int]], start: int, end: int) -> list[int]:
+    """Where the parameters at ``offsets`` that start inside ``(start, end)`` start, relative to
+    ``start``: the segments of a collective over the flat values ``[start, end)`` that gives each
+    parameter's piece a scale of its own."""
+    return [lo - start for lo, _ in offsets if start < lo < end]

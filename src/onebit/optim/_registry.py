@@ -85,7 +85,7 @@ class Spec:
     (``{TrainConfig field: argument}``).
     """
 
-    cls: type[OnebitOptimizer]
+    cls: type[OnebitOptimizer | DiLoCo]
     counterpart: str | None
     footprint: Callable[[int], float]
     kwargs: Mapping[str, Any] = field(default_factory=dict)
@@ -213,7 +213,7 @@ def spec(name: str) -> Spec:
         raise ValueError(f"unknown optimizer {name!r}; available: {', '.join(REGISTRY)}") from None
 
 
-def make_optimizer(name: str, params: Any, **kwargs: Any) -> OnebitOptimizer:
+def make_optimizer(name: str, params: Any, **kwargs: Any) -> OnebitOptimizer | DiLoCo:
     """``REGISTRY[name].cls(params, **REGISTRY[name].kwargs, **kwargs)``."""
     entry = spec(name)
     return entry.cls(params, **{**entry.kwargs, **kwargs})

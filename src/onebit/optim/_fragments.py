@@ -1,0 +1,399 @@
+"""DiLoCo's fragments: each one's parameters, its exchange and its synchronisation in flight.
+
+A fragment (Streaming DiLoCo, arXiv 2501.18512, section 2) is a set of parameters synchronised
+on a schedule of its own. It holds the compressed collectives of its runs of consecutive
+parameters (the pieces it sends), forms its outer gradients, launches their exchange and, with
+a delay, completes it on a thread of its own while the inner steps go on (:class:`Flight`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from .. import comm, compress
+from .._checks import check_positive_int
+from ._flat import FlatState, starts_inside
+
+__all__ = ["Flight", "Fragment", "Schedule", "build_fragments", "by_size", "check_state", "fragment_bounds",
+           "fragment_of", "fragments_state", "load_fragments", "runs"]
+
+_log = logging.getLogger("onebit.optim")
+
+
+class Flight:
+    """A synchronisation in flight: the step it lands at, its averaged outer gradients (one flat
+    fp32 tensor per run of its fragment, ``landing[b]``) and, while its exchange runs, the thread
+    completing it. The first collective of each run left on the caller's thread; the rest runs
+    on this one, so that each phase leaves as soon as the one before is done whatever this rank
+    is computing, and nothing on this rank -- nor a peer that saves a checkpoint -- waits for a
+    step to come. Its collectives are the only ones on their group: the order of their issue is
+    the same on every rank, their timing need not be."""
+
+    def __init__(self, lands_at: int, landing: dict[int, Tensor], exchanges: Sequence[comm.Stages] = (),
+                 owner: str = "DiLoCo") -> None:
+        self.lands_at, self.landing, self.owner = lands_at, landing, owner
+        self.bytes_sent = 0
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        if exchanges:
+            self._thread = threading.Thread(target=self._run, args=(exchanges,), name="onebit-delayed-exchange",
+                                            daemon=True)
+            self._thread.start()
+            _RUNNING.add(self)
+
+    def _run(self, exchanges: Sequence[comm.Stages]) -> None:
+        try:
+            with comm.measure() as meter:  # this thread's own meter: the optimizer adds its bytes when it lands
+                for stages in exchanges:
+                    comm.run_stages(stages)
+            self.bytes_sent = meter.bytes_sent
+        except BaseException as exc:  # raised where it is joined, in step() or state_dict()
+            self._error = exc
+
+    def join(self) -> None:
+        """Wait for the exchange to complete; raise what stopped it (a timeout: a dead peer)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+            _RUNNING.discard(self)
+        if self._error is not None:
+            raise self._error
+
+
+# The flights whose thread may still be running. A daemon thread still inside a collective when
+# the interpreter finalizes is ended by pthread_exit as it takes the GIL back from C++ --
+# "terminate called without an active exception", an abort -- and a run that ends between a
+# launch and its landing without wait() had one there on most exits. The threads are daemons so
+# that nothing waits for them unseen; instead they are completed at exit, each bounded by its
+# collectives' timeout (a process group destroyed before then keeps serving the collectives
+# already issued on it: the exchange still completes on every rank).
+_RUNNING: weakref.WeakSet[Flight] = weakref.WeakSet()
+
+
+@atexit.register
+def _complete_at_exit() -> None:
+    # Registered after onebit.comm's own exit handler, so it runs before it (atexit is last in,
+    # first out), while the collectives' workers and the GIL still serve the threads.
+    for flight in list(_RUNNING):
+        try:
+            flight.join()
+        except Exception as exc:  # logged: what an exit handler raises is printed without its context
+            _log.error("%s: the exchange in flight to step %d failed while the process exited (%s); call "
+                       "opt.wait() before the end of the run to have it raise there", flight.owner,
+                       flight.lands_at, exc)
+        else:
+            _log.warning("%s: the exchange in flight to step %d was completed at exit and never landed; call "
+                         "opt.wait() before the end of the run (and before destroy_process_group())",
+                         flight.owner, flight.lands_at)
+
+
+class Schedule:
+    """When each of ``fragments`` fragments (an int, or each parameter's fragment) is sent: every
+    ``sync_every`` steps, fragment p landing at the steps ``k period`` (``period = sync_every /
+    fragments``) with ``k`` congruent to ``p + 1`` modulo the fragments, and sent ``delay``
+    steps before (Algorithm 2 of arXiv 2501.18512, torchft's schedule)."""
+
+    __slots__ = ("sync_every", "fragments", "delay", "period")
+
+    def __init__(self, sync_every: int, fragments: int | Sequence[int], delay: int) -> None:
+        given = not isinstance(fragments, int)
+        self.sync_every = sync_every
+        self.fragments = max(fragments) + 1 if given else check_positive_int("fragments", fragments)
+        if sync_every % self.fragments:
+            shown = f"{self.fragments} lists" if given else fragments
+            raise ValueError(f"Invalid fragments value: {shown} (sync_every={sync_every} must be a multiple of it)")
+        self.period = sync_every // self.fragments  # steps between two landings
+        if isinstance(delay, bool) or not isinstance(delay, int) or not 0 <= delay < self.period:
+            raise ValueError(f"Invalid delay value: {delay!r} (expected an int in [0, {self.period}): "
+                             "sync_every / fragments steps between two synchronisations)")
+        self.delay = delay
+
+    def sent_at(self, step: int) -> int | None:
+        """The fragment whose synchronisation is sent at ``step`` (None: an inner step alone)."""
+        k, early = divmod(step + self.delay, self.period)
+        return None if early else (k - 1) % self.fragments
+
+
+class Fragment:
+    """Fragment ``index``: its runs ``(b, lo, hi, members)`` (``b`` numbers the runs of the whole
+    model; ``[lo, hi)`` their flat values; ``members`` their parameters), the collective of each
+    run (None: the exact fp32 mean), the group and timeout of its exchange, and its
+    synchronisation in flight: ``flight``, and ``sent``, which of its parameters had a gradient
+    on some rank since its last synchronisation when it was sent (both None: nothing in flight)."""
+
+    __slots__ = ("index", "runs", "members", "collectives", "group", "timeout", "sent", "flight")
+
+    def __init__(self, index: int, runs: list[tuple[int, int, int, list[int]]], collectives: list[Any],
+                 group: comm.Group, timeout: timedelta) -> None:
+        self.index, self.runs, self.collectives, self.group, self.timeout = index, runs, collectives, group, timeout
+        self.members = [i for *_, m in runs for i in m]
+        self.sent: list[bool] | None = None
+        self.flight: Flight | None = None
+
+    @property
+    def exact(self) -> bool:
+        """Its exchange is the exact fp32 mean (no compression error to keep)."""
+        return all(c is None for c in self.collectives)
+
+    def send(self, anchor: Tensor, params: Sequence[Tensor], offsets: Sequence[tuple[int, int]], touched: list[bool],
+             *, lands_at: int, in_flight: bool) -> None:
+        """Form the outer gradients ``anchor - x`` (Algorithm 1 line 9) of each run into a buffer of
+        its own, where its average lands, and exchange them: to the end here, or ``in_flight``,
+        each run's first collective here and the rest on the flight's thread. ``touched[i]``:
+        parameter ``i`` had a gradient on some rank since its last synchronisation (agreed)."""
+        self.sent = [touched[i] for i in self.members]
+        landing: dict[int, Tensor] = {}
+        exchanges: list[comm.Stages] = []
+        for (b, lo, hi, members), collective in zip(self.runs, self.collectives):
+            land = landing[b] = torch.empty(hi - lo, dtype=torch.float32, device=anchor.device)
+            for i in members:
+                first, last = offsets[i]
+                torch.sub(anchor[first:last], params[i].detach().reshape(-1), out=land[first - lo:last - lo])
+            stages = comm.all_reduce_mean_stages(land, self.group, self.timeout) if collective is None \
+                else collective.stages(land, out=land)
+            next(stages)
+            exchanges.append(stages)
+        if not in_flight:
+            for stages in exchanges:
+                comm.run_stages(stages)
+        self.flight = Flight(lands_at, landing, exchanges if in_flight else ())
+
+    def land(self, outer: Optimizer, anchors: Sequence[Tensor], params: Sequence[Tensor],
+             offsets: Sequence[tuple[int, int]], *, merge: float, error_feedback: bool) -> int:
+        """The synchronisation in flight, waited for: ``outer`` steps with its average as the
+        gradient of its parameters' anchors (Algorithm 1 line 12), and they take the anchors, or
+        ``merge x + (1 - merge) anchor`` (the paper's alpha); the bytes its thread sent. A
+        parameter without a gradient on any rank during the whole interval is not updated (the
+        library's rule for missing gradients): its outer gradient is zero, but the 1-bit
+        exchange gives it its neighbours' scale and the outer momentum would move it."""
+        flight, self.flight = self.flight, None
+        flight.join()
+        touched, self.sent = dict(zip(self.members, self.sent)), None
+        for b, lo, _, members in self.runs:
+            for i in members:
+                if touched[i]:
+                    first, last = offsets[i]
+                    anchors[i].grad = flight.landing[b][first - lo:last - lo].view(anchors[i].shape)
+        outer.step()
+        for i in self.members:
+            anchors[i].grad = None
+            if touched[i]:
+                p = params[i]  # merge 0 takes the anchor bit for bit
+                p.copy_(torch.lerp(p.detach().float(), anchors[i], 1 - merge) if merge else anchors[i])
+        if not error_feedback:
+            self.reset()
+        return flight.bytes_sent
+
+    def reset(self) -> None:
+        """The collectives' errors restart at zero."""
+        for c in self.collectives:
+            if c is not None:
+                c.reset()
+
+
+def fragment_bounds(offsets: Sequence[tuple[int, int]], fragments: int) -> list[tuple[int, int, list[int]]]:
+    """``(lo, hi, parameter indices)`` of ``fragments`` contiguous fragments of the flat values
+    at ``offsets``, each ending at the parameter boundary nearest its share ``k / fragments`` of
+    the values (at least one parameter each)."""
+    n = len(offsets)
+    if fragments > n:
+        raise ValueError(f"Invalid fragments value: {fragments} (more than the {n} parameters)")
+    total, ends, last = offsets[-1][1], [hi for _, hi in offsets], -1
+    cuts = []
+    for k in range(1, fragments):
+        nearest = min(range(n), key=lambda j: abs(ends[j] - k * total / fragments))
+        last = min(max(nearest, last + 1), n - fragments + k - 1)
+        cuts.append(last)
+    firsts = [0, *(c + 1 for c in cuts)]
+    lasts = [*cuts, n - 1]
+    return [(offsets[a][0], offsets[z][1], list(range(a, z + 1))) for a, z in zip(firsts, lasts)]
+
+
+def fragment_of(fragments: Iterable[Iterable[Tensor]], params: Sequence[Tensor]) -> list[int]:
+    """Each parameter's fragment (in the order of ``params``), from ``fragments`` given as lists
+    of parameters: every one of ``params`` in exactly one."""
+    if isinstance(fragments, (str, Tensor)) or not isinstance(fragments, Iterable):
+        raise TypeError(f"Invalid fragments value: a {type(fragments).__name__} (expected an int, or lists of "
+                        "parameters)")
+    fragments = list(fragments)
+    if not fragments:
+        raise ValueError("Invalid fragments value: [] (expected an int, or lists of parameters)")
+    index = {id(p): i for i, p in enumerate(params)}
+    owner: list[int | None] = [None] * len(index)
+    for f, members in enumerate(fragments):
+        if isinstance(members, Tensor) or not isinstance(members, Iterable):
+            raise TypeError(f"Invalid fragments value: fragment {f} is a {type(members).__name__} (expected a list "
+                            "of parameters)")
+        members = list(members)
+        if not members:
+            raise ValueError(f"Invalid fragments value: fragment {f} is empty (expected a list of parameters)")
+        for p in members:
+            if not isinstance(p, Tensor):
+                raise TypeError(f"Invalid fragments value: fragment {f} holds a {type(p).__name__} (expected "
+                                "parameters)")
+            i = index.get(id(p))
+            if i is None:
+                raise ValueError(f"Invalid fragments value: fragment {f} holds a tensor of shape {tuple(p.shape)} "
+                                 "that is not a parameter of the inner optimizer")
+            if owner[i] is not None:
+                where = f"listed twice in fragment {f}" if owner[i] == f else f"in fragments {owner[i]} and {f}"
+                raise ValueError(f"Invalid fragments value: parameter {i} is {where} (each parameter in exactly one)")
+            owner[i] = f
+    missing = [i for i, f in enumerate(owner) if f is None]
+    if missing:
+        raise ValueError(f"Invalid fragments value: parameters {missing} of the inner optimizer are in no fragment "
+                         "(each parameter in exactly one)")
+    return owner
+
+
+def runs(owner: Sequence[int]) -> list[tuple[int, list[int]]]:
+    """``(fragment, parameter indices)`` of each run of consecutive parameters in one fragment."""
+    out: list[tuple[int, list[int]]] = []
+    for i, f in enumerate(owner):
+        if out and out[-1][0] == f:
+            out[-1][1].append(i)
+        else:
+            out.append((f, [i]))
+    return out
+
+
+def by_size(offsets: Sequence[tuple[int, int]], fragments: int) -> list[int]:
+    """Each parameter's fragment where ``fragments`` are cut by size (:func:`fragment_bounds`)."""
+    return [f for f, (_, _, members) in enumerate(fragment_bounds(offsets, fragments)) for _ in members]
+
+
+def build_fragments(flat: FlatState, owner: Sequence[int], compressor: Any, *, collective: str, error_feedback: bool,
+                    scales: str, delay: int, group: comm.Group, timeout: timedelta) -> list[Fragment]:
+    """The fragments of parameters ``owner[i]`` (each parameter's fragment), each with the
+    compressed collective of each of its runs of consecutive parameters (None where
+    ``compressor`` is the identity: the exact mean): every rank's all-gathered
+    (``collective="allgather"``), or 1-bit Adam's compressed all-reduce; ``scales="tensor"``: a
+    compressor with per-block scales gives every parameter's piece its own. Over ``group``, or
+    with a ``delay`` over a duplicate of it."""
+    # An exchange in flight across inner steps is completed on a thread (the flight's), over a
+    # group of its own: when each rank issues its collectives there differs, their order does not.
+    if delay and comm.get_world_size(group) > 1 and not comm.concurrent(group):
+        raise ValueError(f"Invalid delay value with a {comm.backend_of(group)} group whose backend is not "
+                         f"thread-safe across groups: {delay} (the exchange in flight is completed on a thread of "
+                         "its own: NCCL, or MPI without MPI_THREAD_MULTIPLE, do not allow it); use delay=0, or a "
+                         "gloo group")
+    group = comm.duplicate(group, timeout) if delay else group
+    exact = compress.get(compressor).name == "identity"
+    segmented = scales == "tensor" and compress.get(compressor).blockwise
+    pieces: dict[int, list[tuple[int, int, int, list[int]]]] = {f: [] for f in sorted(set(owner))}
+    collectives: dict[int, list[Any]] = {f: [] for f in pieces}
+    for b, (f, members) in enumerate(runs(owner)):
+        lo, hi = flat.offsets[members[0]][0], flat.offsets[members[-1]][1]
+        pieces[f].append((b, lo, hi, members))
+        segments = starts_inside(flat.offsets, lo, hi) if segmented else None
+        if exact:
+            c = None
+        elif collective == "allgather":
+            c = comm.CompressedAllGather(compressor, group, error_feedback=error_feedback, segments=segments,
+                                         timeout=timeout)
+        else:
+            c = comm.compressed_allreduce(compressor, group, hierarchical=False, ranks_per_node=None,
+                                          segments=segments, timeout=timeout)
+        if c is not None:
+            c.warm_up(flat.device)  # kernels loaded now, not at the first synchronisation
+        collectives[f].append(c)
+    return [Fragment(f, pieces[f], collectives[f], group, timeout) for f in pieces]
+
+
+def fragments_state(fragments: Sequence[Fragment]) -> dict[str, Any]:
+    """What the fragments hold, for a checkpoint (the layout of onebit 0.x's where it had one):
+    ``"sent"``, the synchronisations in flight (``"arrivals"``: each one's fragment, step and
+    average; waited for first), and the collectives' errors -- ``{"allreduce": state}`` of one
+    run, or the runs' bounds and each one's; none for the exact exchange."""
+    out: dict[str, Any] = {"sent": [f.sent for f in fragments]}
+    arrivals = []
+    for f in fragments:
+        if f.flight is not None:
+            f.flight.join()
+            arrivals.append({"fragment": f.index, "lands_at": f.flight.lands_at,
+                             "average": {b: t.clone() for b, t in f.flight.landing.items()}})
+    if arrivals:
+        out["arrivals"] = arrivals
+    collectives = [c for f in fragments for c in f.collectives]
+    if all(c is None for c in collectives):
+        return out
+    if len(collectives) == 1:
+        return {**out, "allreduce": collectives[0].state_dict()}
+    return {**out, "bucket_bounds": [[lo, hi] for f in fragments for _, lo, hi, _ in f.runs],
+            "bucket_allreduce": [c.state_dict() for c in collectives]}
+
+
+def load_fragments(fragments: Sequence[Fragment], state: Mapping[str, Any], own_state: bool,
+                   device: torch.device) -> None:
+    """Restore :func:`fragments_state` (onebit 0.x's ``"arrivals"`` named the runs they sent);
+    saved by another rank, on another world size or with other runs, the collectives' errors
+    restart at zero."""
+    owner = {b: f.index for f in fragments for b, *_ in f.runs}  # each run's fragment
+    for f, sent in zip(fragments, state.get("sent", [None] * len(fragments))):
+        f.sent = None if sent is None else [bool(t) for t in sent]
+        f.flight = None
+    for arrival in state.get("arrivals", ()):
+        index = arrival["fragment"] if "fragment" in arrival else owner[(arrival["wire"]["buckets"] or [0])[0]]
+        landing = {int(b): t.to(device, torch.float32).clone() for b, t in arrival["average"].items()}
+        fragments[index].flight = Flight(int(arrival["lands_at"]), landing)
+    collectives = [c for f in fragments for c in f.collectives]
+    bounds = [(lo, hi) for f in fragments for _, lo, hi, _ in f.runs]
+    if "bucket_bounds" in state:
+        layout, saved = [tuple(b) for b in state["bucket_bounds"]], state["bucket_allreduce"]
+    else:  # one run, the whole model
+        layout, saved = [(0, bounds[-1][1])], [state.get("allreduce")]
+    same = own_state and layout == bounds
+    for c, s in zip(collectives, saved if same else [None] * len(collectives)):
+        if c is None:
+            continue
+        if s is None:
+            c.reset()
+        else:
+            c.load_state_dict(s)
+
+
+def check_state(state_dict: Any, flat: FlatState, *, fragments: int, delay: int, fragment_of: list[int],
+                collective: str, exact: bool) -> Mapping[str, Any]:
+    """The ``"onebit"`` entry of a DiLoCo ``state_dict``, refused (``ValueError``, before anything
+    is loaded) where incomplete, or saved with another schedule, other fragments or another
+    collective than these (``exact``: the exact exchange, which keeps no error, loads either's)."""
+    if not isinstance(state_dict, Mapping) or "onebit" not in state_dict:
+        raise ValueError("not a DiLoCo state_dict: missing the 'onebit' entry (keys: "
+                         f"{sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__})")
+    extra = state_dict["onebit"]
+    missing = sorted({"world_size", "step", "bytes_sent_total", "flat", "inner", "touched"} - set(extra))
+    if missing:
+        raise ValueError(f"incomplete DiLoCo state_dict: missing {missing} (truncated, or saved by another optimizer)")
+    saved = list(extra.get("streaming", [1, 0]))  # checkpoints from before streaming: the whole model at once
+    if saved != [fragments, delay]:
+        raise ValueError(f"DiLoCo state_dict saved with fragments={saved[0]}, delay={saved[1]}; this optimizer has "
+                         f"fragments={fragments}, delay={delay} (its schedule and the exchanges in flight depend on "
+                         "them): build it with the saved ones")
+    # a checkpoint from before the option: its fragments cut by size
+    saved = extra.get("fragment_of") or by_size(flat.offsets, fragments)
+    if list(saved) != fragment_of:
+        raise ValueError(f"DiLoCo state_dict saved with its parameters in the fragments {list(saved)}; this "
+                         f"optimizer has them in {fragment_of}: build it with the saved fragments")
+    # checkpoints from before the option: the compressed all-reduce, the only exchange then
+    saved = extra.get("collective", "allreduce")
+    if saved != collective and not exact:
+        raise ValueError(f"DiLoCo state_dict saved with collective={saved!r}; this optimizer has "
+                         f"collective={collective!r} (their error state differs): build it with the saved one")
+    buffers = extra["flat"]
+    expected = ["anchor"] if "outer" in extra else ["anchor", "outer_momentum"]  # onebit 0.x: a flat momentum
+    if sorted(buffers) != expected:
+        raise ValueError(f"state_dict holds buffers {sorted(buffers)}, expected {expected}")
+    for name, buf in buffers.items():
+        if buf.numel() != flat.numel:
+            raise ValueError(f"state_dict buffer {name!r} has {buf.numel()} values, the parameters have {flat.numel}")
+    return extra

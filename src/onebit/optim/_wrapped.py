@@ -1,0 +1,82 @@
+"""The two optimizers :class:`~onebit.DiLoCo` wraps: the inner one (the user's, each rank's own
+steps) and the outer one (over the anchors, at each synchronisation)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from .._checks import check_bool, check_nonneg, check_positive
+from ._base import OnebitOptimizer
+
+__all__ = ["inner_optimizer", "load_flat_momentum", "outer_factory"]
+
+
+def _exchanges_itself(opt: Optimizer) -> bool:
+    # a onebit optimizer, or a DiLoCo (which holds an inner optimizer of its own)
+    return isinstance(opt, OnebitOptimizer) or isinstance(getattr(opt, "inner", None), Optimizer)
+
+
+def inner_optimizer(params: Any, lr: float | None, inner: Any, weight_decay: float | None) -> Optimizer:
+    """The inner optimizer: ``params`` itself, or ``inner(params, lr=lr)`` (AdamW by default)."""
+    if isinstance(params, Optimizer):
+        given = [name for name, value in (("inner", inner), ("lr", lr), ("weight_decay", weight_decay))
+                 if value is not None]
+        if given:
+            raise TypeError(f"DiLoCo was given the inner optimizer {type(params).__name__} and also "
+                            f"{given[0]}=: set it on the inner optimizer")
+        made = params
+    else:
+        lr = 1e-3 if lr is None else check_nonneg("lr", lr)
+        if inner is not None and not callable(inner):
+            raise TypeError(f"Invalid inner value: {inner!r} (expected a torch.optim.Optimizer class or factory)")
+        decay = {} if weight_decay is None else {"weight_decay": check_nonneg("weight_decay", weight_decay)}
+        made = (inner or torch.optim.AdamW)(params, lr=lr, **decay)
+        if not isinstance(made, Optimizer):
+            raise TypeError(f"Invalid inner value: it made a {type(made).__name__}, not a torch.optim.Optimizer")
+    if _exchanges_itself(made):
+        raise TypeError(f"Invalid inner value: {type(made).__name__} (it exchanges itself; DiLoCo's inner "
+                        "steps are each rank's own: use a torch.optim optimizer)")
+    return made
+
+
+def outer_factory(outer: Any, lr: float | None, momentum: float | None,
+           nesterov: bool | None) -> Callable[[list[Tensor]], Optimizer]:
+    """The factory of the outer optimizer over the anchors: ``outer``, or the paper's Nesterov SGD."""
+    if outer is not None:
+        given = [name for name, value in (("outer_lr", lr), ("outer_momentum", momentum), ("nesterov", nesterov))
+                 if value is not None]
+        if given:
+            raise TypeError(f"DiLoCo was given outer= and also {given[0]}=: set it on the outer optimizer")
+        if not callable(outer):
+            raise TypeError(f"Invalid outer value: {outer!r} (expected a factory of a torch.optim.Optimizer)")
+
+        def made(anchors: list[Tensor]) -> Optimizer:
+            opt = outer(anchors)
+            if not isinstance(opt, Optimizer) or _exchanges_itself(opt):
+                raise TypeError(f"Invalid outer value: it made a {type(opt).__name__}, not a torch.optim.Optimizer "
+                                "that steps on this rank alone")
+            return opt
+        return made
+    lr = check_positive("outer_lr", 0.7 if lr is None else lr)
+    momentum = check_nonneg("outer_momentum", 0.9 if momentum is None else momentum)
+    if momentum >= 1:
+        raise ValueError(f"Invalid outer_momentum value: {momentum} (expected a number in [0, 1))")
+    nesterov = check_bool("nesterov", True if nesterov is None else nesterov)
+    # torch.optim.SGD refuses Nesterov without momentum, where it would be plain SGD anyway
+    return lambda anchors: torch.optim.SGD(anchors, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0)
+
+
+def load_flat_momentum(outer: Optimizer, anchors: list[Tensor], momentum: list[Tensor]) -> None:
+    """onebit 0.x's outer momentum (a flat buffer, zeros before the first synchronisation) as
+    the state of ``torch.optim.SGD``, the outer optimizer it computed."""
+    if type(outer) is not torch.optim.SGD:
+        raise ValueError(f"a DiLoCo state_dict of onebit 0.x holds the outer momentum of Nesterov SGD; this "
+                         f"optimizer's outer optimizer is a {type(outer).__name__}: build it with the default outer")
+    if outer.defaults["momentum"]:
+        for anchor, m in zip(anchors, momentum):
+            outer.state[anchor]["momentum_buffer"] = m.to(anchor).clone()
