@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import onebit
+import onebit.bench
 from onebit.optim import REGISTRY
 
 MODULES = [onebit, onebit.optim, onebit.comm, onebit.compress, onebit.hooks, onebit.ops]
@@ -57,3 +58,12 @@ def test_no_results_or_stale_pointers(name, obj):
     doc = inspect.getdoc(obj) or ""
     assert not re.search(r"README|DESIGN|WITHOUT DDP", doc), name
     assert not re.search(r"[+-]\d+(\.\d+)?% (above|below|worse|better)|\bended [+-]?\d", doc), name
+
+
+def test_the_library_exposes_no_part_of_the_lab():
+    """``import onebit`` and ``onebit.optim`` expose the optimizers and their math; how the
+    benchmarks compare and price each optimizer is ``onebit.bench``'s, one row per registry entry."""
+    lab = set(onebit.bench.__all__) | {"COUNTERPARTS", "NEVER"}
+    for module in (onebit, onebit.optim):
+        assert not lab & set(module.__all__), module.__name__
+    assert set(onebit.bench.BENCHMARKED) == set(REGISTRY)

@@ -326,7 +326,7 @@ def _names(text: str, known: tuple[str, ...], flag: str) -> tuple[str, ...]:
 
 
 def convergence(args: argparse.Namespace) -> int:
-    from ..optim import REGISTRY
+    from ._catalogue import BENCHMARKED
     from ._convergence import _VARIANTS, CONVERGENCE_TASKS, FAMILIES, LEVELS, convergence_cells, run_convergence
     from ._plot import plot_convergence
     from ._reports import provenance, report_files
@@ -337,7 +337,7 @@ def convergence(args: argparse.Namespace) -> int:
     else:
         tasks = _names(args.tasks, CONVERGENCE_TASKS, "--tasks")
         families = _names(args.families, tuple(FAMILIES), "--families")
-        entries = tuple(n for n, s in REGISTRY.items() if s.matrix)
+        entries = tuple(n for n, b in BENCHMARKED.items() if b.matrix)
         optimizers = None if args.optimizers is None else _names(args.optimizers, entries + tuple(_VARIANTS),
                                                                  "--optimizers")
         levels = LEVELS if args.lr == "both" else (args.lr,)

@@ -51,8 +51,9 @@ from torch import Tensor, nn
 
 from .. import comm
 from ..launch import spawn
-from ..optim import COUNTERPARTS, REGISTRY, ReplicaDivergence, Spec, make_optimizer
+from ..optim import REGISTRY, ReplicaDivergence, make_optimizer
 from ._analysis import mean_interval
+from ._catalogue import BENCHMARKED, COUNTERPARTS
 from ._tasks import ByteCorpus, ByteMLP, ByteTransformer, DigitsCNN, digits_split
 
 __all__ = ["BEHIND", "CONVERGENCE_TASKS", "DEFAULT_TASKS", "EXTENDED", "FAMILIES", "TARGETS", "Cell", "aggregate",
@@ -68,51 +69,54 @@ LEVELS = ("low", "high")
 
 
 
-def _defaults(spec: Spec) -> dict[str, Any]:
-    """The arguments registry entry ``spec`` builds its class with: the class's defaults (as they
+def _defaults(name: str) -> dict[str, Any]:
+    """The arguments registry entry ``name`` builds its class with: the class's defaults (as they
     are today) and the entry's own."""
+    spec = REGISTRY[name]
     return {**{k: p.default for k, p in inspect.signature(spec.cls).parameters.items()
                if p.default is not inspect.Parameter.empty}, **spec.kwargs}
 
 
-def _compared(spec: Spec, extended: bool) -> tuple[str, ...]:
-    """The matrix's names of registry entry ``spec``: its controls and itself, or its extended
+def _compared(name: str, extended: bool) -> tuple[str, ...]:
+    """The matrix's names of registry entry ``name``: its controls and itself, or its extended
     variants -- except a variant that would run as the entry itself or as one before it (its
     arguments, over the class's defaults, the same)."""
-    if spec.matrix is None:
+    row = BENCHMARKED[name]
+    if row.matrix is None:
         return ()
-    defaults = _defaults(spec)
+    defaults = _defaults(name)
     seen = [defaults]
     names = []
-    for suffix, v in spec.variants.items():
+    for suffix, v in row.variants.items():
         effective = {**defaults, **v.kwargs}
         if effective in seen:
             continue
         seen.append(effective)
         if v.extended == extended and (extended or v.control):
-            names.append(f"{spec.matrix}_{suffix}")
-    return tuple(names) if extended else (*names, spec.matrix)
+            names.append(f"{row.matrix}_{suffix}")
+    return tuple(names) if extended else (*names, row.matrix)
 
 
-# From the registry: counterpart -> (its low and high learning rates, what is compared with it by default)
+# From the lab's table: counterpart -> (its low and high learning rates, what is compared with it by default)
 FAMILIES: dict[str, tuple[tuple[float, float], tuple[str, ...]]] = {
-    family: (c.lrs, tuple(n for s in REGISTRY.values() if s.counterpart == family for n in _compared(s, False)))
+    family: (c.lrs, tuple(n for name, b in BENCHMARKED.items() if b.counterpart == family
+                          for n in _compared(name, False)))
     for family, c in COUNTERPARTS.items()}
-# with extended=True: the variants the registry marks extended (overlapped exchanges, runs
+# with extended=True: the variants the table marks extended (overlapped exchanges, runs
 # without error feedback, Top-k keeping 5% and 25%, Block-Sign with one block per layer)
 EXTENDED: dict[str, tuple[str, ...]] = {
-    family: tuple(n for s in REGISTRY.values() if s.counterpart == family for n in _compared(s, True))
+    family: tuple(n for name, b in BENCHMARKED.items() if b.counterpart == family for n in _compared(name, True))
     for family in COUNTERPARTS}
 # the matrix's optimizers -> (registry name, arguments beyond the defaults, a control)
 _VARIANTS: dict[str, tuple[str, Mapping[str, Any], bool]] = {
     **{family: (c.entry, c.kwargs, False) for family, c in COUNTERPARTS.items()},
-    **{f"{s.matrix}_{suffix}": (name, v.kwargs, v.control) for name, s in REGISTRY.items() if s.matrix
-       for suffix, v in s.variants.items()},
-    **{s.matrix: (name, {}, False) for name, s in REGISTRY.items() if s.matrix},
+    **{f"{b.matrix}_{suffix}": (name, v.kwargs, v.control) for name, b in BENCHMARKED.items() if b.matrix
+       for suffix, v in b.variants.items()},
+    **{b.matrix: (name, {}, False) for name, b in BENCHMARKED.items() if b.matrix},
 }
 # C1 (docs/design.md, "Targets"): the largest mean paired gap (% of held-out loss; points of digits' error rate)
-# each registry entry may show against its counterpart, from the registry
-TARGETS = {name: s.target for name, s in REGISTRY.items() if s.target is not None}
+# each registry entry may show against its counterpart, from the lab's table
+TARGETS = {name: b.target for name, b in BENCHMARKED.items() if b.target is not None}
 # C1: no run (seed, or its last-bit perturbation) more than this far behind its counterpart
 # (% of held-out loss; points of digits' error rate)
 BEHIND = 10.0
@@ -304,7 +308,7 @@ def run_arguments(cell: Cell, steps: int, seed: int, max_grad_norm: float | None
     """Every argument the optimizer of ``cell`` was built with that a JSON file can hold (its
     class's defaults as they are today, the registry entry's, the cell's): what a run records, so
     that its label keeps its meaning when a default changes."""
-    arguments = {**_defaults(REGISTRY[_VARIANTS[cell.optimizer][0]]), **_given(cell, steps, seed, max_grad_norm)}
+    arguments = {**_defaults(_VARIANTS[cell.optimizer][0]), **_given(cell, steps, seed, max_grad_norm)}
     return {k: v for k, v in arguments.items() if v is None or isinstance(v, (bool, int, float, str))}
 
 

@@ -33,7 +33,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from ..optim import REGISTRY
+from ._catalogue import BENCHMARKED
 
 __all__ = ["COLLECTIVES", "ModelInput", "Prediction", "collective_cost", "predict", "rank_bytes"]
 
@@ -199,7 +199,7 @@ def predict(m: ModelInput) -> list[Prediction]:
     # DiLoCo as others ship it: prime's int8 and torchft's fp8 pseudo-gradients, one byte a value
     rows.append(("diloco_8bit", "ring all-reduce int8/fp8", "allreduce_8bit", 0.0, 0.0, None))
     rows += [(name, c.label, c.collective, c.kernels * kernels, *exact[c.exact])
-             for spec in REGISTRY.values() for name, c in spec.costs.items()]
+             for row in BENCHMARKED.values() for name, c in row.costs.items()]
     # DiLoCo's synchronisations: 1 / P of the model each (streamed), every H / P steps, the other
     # steps local; each waits only for what its delay's inner steps did not hide
     fragment = dataclasses.replace(m, params=math.ceil(m.params / m.fragments))

@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .. import comm, hooks
 from ..optim import REGISTRY, CompAMS, OnebitLamb, make_optimizer
+from ._catalogue import BENCHMARKED
 
 __all__ = ["NO_COMMUNICATION", "OPTIMIZERS", "Run", "build_run"]
 
@@ -180,8 +181,9 @@ def _registry_optimizer(name: str, params, cfg, exchange: dict[str, Any]) -> tor
         kw.update(spec.freeze(cfg.freeze_step))
     if spec.seeded:
         kw["seed"] = cfg.seed
-    # the training options it takes (the registry's): Adam's bias correction, Top-k's ratio, QAdam's bits, ...
-    kw.update({arg: getattr(cfg, option) for option, arg in spec.options.items() if getattr(cfg, option) is not None})
+    # the training options it takes (the lab's table): Adam's bias correction, Top-k's ratio, QAdam's bits, ...
+    options = BENCHMARKED[name.removesuffix("_overlap")].options
+    kw.update({arg: getattr(cfg, option) for option, arg in options.items() if getattr(cfg, option) is not None})
     if kw.get("refresh_every") == "never":  # 1-bit Adam's frozen variance, never refreshed (Algorithm 1)
         kw["refresh_every"] = None
     return make_optimizer(name.removesuffix("_overlap"), params, **kw)

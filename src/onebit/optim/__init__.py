@@ -11,16 +11,13 @@ from ._freeze import FreezeSchedule
 from ._functional import adam_step_bound, clip_to_adam_step_
 from ._onebit_adam import OnebitAdam, OnebitAdamNaive, adam, onebit_adam, refresh_preconditioner
 from ._onebit_lamb import OnebitLamb, lamb, onebit_lamb
-from ._registry import COUNTERPARTS, REGISTRY, Cost, Counterpart, Spec, Variant, make_optimizer
+from ._registry import REGISTRY, Spec, make_optimizer
 from ._zero_one_adam import ZeroOneAdam, ZeroOneSchedule, local_step, refresh_variance, synchronise
 
 __all__ = [
     "Birder",
-    "COUNTERPARTS",
     "CommonOptions",
     "CompAMS",
-    "Cost",
-    "Counterpart",
     "DiLoCo",
     "FreezeSchedule",
     "OnebitAdam",
@@ -32,7 +29,6 @@ __all__ = [
     "ReplicaDivergence",
     "SoftSignSGD",
     "Spec",
-    "Variant",
     "ZeroOneAdam",
     "ZeroOneSchedule",
     "adam",

@@ -155,7 +155,7 @@ class OnebitOptimizer(Optimizer):
         self._driver: Driver | None = None
         self._grad: Tensor | None = None  # the averaged gradients, in a stage that averages them
         self._lay_out(self._stages.current)
-        self._ddp_wrapped = check_ddp(self, construction=True)
+        self._ddp_wrapped = check_ddp(self.flat.params, type(self).__name__, self.world_size, construction=True)
 
     def _check_shardable(self) -> None:
         """Refuse, on FSDP2-sharded parameters, what needs whole parameters or their hooks."""
@@ -338,7 +338,7 @@ class OnebitOptimizer(Optimizer):
     def attach_ddp(self, model: DistributedDataParallel | None = None) -> list[DistributedDataParallel]:
         """Switch off DDP's all-reduce on ``model`` (default: every DDP module holding these
         parameters) with :func:`onebit.optim.local_gradient_hook`; see :func:`onebit.optim.attach`."""
-        found = attach_ddp(self, model)
+        found = attach_ddp(self.flat.params, type(self).__name__, model)
         if found and self._driver is not None:
             self._stop_warmup_in_backward_for_ddp()
         return found
@@ -430,7 +430,7 @@ class OnebitOptimizer(Optimizer):
         comm.check_world_size(self.process_group, self.world_size, type(self).__name__)
         self._check_loaded_parameters()
         if not self._ddp_checked:  # the model may have been wrapped after the optimizer was built
-            check_ddp(self, construction=False)
+            check_ddp(self.flat.params, type(self).__name__, self.world_size, construction=False)
             self._ddp_checked = True
         self._shards.bind_grads()
         try:

@@ -75,35 +75,37 @@ def register_local_gradient_hook(ddp: DistributedDataParallel, owner: str) -> No
         raise ValueError(f"cannot switch off the DDP all-reduce for {owner}: {exc}") from None
 
 
-def attach_ddp(opt, model: Optional[DistributedDataParallel] = None) -> list[DistributedDataParallel]:
+def attach_ddp(params: Iterable[Tensor], owner: str,
+               model: Optional[DistributedDataParallel] = None) -> list[DistributedDataParallel]:
     """Register :func:`local_gradient_hook` on ``model`` (default: every DDP module holding
-    ``opt``'s parameters); the DDP modules now carrying it."""
-    found = ddp_modules_holding(opt.flat.params)
+    ``params``, the parameters of optimizer ``owner``); the DDP modules now carrying it."""
+    params = list(params)
+    found = ddp_modules_holding(params)
     if model is not None:
         if not any(ddp is model for ddp in found):
-            raise ValueError(f"the DistributedDataParallel model holds none of {type(opt).__name__}'s parameters")
+            raise ValueError(f"the DistributedDataParallel model holds none of {owner}'s parameters")
         found = [model]
     for ddp in found:
-        register_local_gradient_hook(ddp, type(opt).__name__)
+        register_local_gradient_hook(ddp, owner)
     return found
 
 
-def check_ddp(opt, construction: bool) -> bool:
-    """A DDP module holding ``opt``'s parameters gets :func:`local_gradient_hook` at construction
-    (DDP's fp32 all-reduce would otherwise run before the optimizer's exchange, and nothing
-    would be saved); one found at the first step without it raises, because DDP takes a hook
-    only before its first backward, which has run by then. Returns whether one was found at
-    construction."""
-    if opt.world_size == 1:
+def check_ddp(params: Iterable[Tensor], owner: str, world_size: int, construction: bool) -> bool:
+    """A DDP module holding ``params`` (of optimizer ``owner``) gets :func:`local_gradient_hook`
+    at construction (DDP's fp32 all-reduce would otherwise run before the optimizer's exchange,
+    and nothing would be saved); one found at the first step without it raises, because DDP
+    takes a hook only before its first backward, which has run by then. Returns whether one was
+    found at construction."""
+    if world_size == 1:
         return False
-    name = type(opt).__name__
+    name, params = owner, list(params)
     if construction:
-        if attach_ddp(opt):
+        if attach_ddp(params, owner):
             _log.info("%s: DDP's gradient all-reduce switched off (local_gradient_hook); the optimizer "
                       "exchanges in step()", name)
             return True
         return False
-    if not all(has_local_gradient_hook(ddp) for ddp in ddp_modules_holding(opt.flat.params)):
+    if not all(has_local_gradient_hook(ddp) for ddp in ddp_modules_holding(params)):
         raise ValueError(
             f"the parameters of {name} belong to a DistributedDataParallel model wrapped after "
             f"the optimizer was built: DDP all-reduced the gradients in fp32 and {name} would "

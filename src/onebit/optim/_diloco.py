@@ -235,7 +235,7 @@ class DiLoCo(Optimizer):
         self._late_bytes = 0  # sent by the flights' threads, counted when they land
         self._own_parameters: list[int] | None = None  # loaded beside a state saved between synchronisations
         self._ddp_checked = False
-        check_ddp(self, construction=True)
+        check_ddp(self.flat.params, "DiLoCo", self.world_size, construction=True)
 
     # ------------------------------------------------------------------ the step
     # torch.amp.GradScaler then hands us ``grad_scale`` and ``found_inf`` as attributes and leaves
@@ -264,7 +264,7 @@ class DiLoCo(Optimizer):
         comm.check_world_size(self.process_group, self.world_size, type(self).__name__)
         self._check_loaded_parameters()
         if not self._ddp_checked:  # the model may have been wrapped after the optimizer was built
-            check_ddp(self, construction=False)
+            check_ddp(self.flat.params, "DiLoCo", self.world_size, construction=False)
             self._ddp_checked = True
         self._shards.bind_grads()
         try:
@@ -390,7 +390,7 @@ class DiLoCo(Optimizer):
     def attach_ddp(self, model: DistributedDataParallel | None = None) -> list[DistributedDataParallel]:
         """Switch off DDP's all-reduce on ``model`` (default: every DDP module holding these
         parameters): the inner steps are each rank's own (see :func:`onebit.optim.attach`)."""
-        return attach_ddp(self, model)
+        return attach_ddp(self.flat.params, "DiLoCo", model)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Only during construction: the anchors and the collectives are sized for the parameters
