@@ -198,6 +198,36 @@ def test_pipelined_exchanges_overlap_their_phases_and_keep_the_bits():
                          "all_gather"]
 
 
+def test_the_pipeline_keeps_each_exchange_a_phase_behind_the_next():
+    """``comm.Pipeline``, the one scheduler of exchanges in flight (the optimizers' buckets, the
+    DDP hooks', ``run_pipelined``): a launch starts the exchange and the second phase of the
+    lagging ones before it; ``catch_up`` the last one's; the others wait for ``finish``, which
+    moves each a phase, in launch order, round after round, landing each as it ends; ``drop``
+    abandons what is left."""
+    events = []
+
+    def exchange(name, phases):
+        for k in range(phases):
+            events.append(f"{name}{k}")
+            yield None  # (a collective's Pending, which drop() would wait for)
+        return name
+
+    pipe = comm.Pipeline()
+    pipe.launch(exchange("a", 4), bucket=0)
+    pipe.launch(exchange("x", 2), bucket=1, lags=False)  # an exact mean: its wait only in finish()
+    pipe.launch(exchange("b", 3), bucket=2)
+    assert events == ["a0", "x0", "a1", "b0"]
+    pipe.catch_up()
+    assert events[-1] == "b1" and len(pipe) == 3
+    landed = []
+    assert pipe.finish(lambda bucket, result: landed.append((bucket, result, len(events)))) == ["a", "x", "b"]
+    assert events == ["a0", "x0", "a1", "b0", "b1", "a2", "x1", "b2", "a3"]
+    assert [(bucket, result) for bucket, result, _ in landed] == [(1, "x"), (2, "b"), (0, "a")] and len(pipe) == 0
+    pipe.launch(exchange("c", 3))
+    pipe.drop()
+    assert events[-1] == "c0" and len(pipe) == 0
+
+
 def _gather_worker(rank, world, name, kwargs, ef):
     exch = comm.CompressedAllGather(name, error_feedback=ef, **kwargs)
     outs = []

@@ -25,11 +25,11 @@ from ._dist import (
     get_world_size,
     is_distributed,
     resolve_group,
-    run_pipelined,
     run_stages,
     to_timedelta,
 )
 from ._mpi import MPIGroup
+from ._pipeline import Pipeline, run_pipelined
 from ._meter import Meter, measure, record
 from ._nonfinite import agree, nonfinite
 from ._trace import Trace, instant, labelled, link_bytes, span, trace
@@ -46,6 +46,7 @@ __all__ = [
     "MPIGroup",
     "Meter",
     "Pending",
+    "Pipeline",
     "Stages",
     "Trace",
     "agree",

@@ -16,7 +16,7 @@ import atexit
 import ctypes
 import time
 from collections import deque
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator
 from datetime import timedelta
 from typing import Any, Protocol, Union
 
@@ -53,7 +53,6 @@ __all__ = [
     "is_distributed",
     "reduce_scatter_mean",
     "resolve_group",
-    "run_pipelined",
     "run_stages",
     "split",
     "to_timedelta",
@@ -335,32 +334,6 @@ def run_stages(stages: Stages) -> Any:
             next(stages)
         except StopIteration as done:
             return done.value
-
-
-def run_pipelined(exchanges: Sequence[Stages]) -> list[Any]:
-    """Run several exchanges (each one's :class:`Stages`) interleaved, each one stage behind the
-    next: exchange ``i + 1``'s first collective leaves before exchange ``i``'s second -- for the
-    compressed all-reduce ``a2a(0), a2a(1), ag(0), a2a(2), ag(1), ...`` -- so the link holds the next
-    exchange's bytes while one computes between its collectives (a collective split into pieces
-    keeps the busiest link busy). The order depends only on the list, so it is the same on every
-    rank. Returns each exchange's result, in order."""
-    results: list[Any] = [None] * len(exchanges)
-    done = [False] * len(exchanges)
-
-    def advance(i: int) -> None:
-        try:
-            next(exchanges[i])
-        except StopIteration as finished:
-            results[i], done[i] = finished.value, True
-
-    for i in range(len(exchanges)):
-        advance(i)  # its first collective leaves
-        if i and not done[i - 1]:
-            advance(i - 1)  # then the one before takes its next stage
-    for i, stages in enumerate(exchanges):
-        if not done[i]:
-            results[i] = run_stages(stages)
-    return results
 
 
 def _start(op: str, transport: Transport, timeout: float | timedelta | None, launch: Callable[[], _Work | None],

@@ -24,22 +24,14 @@ _log = logging.getLogger(__name__)
 
 
 class _Flight:
-    """One bucket's exchange in flight: its stages, the future DDP waits on, its gradients."""
+    """One bucket in flight: the future DDP waits on, its gradients, its compressed collective and
+    buffers (None: the exact mean); its exchange is the state's :class:`onebit.comm.Pipeline`'s."""
 
-    __slots__ = ("stages", "future", "grad", "entry")
+    __slots__ = ("future", "grad", "entry")
 
-    def __init__(self, stages: Stages, grad: Tensor, entry: dict[str, Any] | None) -> None:
-        self.stages, self.grad, self.entry = stages, grad, entry
+    def __init__(self, grad: Tensor, entry: dict[str, Any] | None) -> None:
+        self.grad, self.entry = grad, entry
         self.future: torch.futures.Future[Tensor] = torch.futures.Future()
-
-    def advance(self) -> bool:
-        """Run the next stage (wait for the collective in flight, compute, launch the next one);
-        whether stages remain."""
-        try:
-            next(self.stages)
-        except StopIteration:
-            return False
-        return True
 
 
 class _HookState:
@@ -79,7 +71,7 @@ class _HookState:
     """
 
     __slots__ = ("process_group", "start_iter", "iter", "hierarchical", "ranks_per_node", "timeout", "_buckets",
-                 "_saved", "_restore_iters", "_flights")
+                 "_saved", "_restore_iters", "_flights", "_pipeline")
     _unpickled: tuple[str, ...] = ("process_group",)  # objects of the live job, None after unpickling
 
     def __init__(
@@ -112,6 +104,7 @@ class _HookState:
         self._saved: dict[int, dict[str, Any]] = {}
         self._restore_iters = 0
         self._flights: list[_Flight] = []
+        self._pipeline = comm.Pipeline()
 
     # ------------------------------------------------------------------ per bucket
     def _compressor(self, index: int) -> str | Compressor:
@@ -189,9 +182,11 @@ class _HookState:
                   stages: Stages) -> torch.futures.Future[Tensor]:
         """Start ``bucket``'s exchange and return the future of its gradients (the last bucket
         finishes them all)."""
-        flight = _Flight(stages, bucket.buffer(), entry)
+        flight = _Flight(bucket.buffer(), entry)
         self._flights.append(flight)
-        flight.advance()
+        # Nothing waits during backward: every bucket's later phases run in the last one's
+        # call, a phase of each in bucket order, round after round (the pipeline's finish())
+        self._pipeline.launch(stages, lags=False)
         if bucket.is_last():
             self._finish_iteration()
             self.iter += 1
@@ -203,9 +198,7 @@ class _HookState:
         """Run every exchange to its end (stage by stage across buckets), restart the buckets
         that came back non-finite, and complete the futures."""
         flights, self._flights = self._flights, []
-        live = flights
-        while live:
-            live = [f for f in live if f.advance()]
+        self._pipeline.finish()
         compressed = [f for f in flights if f.entry is not None]
         if compressed:
             flags = torch.stack([f.entry["allreduce"].nonfinite for f in compressed]).tolist()  # the one read
@@ -241,14 +234,14 @@ class _HookState:
         self._buckets = {}
         self._saved = dict(state["buckets"])
         self._restore_iters = 0
-        self._flights = []
+        self._flights, self._pipeline = [], comm.Pipeline()
 
     def __getstate__(self) -> dict[str, Any]:
         """Everything but the process group, which cannot be pickled (as ``PowerSGDState``), and the
         other live objects in ``_unpickled``."""
         _log.warning("the process group is not pickled; the unpickled state uses the default group")
         slots = [s for cls in type(self).__mro__ for s in getattr(cls, "__slots__", ())]
-        skip = self._unpickled + ("_buckets", "_saved", "_restore_iters", "_flights")
+        skip = self._unpickled + ("_buckets", "_saved", "_restore_iters", "_flights", "_pipeline")
         options = {s: getattr(self, s) for s in slots if s not in skip}
         return {**options, "state": self.state_dict()}
 

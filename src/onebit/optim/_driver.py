@@ -26,7 +26,7 @@ still in order and before the step's non-finite agreement, so every rank issues 
 sequence whatever its own timing.
 
 A compressed bucket's second phase (the server average and its all-gather) starts when the
-next bucket's all-to-all has been launched, the last one's in ``step()`` right after the step's
+next bucket's all-to-all has been launched (an :class:`onebit.comm.Pipeline`), the last one's in ``step()`` right after the step's
 non-finite agreement is launched (:meth:`Driver.gather`): the order is ``a2a(0), a2a(1), ag(0),
 a2a(2), ag(1), ..., a2a(n-1), ag(n-2)``, the agreement, ``ag(n-1)``, on every rank whatever its
 timing, and the link always holds the next bucket's bytes while one is averaged. The agreement
@@ -228,24 +228,6 @@ class Buckets:
         return sent
 
 
-@dataclass
-class _Flight:
-    """A bucket's exchange in flight: its stages, the collective they left pending, whether its
-    input was added into the collective's worker error, and whether its second phase started."""
-
-    stages: comm.Stages
-    pending: comm.Pending
-    added: bool
-    gathering: bool = False
-
-    def gather(self) -> None:
-        """An added bucket's second phase: wait for its all-to-all, average, launch the all-gather
-        (the others -- one collective, or the one-shot exchange -- run to their end in ``step()``)."""
-        if self.added and not self.gathering:
-            self.pending = next(self.stages)
-            self.gathering = True
-
-
 @dataclass(frozen=True)
 class Wire:
     """What a stage sends, as an optimizer declares it.
@@ -343,14 +325,14 @@ class Driver:
         # on each rank.
         self._warm_group = warm_group
         self._warm: list[tuple[int, int, list[int]]] | None = None
-        self._warm_flights: list[_Flight] = []
+        self._warm_flights = comm.Pipeline()  # the warm-up's exact means, completed in step()
         self._stale = False  # this step's warm-up buckets sent in backward are stale on this rank
         self._warm_off = False  # a step found them stale: the warm-up exchanges in step() from then on
         if overlap == "warmup":
             self._warm = bucket_bounds(flat.offsets, _bucket_cap(bucket_cap_mb), vectors, first=_FIRST_BUCKET)
             self.buckets = Buckets(flat.params, self._warm, self._launch_warm, strict=False)
         self._plan: Plan | None = None
-        self._flights: list[_Flight | None] = [None] * len(self.bounds)  # None: nothing sent
+        self._flights = comm.Pipeline()  # the buckets' exchanges, a phase behind the next
         self._compressed_in_flight = False
         self._land: Tensor | Consume | None = None
 
@@ -406,15 +388,12 @@ class Driver:
         if scaled:
             raise ValueError(f"{self.owner}(overlap=True) exchanged the gradients during backward, before "
                              "GradScaler could unscale them or find infs: use overlap=False with GradScaler")
-        self.buckets.flush()
-        # Every bucket's second phase but the last's, which :meth:`gather` starts behind the agreement.
-        last = max((b for b, flight in enumerate(self._flights) if flight is not None), default=0)
-        self._gather(last)
+        self.buckets.flush()  # (every bucket's second phase but the last's, which gather() starts)
 
     def gather(self) -> None:
         """Start the second phase of every bucket still waiting for it (the last one's, once the
         step's agreement is launched: see the module docstring)."""
-        self._gather(len(self._flights))
+        self._flights.catch_up()
 
     def run(self, live: Sequence[bool], landed: Callable[[Tensor, Sequence[int]], None] | None = None, *,
             stale: bool = False) -> Tensor | None:
@@ -430,13 +409,10 @@ class Driver:
         if self._warm_flights:
             if not stale:
                 land = self._landing()
-                for flight, (_, _, members) in zip(self._warm_flights, self._warm):
-                    comm.run_stages(flight.stages)
-                    if landed is not None:
-                        landed(land, members)
+                self._warm_flights.finish(None if landed is None else lambda b, _: landed(land, self._warm[b][2]))
                 self._end_step()
                 return land
-            self._drop(self._warm_flights)
+            self._warm_flights.drop()
             self.stop_warmup_in_backward("the gradients changed after their bucket left: accumulation outside "
                                          "no_sync(), GradScaler, a clip or another change of p.grad before step()")
         if self.buckets is None or self._warm is not None:
@@ -444,13 +420,8 @@ class Driver:
                 with comm.labelled(bucket=b):
                     self._launch(b, live, agreed=True)
         land = self._landing()
-        self._gather(len(self._flights))  # every added bucket's all-gather in flight first
-        for b, flight in enumerate(self._flights):
-            if flight is not None:
-                with comm.labelled(bucket=b):
-                    comm.run_stages(flight.stages)
-                    if landed is not None:
-                        landed(land, self.bounds[b][2])
+        self._flights.catch_up()  # every added bucket's all-gather in flight first
+        self._flights.finish(None if landed is None else lambda b, _: landed(land, self.bounds[b][2]))
         self._end_step()
         return land if isinstance(land, Tensor) else None
 
@@ -458,21 +429,13 @@ class Driver:
         """Every rank skips the step: wait for the exchanges launched and drop them. A compressed
         one took its values into the error-feedback buffers before any rank could know: they
         restart at zero."""
-        self._drop(self._warm_flights)
-        self._drop(self._flights)
+        self._warm_flights.drop()
+        self._flights.drop()
         if self._compressed_in_flight:
             self.reset()
             _log.warning("%s: step skipped after the overlapped exchange had started: error-feedback buffers "
                          "restarted at zero", self.owner)
         self._end_step()
-
-    @staticmethod
-    def _drop(flights: Sequence[_Flight | None]) -> None:
-        """Wait for the exchanges launched and drop what they return."""
-        for flight in flights:
-            if flight is not None:
-                flight.pending.wait()
-                flight.stages.close()
 
     def reset(self, buckets: Sequence[int] | None = None) -> None:
         """The collectives' errors (of ``buckets``; None: all) restart at zero."""
@@ -485,8 +448,7 @@ class Driver:
         return 0 if self.buckets is None else self.buckets.done()
 
     def _end_step(self) -> None:
-        self._flights = [None] * len(self.bounds)
-        self._warm_flights = []
+        self._flights, self._warm_flights = comm.Pipeline(), comm.Pipeline()
         self._stale = False
         self._compressed_in_flight = False
         self._land = None
@@ -504,27 +466,22 @@ class Driver:
         land = self._landing()[lo:hi]
         self._plan.form(land, lo, members, [True] * len(self.flat.params), False, False)
         stages = comm.all_reduce_mean_stages(land, self._warm_group, self.timeout, divide_first=True)
-        self._warm_flights.append(_Flight(stages, next(stages), added=False))
+        self._warm_flights.launch(stages, bucket=b, lags=False)
 
     def _launch_in_backward(self, b: int) -> None:
         if not self._plan.wire.exchanged:
             return
-        self._launch(b, [p.requires_grad or p.grad is not None for p in self.flat.params], agreed=False)
-        self._gather(b)
+        if not self._launch(b, [p.requires_grad or p.grad is not None for p in self.flat.params], agreed=False):
+            self._flights.catch_up()  # (all before b: the second phases a launch of b would have started)
 
-    def _gather(self, upto: int) -> None:
-        """Start the second phase of every added bucket before bucket ``upto`` (see the module
-        docstring: in bucket order, right after the next bucket's first)."""
-        for b, flight in enumerate(self._flights[:upto]):
-            if flight is not None:
-                with comm.labelled(bucket=b):
-                    flight.gather()
-
-    def _launch(self, b: int, live: Sequence[bool], *, agreed: bool) -> None:
-        """Form bucket ``b``'s input for the planned step and start its exchange. ``live[i]``:
-        parameter ``i`` takes a gradient this step (one-shot: some rank has one; during backward:
-        it is trainable or has one here); the others' state enters as it is. ``agreed``:
-        launched in ``step()``, once every rank agreed to take it."""
+    def _launch(self, b: int, live: Sequence[bool], *, agreed: bool) -> bool:
+        """Form bucket ``b``'s input for the planned step and start its exchange (whether it sent
+        anything), a phase behind the next: an added bucket's second phase starts when the next
+        bucket's first has left (see the module docstring); the others -- one collective, or
+        the one-shot exchange -- run to their end in ``step()``. ``live[i]``: parameter ``i``
+        takes a gradient this step (one-shot: some rank has one; during backward: it is
+        trainable or has one here); the others' state enters as it is. ``agreed``: launched in
+        ``step()``, once every rank agreed to take it."""
         wire, form = self._plan.wire, self._plan.form
         lo, hi, members = self.bounds[b]
         start, end = self.spans[b]
@@ -541,17 +498,18 @@ class Driver:
             form(collective.input_buffer(end - start, self.flat.device), lo, members, live, agreed, True)
             # Where the average lands is asked once it is gathered, in step(): the ranks agreed then.
             stages = collective.stages(None, land=lambda start=start, end=end: self._landed(start, end))
-            self._flights[b] = _Flight(stages, next(stages), added=True)
-            return
+            self._flights.launch(stages, bucket=b)
+            return True
         land = self._landing()
         form(land[lo:hi], lo, members, live, agreed, False)
         if wire.exact:
             stages = comm.all_reduce_mean_stages(land[lo:hi], self.group, self.timeout)
         elif collective is None:  # no whole block in this bucket: its values go with the next one
-            return
+            return False
         else:
             stages = collective.stages(land[start:end], out=land[start:end])
-        self._flights[b] = _Flight(stages, next(stages), added=False)
+        self._flights.launch(stages, bucket=b, lags=False)
+        return True
 
     def _landed(self, start: int, end: int) -> Tensor | Consume:
         """Where the average of the flat values ``[start, end)`` lands: that span of the step's
