@@ -60,15 +60,26 @@ def _average(deltas, exchange, compressor, error_feedback):
     return delta
 
 
-def _oracle(world, compressor, collective, error_feedback):
+def _nesterov():
+    """The paper's outer step on the anchor: b <- mu b + delta, anchor <- anchor - lr (delta + mu b)."""
+    momentum = 0.0
+
+    def step(anchor, delta):
+        nonlocal momentum
+        momentum = OUTER_MOMENTUM * momentum + delta
+        return anchor - OUTER_LR * (delta + OUTER_MOMENTUM * momentum)
+    return step
+
+
+def _oracle(world, compressor, collective, error_feedback, outer=_nesterov):
     """Every worker's parameters after every step: H AdamW steps on its own batches, then
     delta_i = anchor - x_i averaged (exactly; or each rank's 1-bit delta_i with one scale per
-    tensor piece all-gathered and averaged; or by the two-sided 1-bit all-reduce),
-    b <- mu b + delta, anchor <- anchor - lr (delta + mu b), x_i <- anchor."""
+    tensor piece all-gathered and averaged; or by the two-sided 1-bit all-reduce), the outer
+    step (``outer()``'s) on the anchor, x_i <- anchor."""
     models = [_model() for _ in range(world)]
     inners = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
     anchor = _flat(models[0]).clone()
-    momentum = torch.zeros_like(anchor)
+    outer_step = outer()
     starts = [0]
     for p in models[0].parameters():
         starts.append(starts[-1] + p.numel())
@@ -80,8 +91,7 @@ def _oracle(world, compressor, collective, error_feedback):
             inners[rank].step()
         if step % H == 0:
             delta = _average([anchor - _flat(m) for m in models], exchange, compressor, error_feedback)
-            momentum = OUTER_MOMENTUM * momentum + delta
-            anchor = anchor - OUTER_LR * (delta + OUTER_MOMENTUM * momentum)
+            anchor = outer_step(anchor, delta)
             for m in models:
                 with torch.no_grad():
                     for p, value in zip(m.parameters(), anchor.split([p.numel() for p in m.parameters()])):
@@ -127,31 +137,19 @@ def test_matches_the_algorithm_written_plainly(world, compressor, collective, er
 OUTER_ADAM = {"lr": 0.05, "betas": (0.8, 0.95), "eps": 1e-6}
 
 
-def _adam_outer_oracle(world):
-    """Every worker's parameters after every step: H AdamW steps, then the exact mean of
-    delta_i = anchor - x_i as the gradient of Adam on the anchor (m, v, bias-corrected), x_i <- anchor."""
-    models = [_model() for _ in range(world)]
-    inners = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
-    anchor = _flat(models[0]).clone()
-    m, v, t = torch.zeros_like(anchor), torch.zeros_like(anchor), 0
+def _adam():
+    """Adam on the anchor, the averaged outer gradient its gradient: m, v, bias-corrected."""
     (b1, b2), lr, eps = OUTER_ADAM["betas"], OUTER_ADAM["lr"], OUTER_ADAM["eps"]
-    history = []
-    for step in range(1, STEPS + 1):
-        for rank in range(world):
-            _inner_step(models[rank], inners[rank], rank, step)
-            inners[rank].step()
-        if step % H == 0:
-            delta = sum(anchor - _flat(model) for model in models) / world
-            t += 1
-            m = b1 * m + (1 - b1) * delta
-            v = b2 * v + (1 - b2) * delta * delta
-            anchor = anchor - lr * (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + eps)
-            for model in models:
-                with torch.no_grad():
-                    for p, value in zip(model.parameters(), anchor.split([p.numel() for p in model.parameters()])):
-                        p.copy_(value.view_as(p))
-        history.append([_flat(model).clone() for model in models])
-    return history
+    m = v = 0.0
+    t = 0
+
+    def step(anchor, delta):
+        nonlocal m, v, t
+        t += 1
+        m = b1 * m + (1 - b1) * delta
+        v = b2 * v + (1 - b2) * delta * delta
+        return anchor - lr * (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + eps)
+    return step
 
 
 def _adam_outer(rank, world, resume_at):
@@ -182,7 +180,7 @@ def _adam_outer(rank, world, resume_at):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_any_torch_optim_optimizer_is_the_outer_one(world):
-    oracle = _adam_outer_oracle(world)
+    oracle = _oracle(world, "identity", "allgather", False, outer=_adam)
     plain = run_ranks(_adam_outer, world, None)
     resumed = run_ranks(_adam_outer, world, H + 1)  # saved inside the second interval, its Adam state in it
     for rank, ((history, kind, state), (again, _, _)) in enumerate(zip(plain, resumed)):

@@ -1,7 +1,8 @@
 """Optimizers: ``torch.optim.Optimizer`` subclasses that average across the group themselves."""
 
 from .._checks import CommonOptions
-from ._base import OnebitOptimizer, ReplicaDivergence
+from ._agreement import ReplicaDivergence
+from ._base import OnebitOptimizer
 from ._birder import Birder, SoftSignSGD, soft_sign_direction, soft_sign_moments, soft_sign_sgd
 from ._comp_ams import CompAMS, QAdam, comp_ams, qadam_direction
 from ._ddp import attach, local_gradient_hook

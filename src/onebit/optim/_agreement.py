@@ -16,9 +16,14 @@ from torch import Tensor
 
 from .. import comm
 
-__all__ = ["check_own_parameters", "check_replicas", "param_names", "parameter_sums", "start_agreement"]
+__all__ = ["ReplicaDivergence", "check_own_parameters", "check_replicas", "param_names", "parameter_sums",
+           "require_own_parameters", "require_replicas", "start_agreement"]
 
 _log = logging.getLogger("onebit.optim")
+
+
+class ReplicaDivergence(RuntimeError):
+    """The ranks' parameters are no longer bit-identical."""
 
 
 def start_agreement(params: Sequence[Tensor], present: Sequence[bool], group: comm.Group, timeout: timedelta, *,
@@ -117,6 +122,32 @@ def check_own_parameters(params: Sequence[Tensor], saved: Sequence[int], group: 
     return (f"the parameters of ranks {ranks} are not those each saved with its {owner} state at step "
             f"{step}{here}: between synchronisations every rank holds its own, so each rank must load "
             "the model state it saved itself (not rank 0's, nor the one taken inside anchored())")
+
+
+def require_replicas(params: Sequence[Tensor], anchors: Sequence[Tensor] | None, group: comm.Group,
+                     timeout: timedelta, *, step: int, param_groups: Sequence[Mapping[str, Any]]) -> None:
+    """Raise :class:`ReplicaDivergence` naming the first parameter that differs between the ranks
+    (:func:`check_replicas`): of ``params``, or inside an interval of local steps (``anchors``
+    given: the ranks' parameters differ by design) of the anchors, the parameters of the last
+    synchronisation."""
+    message = check_replicas(params if anchors is None else anchors, group, timeout, step=step,
+                             names=param_names(param_groups))
+    if message:
+        raise ReplicaDivergence(message + ("" if anchors is None else " (the anchors, inside an interval of local "
+                                                                      "steps)"))
+
+
+def require_own_parameters(params: Sequence[Tensor], saved: Sequence[int] | None, group: comm.Group,
+                           timeout: timedelta, *, step: int, owner: str,
+                           param_groups: Sequence[Mapping[str, Any]]) -> None:
+    """Where a state saved between synchronisations was loaded (``saved``: its parameters'
+    sums; None: nothing to check), raise :class:`ReplicaDivergence` on every rank unless every
+    rank holds the parameters it saved beside it (:func:`check_own_parameters`)."""
+    if saved is not None:
+        message = check_own_parameters(params, saved, group, timeout, step=step, owner=owner,
+                                       names=param_names(param_groups))
+        if message:
+            raise ReplicaDivergence(message)
 
 
 def param_names(param_groups: Sequence[Mapping[str, Any]]) -> list[str | None]:

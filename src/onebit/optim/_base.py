@@ -34,12 +34,12 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from .. import comm
-from ._agreement import check_own_parameters, check_replicas, param_names, parameter_sums, start_agreement
+from ._agreement import parameter_sums, require_own_parameters, require_replicas, start_agreement
 from ._ddp import attach_ddp, check_ddp
 from ._driver import Driver, Plan, Wire, allreduce_factory
 from ._flat import FlatState
 from ._setup import (broadcast_parameters, check_groups, check_params, check_same_parameters_everywhere, clip_,
-                     clip_coef, common_options)
+                     clip_coef, closure_loss, common_options)
 from ._shards import Shards
 from ._stages import OneStage, Stage, StepStages, TwoStages
 
@@ -48,17 +48,13 @@ if TYPE_CHECKING:
 
     from .._checks import CommonOptions
 
-__all__ = ["OnebitOptimizer", "ReplicaDivergence"]
+__all__ = ["OnebitOptimizer"]
 
 _log = logging.getLogger("onebit.optim")
 # Values per block of what a step forms: the passes over a block (the moments' EMA, then its add
 # into the exchange's buffer) find it in the core's cache (256 KB per fp32 buffer) instead of
 # memory: a third less time than 1M-value blocks for a formed bucket on CPU, the same bits.
 _FORM_BLOCK = 1 << 16
-
-
-class ReplicaDivergence(RuntimeError):
-    """The ranks' parameters are no longer bit-identical."""
 
 
 class OnebitOptimizer(Optimizer):
@@ -423,10 +419,7 @@ class OnebitOptimizer(Optimizer):
         6. **Advance**: the next step's stage (its state laid out where it changes), handed to the
            driver as its plan.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         comm.check_world_size(self.process_group, self.world_size, type(self).__name__)
         self._check_loaded_parameters()
         if not self._ddp_checked:  # the model may have been wrapped after the optimizer was built
@@ -508,7 +501,7 @@ class OnebitOptimizer(Optimizer):
 
     @torch.no_grad()
     def check_replicas(self) -> None:
-        """Raise :class:`ReplicaDivergence` naming the first parameter that differs between ranks.
+        """Raise :class:`~onebit.optim.ReplicaDivergence` naming the first parameter that differs between ranks.
 
         Cheap: each parameter's bits, read as integers, are summed on its device, and the
         sums (8 bytes per parameter) are all-gathered -- any single-value difference shows.
@@ -516,23 +509,16 @@ class OnebitOptimizer(Optimizer):
         by design, and the anchors (the parameters of the last synchronisation) are compared.
         """
         self._check_loaded_parameters()
-        inside = not self.synchronised
-        message = check_replicas(self.flat.views("anchor") if inside else self.flat.params, self.process_group,
-                                 self.timeout, step=self._step_count, names=param_names(self.param_groups))
-        if message:
-            raise ReplicaDivergence(message + (" (the anchors, inside an interval of local steps)" if inside else ""))
+        require_replicas(self.flat.params, None if self.synchronised else self.flat.views("anchor"), self.process_group,
+                         self.timeout, step=self._step_count, param_groups=self.param_groups)
 
     def _check_loaded_parameters(self) -> None:
         """Before the first step after :meth:`load_state_dict` of a state saved between
-        synchronisations: raise :class:`ReplicaDivergence` unless every rank holds the parameters
+        synchronisations: raise :class:`~onebit.optim.ReplicaDivergence` unless every rank holds the parameters
         it saved beside it (:func:`onebit.optim._agreement.check_own_parameters`)."""
-        if self._own_parameters is not None:
-            saved, self._own_parameters = self._own_parameters, None
-            message = check_own_parameters(self.flat.params, saved, self.process_group, self.timeout,
-                                           step=self._step_count, owner=type(self).__name__,
-                                           names=param_names(self.param_groups))
-            if message:
-                raise ReplicaDivergence(message)
+        saved, self._own_parameters = self._own_parameters, None
+        require_own_parameters(self.flat.params, saved, self.process_group, self.timeout, step=self._step_count,
+                               owner=type(self).__name__, param_groups=self.param_groups)
 
     # ------------------------------------------------------------------ checkpoints
     def _extra_state(self) -> dict[str, Any]:

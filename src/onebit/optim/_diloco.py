@@ -39,13 +39,12 @@ from torch.optim import Optimizer
 
 from .. import comm, compress
 from .._checks import check_bool, check_nonneg, check_positive_int, check_scales
-from ._agreement import check_own_parameters, check_replicas, param_names, parameter_sums, start_agreement
-from ._base import ReplicaDivergence
+from ._agreement import parameter_sums, require_own_parameters, require_replicas, start_agreement
 from ._ddp import attach_ddp, check_ddp
 from ._flat import FlatState
 from ._fragments import Schedule, build_fragments, by_size, check_state, fragment_of, fragments_state, load_fragments
 from ._setup import (broadcast_parameters, check_groups, check_params, check_same_parameters_everywhere, clip_,
-                     common_options)
+                     closure_loss, common_options)
 from ._shards import Shards
 from ._wrapped import inner_optimizer, load_flat_momentum, outer_factory
 
@@ -257,10 +256,7 @@ class DiLoCo(Optimizer):
         4. **Land** each synchronisation due at this step: the outer optimizer moves the
            fragment's anchors with the average, the parameters take them (or the merge).
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         comm.check_world_size(self.process_group, self.world_size, type(self).__name__)
         self._check_loaded_parameters()
         if not self._ddp_checked:  # the model may have been wrapped after the optimizer was built
@@ -369,23 +365,16 @@ class DiLoCo(Optimizer):
         between ranks: the parameters where :attr:`synchronised`, else the anchors (the parameters
         of the last synchronisation, which every rank shares)."""
         self._check_loaded_parameters()
-        inside = not self.synchronised
-        message = check_replicas(self._anchors if inside else self.flat.params, self.process_group, self.timeout,
-                                 step=self._step_count, names=param_names(self.param_groups))
-        if message:
-            raise ReplicaDivergence(message + (" (the anchors, inside an interval of local steps)" if inside else ""))
+        require_replicas(self.flat.params, None if self.synchronised else self._anchors, self.process_group,
+                         self.timeout, step=self._step_count, param_groups=self.param_groups)
 
     def _check_loaded_parameters(self) -> None:
         """Before the first step after :meth:`load_state_dict` of a state saved between
         synchronisations: raise :class:`~onebit.optim.ReplicaDivergence` unless every rank holds
         the parameters it saved beside it."""
-        if self._own_parameters is not None:
-            saved, self._own_parameters = self._own_parameters, None
-            message = check_own_parameters(self.flat.params, saved, self.process_group, self.timeout,
-                                           step=self._step_count, owner=type(self).__name__,
-                                           names=param_names(self.param_groups))
-            if message:
-                raise ReplicaDivergence(message)
+        saved, self._own_parameters = self._own_parameters, None
+        require_own_parameters(self.flat.params, saved, self.process_group, self.timeout, step=self._step_count,
+                               owner=type(self).__name__, param_groups=self.param_groups)
 
     def attach_ddp(self, model: DistributedDataParallel | None = None) -> list[DistributedDataParallel]:
         """Switch off DDP's all-reduce on ``model`` (default: every DDP module holding these
