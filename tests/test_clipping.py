@@ -26,7 +26,8 @@ def _run(rank, world, name, kw, steps, clip_in_optimizer):
     for step in range(1, steps + 1):
         mine = grads([p.detach() for p in params], rank, step)
         if not clip_in_optimizer:
-            if not opt._stages.current.wire.formed:
+            # (DiLoCo's inner steps are each rank's own: never an average)
+            if isinstance(opt, onebit.optim.OnebitOptimizer) and not opt._stages.current.wire.formed:
                 every = [grads([p.detach() for p in params], r, step) for r in range(world)]
                 factor = _clip_factor([sum(g[i] for g in every) / world for i in range(len(mine))])
             else:
