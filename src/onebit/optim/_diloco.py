@@ -95,10 +95,11 @@ class DiLoCo(Optimizer):
             on any rank since the last one). None (default): ``torch.optim.SGD(anchors,
             lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)``, the paper's. Built once;
             :attr:`outer` holds it (an LR scheduler may be built on it).
-        outer_lr: the default outer optimizer's learning rate (default 0.7, the paper's; 1 with
-            ``outer_momentum=0`` is periodic averaging).
-        outer_momentum: its momentum (default 0.9, the paper's).
-        nesterov: its Nesterov momentum (default True, the paper's; without momentum, none).
+        outer_lr: the default outer optimizer's learning rate (0.7 in the paper; 1 with
+            ``outer_momentum=0`` is periodic averaging). Beside ``outer``, these three stay at
+            their defaults (another value is refused: it would configure nothing).
+        outer_momentum: its momentum (0.9 in the paper).
+        nesterov: its Nesterov momentum (the paper's; without momentum, none).
         compressor: ``"sign"`` (default: 1 bit per value and a scale per tensor piece),
             ``"identity"`` (the exact fp32 mean, DiLoCo as published), another name of
             :func:`onebit.compress.available` or a :class:`onebit.compress.Compressor` (e.g.
@@ -159,9 +160,9 @@ class DiLoCo(Optimizer):
         weight_decay: float | None = None,
         sync_every: int = 500,
         outer: Callable[[list[Tensor]], Optimizer] | None = None,
-        outer_lr: float | None = None,
-        outer_momentum: float | None = None,
-        nesterov: bool | None = None,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
         fragments: int | Iterable[Iterable[Tensor]] = 1,
         delay: int = 0,
         merge: float | None = None,

@@ -13,7 +13,7 @@ from torch.optim import Optimizer
 from .._checks import check_bool, check_nonneg, check_positive
 from ._base import OnebitOptimizer
 
-__all__ = ["inner_optimizer", "load_flat_momentum", "outer_factory"]
+__all__ = ["PAPER_OUTER", "inner_optimizer", "load_flat_momentum", "outer_factory"]
 
 
 def _exchanges_itself(opt: Optimizer) -> bool:
@@ -44,12 +44,16 @@ def inner_optimizer(params: Any, lr: float | None, inner: Any, weight_decay: flo
     return made
 
 
-def outer_factory(outer: Any, lr: float | None, momentum: float | None,
-           nesterov: bool | None) -> Callable[[list[Tensor]], Optimizer]:
-    """The factory of the outer optimizer over the anchors: ``outer``, or the paper's Nesterov SGD."""
+# The paper's outer optimizer: Nesterov momentum SGD at learning rate 0.7, momentum 0.9
+PAPER_OUTER = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
+
+
+def outer_factory(outer: Any, lr: float, momentum: float, nesterov: bool) -> Callable[[list[Tensor]], Optimizer]:
+    """The factory of the outer optimizer over the anchors: ``outer``, or Nesterov SGD at ``lr``
+    and ``momentum`` (the paper's by default); those are refused beside ``outer`` where they are
+    not the defaults (they would configure nothing)."""
     if outer is not None:
-        given = [name for name, value in (("outer_lr", lr), ("outer_momentum", momentum), ("nesterov", nesterov))
-                 if value is not None]
+        given = [name for name, value in zip(PAPER_OUTER, (lr, momentum, nesterov)) if value != PAPER_OUTER[name]]
         if given:
             raise TypeError(f"DiLoCo was given outer= and also {given[0]}=: set it on the outer optimizer")
         if not callable(outer):
@@ -62,11 +66,11 @@ def outer_factory(outer: Any, lr: float | None, momentum: float | None,
                                 "that steps on this rank alone")
             return opt
         return made
-    lr = check_positive("outer_lr", 0.7 if lr is None else lr)
-    momentum = check_nonneg("outer_momentum", 0.9 if momentum is None else momentum)
+    lr = check_positive("outer_lr", lr)
+    momentum = check_nonneg("outer_momentum", momentum)
     if momentum >= 1:
         raise ValueError(f"Invalid outer_momentum value: {momentum} (expected a number in [0, 1))")
-    nesterov = check_bool("nesterov", True if nesterov is None else nesterov)
+    nesterov = check_bool("nesterov", nesterov)
     # torch.optim.SGD refuses Nesterov without momentum, where it would be plain SGD anyway
     return lambda anchors: torch.optim.SGD(anchors, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0)
 
