@@ -17,7 +17,7 @@ from .. import comm
 from .._checks import check_adam_args, check_bool
 from ..compress import BlockSignCompressor, Compressor, TopKCompressor, UniformCompressor
 from ._base import OnebitOptimizer
-from ._driver import COMPRESSED_FORMED, COMPRESSED_GRADIENT, Wire
+from ._driver import COMPRESSED_FORMED, COMPRESSED_GRADIENT, Sends, Wire
 from ._functional import apply_update_, ema_
 from ._stages import OneStage, Stage
 
@@ -209,7 +209,7 @@ class CompAMS(_GradientExchange):
             raise TypeError(f"Invalid bias_correction value: {bias_correction!r} (expected a bool)")
         self.eps = float(eps)
         self.bias_correction = bias_correction
-        wire = COMPRESSED_GRADIENT if compressor != "none" else Wire("compressed", formed=False, exact=True)
+        wire = COMPRESSED_GRADIENT if compressor != "none" else Wire("compressed", Sends.GRADIENTS)
         self._stages = OneStage(Stage(wire, ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"), averages=True))
         self._init_exchange(params, lr=lr, betas=betas, weight_decay=weight_decay, group=group, options=options)
         self._block = block if compressor == "block_sign" else None

@@ -26,10 +26,11 @@ still in order and before the step's non-finite agreement, so every rank issues 
 sequence whatever its own timing.
 
 A compressed bucket's second phase (the server average and its all-gather) starts when the
-next bucket's all-to-all has been launched (an :class:`onebit.comm.Pipeline`), the last one's in ``step()`` right after the step's
-non-finite agreement is launched (:meth:`Driver.gather`): the order is ``a2a(0), a2a(1), ag(0),
-a2a(2), ag(1), ..., a2a(n-1), ag(n-2)``, the agreement, ``ag(n-1)``, on every rank whatever its
-timing, and the link always holds the next bucket's bytes while one is averaged. The agreement
+next bucket's all-to-all has been launched (an :class:`onebit.comm.Pipeline`), the last one's
+in ``step()`` right after the step's non-finite agreement is launched (:meth:`Driver.gather`):
+the order is ``a2a(0), a2a(1), ag(0), a2a(2), ag(1), ..., a2a(n-1), ag(n-2)``, the agreement,
+``ag(n-1)``, on every rank whatever its timing, and the link always holds the next bucket's
+bytes while one is averaged. The agreement
 then waits on a busy link for the bytes before it only, and an optimizer that
 ``applies_by_bucket`` steps each bucket as it lands (:meth:`Driver.run`'s ``landed``), the
 buckets before the last while the last one's all-gather is on the wire. Waiting for the
@@ -40,6 +41,7 @@ before: where the link is the bottleneck, that costs nothing.
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import math
 import time
@@ -60,8 +62,8 @@ from ._flat import starts_inside
 if TYPE_CHECKING:
     from ._flat import FlatState
 
-__all__ = ["COMPRESSED_FORMED", "COMPRESSED_GRADIENT", "Buckets", "Driver", "EXACT_GRADIENT", "LOCAL", "Plan", "Wire",
-           "allreduce_factory", "bucket_bounds"]
+__all__ = ["COMPRESSED_FORMED", "COMPRESSED_GRADIENT", "Buckets", "Driver", "EXACT_GRADIENT", "LOCAL", "Plan", "Sends",
+           "Wire", "allreduce_factory", "bucket_bounds"]
 
 _log = logging.getLogger("onebit.optim")
 
@@ -228,30 +230,50 @@ class Buckets:
         return sent
 
 
+class Sends(enum.Enum):
+    """The kinds of step, by what they send. ``GRADIENTS``: the gradients' exact fp32 mean (an
+    all-reduce); ``COMPRESSED_GRADIENTS``: the gradients, through the optimizer's compressed
+    collectives; ``FORMED``: what the optimizer's ``_form`` makes (momentum, an update), through
+    them; ``NOTHING``: a step each rank takes on its own (0/1 Adam's local steps), whose
+    ``_apply`` gets no average and reads the local gradients itself."""
+
+    GRADIENTS = "gradients"
+    COMPRESSED_GRADIENTS = "compressed gradients"
+    FORMED = "formed"
+    NOTHING = "nothing"
+
+
 @dataclass(frozen=True)
 class Wire:
-    """What a stage sends, as an optimizer declares it.
-
-    ``stage``: its name in ``stats["stage"]`` (``"warmup"``: uncompressed, ``"compressed"``).
-    ``formed``: the optimizer's ``_form`` makes what is sent (momentum, an update); else the
-    gradients themselves are. Where the gradients are sent, their average exists and
-    ``max_grad_norm`` clips it; where they are not, it never exists and each rank clips its
-    own gradients before forming (what ``clip_grad_norm_`` does on one process).
-    ``exact``: the exact fp32 mean (an all-reduce); else the optimizer's compressed collectives.
-    ``exchanged``: False for a step each rank takes on its own (0/1 Adam's local steps): nothing
-    is sent, ``_apply`` gets no average and reads the local gradients itself.
-    """
+    """What a stage sends, as an optimizer declares it: ``stage``, its name in
+    ``stats["stage"]`` (``"warmup"``: uncompressed, ``"compressed"``, ...), and the kind of step
+    it ``sends``. Where the gradients are sent, their average exists and ``max_grad_norm`` clips
+    it; where they are not (``formed``), it never exists and each rank clips its own gradients
+    before forming (what ``clip_grad_norm_`` does on one process)."""
 
     stage: str
-    formed: bool
-    exact: bool
-    exchanged: bool = True
+    sends: Sends
+
+    @property
+    def formed(self) -> bool:
+        """The gradients are not what is sent: the optimizer forms it, or sends nothing."""
+        return self.sends in (Sends.FORMED, Sends.NOTHING)
+
+    @property
+    def exact(self) -> bool:
+        """The exact fp32 mean of the gradients, not the compressed collectives."""
+        return self.sends is Sends.GRADIENTS
+
+    @property
+    def exchanged(self) -> bool:
+        """Something is sent."""
+        return self.sends is not Sends.NOTHING
 
 
-EXACT_GRADIENT = Wire("warmup", formed=False, exact=True)
-COMPRESSED_GRADIENT = Wire("compressed", formed=False, exact=False)
-COMPRESSED_FORMED = Wire("compressed", formed=True, exact=False)
-LOCAL = Wire("local", formed=True, exact=False, exchanged=False)
+EXACT_GRADIENT = Wire("warmup", Sends.GRADIENTS)
+COMPRESSED_GRADIENT = Wire("compressed", Sends.COMPRESSED_GRADIENTS)
+COMPRESSED_FORMED = Wire("compressed", Sends.FORMED)
+LOCAL = Wire("local", Sends.NOTHING)
 
 
 @dataclass(frozen=True)

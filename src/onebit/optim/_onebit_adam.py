@@ -20,7 +20,7 @@ from torch import Tensor
 from .. import comm
 from .._checks import check_adam_args, check_bool, check_optional_positive, check_overlap, check_positive_int
 from ._base import OnebitOptimizer
-from ._driver import COMPRESSED_FORMED, COMPRESSED_GRADIENT, EXACT_GRADIENT, Wire
+from ._driver import COMPRESSED_FORMED, COMPRESSED_GRADIENT, EXACT_GRADIENT, Sends, Wire
 from ._freeze import count_unused, freeze_schedule, mask_unused_, warn_early_freeze
 from ._functional import adam_denominator, adam_denominators, apply_update_, clip_to_adam_step_, ema_
 from ._stages import OneStage, RefreshedStages, Stage, TwoStages
@@ -152,7 +152,7 @@ _ADAM = ("exp_avg", "exp_avg_sq")
 # The compression stage: the variance becomes the frozen preconditioner in place (Algorithm 1 line 2)
 _FROZEN = Stage(COMPRESSED_FORMED, ("exp_avg", "frozen_denom"), renames={"exp_avg_sq": "frozen_denom"})
 # A refresh of the frozen state (refresh_every): the gradients' exact fp32 average, as in the warm-up
-_REFRESH = Stage(Wire("refresh", formed=False, exact=True), ("exp_avg", "frozen_denom"), averages=True,
+_REFRESH = Stage(Wire("refresh", Sends.GRADIENTS), ("exp_avg", "frozen_denom"), averages=True,
                  renames=_FROZEN.renames)
 
 

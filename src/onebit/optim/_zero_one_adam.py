@@ -33,7 +33,7 @@ from .. import comm
 from .._checks import check_adam_args, check_bool, check_optional_positive, check_positive_int
 from ..ops import zero_where_equal_
 from ._base import OnebitOptimizer
-from ._driver import COMPRESSED_FORMED, COMPRESSED_GRADIENT, LOCAL, Wire
+from ._driver import COMPRESSED_FORMED, COMPRESSED_GRADIENT, LOCAL, Sends, Wire
 from ._freeze import count_unused, mask_unused_
 from ._functional import adam_denominator, adam_denominators, apply_update_, clip_to_adam_step_, ema_
 from ._stages import Stage, StepStages
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 __all__ = ["ZeroOneAdam", "ZeroOneSchedule", "local_step", "refresh_variance", "synchronise"]
 
 # A refresh step: the gradients' exact fp32 average (the variance needs it; so does nothing else).
-REFRESH = Wire("variance", formed=False, exact=True)
+REFRESH = Wire("variance", Sends.GRADIENTS)
 
 # Up to var_freeze_step: the moments and the gradients' average (exact at a refresh, else 1-bit).
 _REFRESH = Stage(REFRESH, ("exp_avg", "exp_avg_sq"), averages=True)
