@@ -46,7 +46,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -247,27 +247,23 @@ class Sends(enum.Enum):
 class Wire:
     """What a stage sends, as an optimizer declares it: ``stage``, its name in
     ``stats["stage"]`` (``"warmup"``: uncompressed, ``"compressed"``, ...), and the kind of step
-    it ``sends``. Where the gradients are sent, their average exists and ``max_grad_norm`` clips
-    it; where they are not (``formed``), it never exists and each rank clips its own gradients
-    before forming (what ``clip_grad_norm_`` does on one process)."""
+    it ``sends``. Read from the kind: ``formed``, the gradients are not what is sent (the
+    optimizer forms it, or sends nothing) -- where the gradients are sent, their average exists
+    and ``max_grad_norm`` clips it; where they are not, it never exists and each rank clips its
+    own gradients before forming (what ``clip_grad_norm_`` does on one process); ``exact``, the
+    gradients' exact fp32 mean; ``exchanged``, something is sent."""
 
     stage: str
     sends: Sends
+    formed: bool = field(init=False)
+    exact: bool = field(init=False)
+    exchanged: bool = field(init=False)
 
-    @property
-    def formed(self) -> bool:
-        """The gradients are not what is sent: the optimizer forms it, or sends nothing."""
-        return self.sends in (Sends.FORMED, Sends.NOTHING)
-
-    @property
-    def exact(self) -> bool:
-        """The exact fp32 mean of the gradients, not the compressed collectives."""
-        return self.sends is Sends.GRADIENTS
-
-    @property
-    def exchanged(self) -> bool:
-        """Something is sent."""
-        return self.sends is not Sends.NOTHING
+    def __post_init__(self) -> None:
+        # set once (a frozen dataclass), read as plain attributes by every step
+        object.__setattr__(self, "formed", self.sends in (Sends.FORMED, Sends.NOTHING))
+        object.__setattr__(self, "exact", self.sends is Sends.GRADIENTS)
+        object.__setattr__(self, "exchanged", self.sends is not Sends.NOTHING)
 
 
 EXACT_GRADIENT = Wire("warmup", Sends.GRADIENTS)
