@@ -3,8 +3,9 @@
 The driver is the optimizer floor's lower half: it is handed the flat layout, the process
 group and the collectives when the optimizer is built, and before each step a :class:`Plan`
 -- the stage's :class:`Wire`, how to form what is sent, where the average lands -- and it
-returns the step's average. It never reads or calls the optimizer; the optimizer's base
-(:class:`~onebit.optim.OnebitOptimizer`) is its only caller.
+returns the step's average. The optimizer's base (:class:`~onebit.optim.OnebitOptimizer`) is
+its only caller, and it reads nothing of the optimizer; it calls back into it through the plan
+(``form``, ``landing``) and :meth:`Driver.run`'s ``landed``.
 
 Each stage declares its :class:`Wire` -- what is sent (the gradients themselves, or what
 the optimizer forms) and how (the exact fp32 mean, or the optimizer's compressed collective) --
@@ -293,7 +294,8 @@ class Plan:
 class Driver:
     """Runs one optimizer's exchange, step after step (see the module docstring): handed the
     flat layout, the process group and the collectives at construction and a :class:`Plan`
-    before each step, it returns each step's average and never reads the optimizer.
+    before each step, it returns each step's average (calling the optimizer back only through
+    the plan and ``landed``).
 
     ``collective(start, end)`` makes the compressed collective of the flat values
     ``[start, end)`` (``None``: the optimizer has none; it may return None for a span it cannot
