@@ -16,8 +16,7 @@ from torch import Tensor
 
 from .. import comm
 
-__all__ = ["ReplicaDivergence", "check_own_parameters", "check_replicas", "param_names", "parameter_sums",
-           "require_own_parameters", "require_replicas", "start_agreement"]
+__all__ = ["ReplicaDivergence", "parameter_sums", "require_own_parameters", "require_replicas", "start_agreement"]
 
 _log = logging.getLogger("onebit.optim")
 
@@ -76,26 +75,6 @@ def start_agreement(params: Sequence[Tensor], present: Sequence[bool], group: co
     return result
 
 
-def check_replicas(tensors: Sequence[Tensor], group: comm.Group, timeout: timedelta, *, step: int,
-                   names: Sequence[str | None]) -> str | None:
-    """Which of ``tensors`` (one per parameter, ``names``) differs between the ranks of
-    ``group`` after step ``step``, as a message (None: none).
-
-    Each tensor's bits, read as integers, are summed on its device, and the sums (8 bytes per
-    parameter) are all-gathered -- any single-value difference shows.
-    """
-    world_size = comm.get_world_size(group)
-    if world_size == 1:
-        return None
-    table = comm.all_gather_object_sizes(parameter_sums(tensors), group, timeout, tensors[0].device)
-    differs = (table != table[0]).any(dim=0).nonzero()
-    if not differs.numel():
-        return None
-    i = int(differs[0])
-    ranks = [r for r in range(world_size) if table[r, i] != table[0, i]]
-    return f"replicas differ after step {step}: {_name(names, i, tensors)} on ranks {ranks} differs from rank 0"
-
-
 def parameter_sums(params: Sequence[Tensor]) -> list[int]:
     """Each tensor's bits, read as integers, summed on its device: any single-value change shows."""
     ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -103,57 +82,57 @@ def parameter_sums(params: Sequence[Tensor]) -> list[int]:
                         for p in params]).tolist()
 
 
-def check_own_parameters(params: Sequence[Tensor], saved: Sequence[int], group: comm.Group, timeout: timedelta, *,
-                         step: int, owner: str, names: Sequence[str | None]) -> str | None:
-    """Which rank's ``params`` are not those it saved with its ``owner`` state at ``step``
-    (``saved``: their :func:`parameter_sums`), as a message (None: every rank's are); one
-    all-reduce over ``group``, so that every rank raises alike. Between synchronisations each
-    rank holds its own parameters (DiLoCo's inner steps, fragments or merge; 0/1 Adam's local
-    steps) and its optimizer state is only right beside them: rank 0's model, or the one
-    :meth:`~onebit.DiLoCo.anchored` gives, loaded on every rank resumes another run without a
-    word from the replica check, whose anchors agree."""
-    differs = [i for i, (now, then) in enumerate(zip(parameter_sums(params), saved)) if now != then]
-    flags = torch.zeros(comm.get_world_size(group), dtype=torch.float32, device=params[0].device)
-    flags[comm.get_rank(group)] = 1.0 if differs else 0.0
-    ranks = [r for r, v in enumerate(comm.agree(flags, group, timeout)) if v]
-    if not ranks:
-        return None
-    here = f" (here, {_name(names, differs[0], params)} first)" if differs else ""
-    return (f"the parameters of ranks {ranks} are not those each saved with its {owner} state at step "
-            f"{step}{here}: between synchronisations every rank holds its own, so each rank must load "
-            "the model state it saved itself (not rank 0's, nor the one taken inside anchored())")
-
-
 def require_replicas(params: Sequence[Tensor], anchors: Sequence[Tensor] | None, group: comm.Group,
                      timeout: timedelta, *, step: int, param_groups: Sequence[Mapping[str, Any]]) -> None:
     """Raise :class:`ReplicaDivergence` naming the first parameter that differs between the ranks
-    (:func:`check_replicas`): of ``params``, or inside an interval of local steps (``anchors``
-    given: the ranks' parameters differ by design) of the anchors, the parameters of the last
-    synchronisation."""
-    message = check_replicas(params if anchors is None else anchors, group, timeout, step=step,
-                             names=param_names(param_groups))
-    if message:
-        raise ReplicaDivergence(message + ("" if anchors is None else " (the anchors, inside an interval of local "
-                                                                      "steps)"))
+    of ``group`` after step ``step``: of ``params``, or inside an interval of local steps
+    (``anchors`` given: the ranks' parameters differ by design) of the anchors, the parameters
+    of the last synchronisation.
+
+    Each tensor's bits, read as integers, are summed on its device, and the sums (8 bytes per
+    parameter) are all-gathered -- any single-value difference shows.
+    """
+    world_size = comm.get_world_size(group)
+    if world_size == 1:
+        return
+    tensors = params if anchors is None else anchors
+    table = comm.all_gather_object_sizes(parameter_sums(tensors), group, timeout, tensors[0].device)
+    differs = (table != table[0]).any(dim=0).nonzero()
+    if not differs.numel():
+        return
+    i = int(differs[0])
+    ranks = [r for r in range(world_size) if table[r, i] != table[0, i]]
+    inside = "" if anchors is None else " (the anchors, inside an interval of local steps)"
+    raise ReplicaDivergence(f"replicas differ after step {step}: {_name(param_groups, i, tensors)} on ranks {ranks} "
+                            f"differs from rank 0{inside}")
 
 
 def require_own_parameters(params: Sequence[Tensor], saved: Sequence[int] | None, group: comm.Group,
                            timeout: timedelta, *, step: int, owner: str,
                            param_groups: Sequence[Mapping[str, Any]]) -> None:
-    """Where a state saved between synchronisations was loaded (``saved``: its parameters'
-    sums; None: nothing to check), raise :class:`ReplicaDivergence` on every rank unless every
-    rank holds the parameters it saved beside it (:func:`check_own_parameters`)."""
-    if saved is not None:
-        message = check_own_parameters(params, saved, group, timeout, step=step, owner=owner,
-                                       names=param_names(param_groups))
-        if message:
-            raise ReplicaDivergence(message)
+    """Where a state saved between synchronisations was loaded beside ``params`` (``saved``: the
+    :func:`parameter_sums` of those it was saved beside; None: nothing to check), raise
+    :class:`ReplicaDivergence` on every rank unless every rank holds the parameters it saved; one
+    all-reduce over ``group``, so that every rank raises alike. Between synchronisations each
+    rank holds its own parameters (DiLoCo's inner steps, fragments or merge; 0/1 Adam's local
+    steps) and its optimizer state is only right beside them: rank 0's model, or the one
+    :meth:`~onebit.DiLoCo.anchored` gives, loaded on every rank resumes another run without a
+    word from the replica check, whose anchors agree."""
+    if saved is None:
+        return
+    differs = [i for i, (now, then) in enumerate(zip(parameter_sums(params), saved)) if now != then]
+    flags = torch.zeros(comm.get_world_size(group), dtype=torch.float32, device=params[0].device)
+    flags[comm.get_rank(group)] = 1.0 if differs else 0.0
+    ranks = [r for r, v in enumerate(comm.agree(flags, group, timeout)) if v]
+    if ranks:
+        here = f" (here, {_name(param_groups, differs[0], params)} first)" if differs else ""
+        raise ReplicaDivergence(
+            f"the parameters of ranks {ranks} are not those each saved with its {owner} state at step {step}{here}: "
+            "between synchronisations every rank holds its own, so each rank must load the model state it saved "
+            "itself (not rank 0's, nor the one taken inside anchored())")
 
 
-def param_names(param_groups: Sequence[Mapping[str, Any]]) -> list[str | None]:
-    """Each parameter's name (``param_names`` of its group, as ``torch.optim`` keeps them), or None."""
-    return [n for g in param_groups for n in g.get("param_names", [None] * len(g["params"]))]
-
-
-def _name(names: Sequence[str | None], i: int, params: Sequence[Tensor]) -> str:
+def _name(param_groups: Sequence[Mapping[str, Any]], i: int, params: Sequence[Tensor]) -> str:
+    """Parameter ``i``'s name (``param_names`` of its group, as ``torch.optim`` keeps them), or its index and shape."""
+    names = [n for g in param_groups for n in g.get("param_names", [None] * len(g["params"]))]
     return names[i] or f"parameter {i} (shape {tuple(params[i].shape)})"

@@ -515,7 +515,7 @@ class OnebitOptimizer(Optimizer):
     def _check_loaded_parameters(self) -> None:
         """Before the first step after :meth:`load_state_dict` of a state saved between
         synchronisations: raise :class:`~onebit.optim.ReplicaDivergence` unless every rank holds the parameters
-        it saved beside it (:func:`onebit.optim._agreement.check_own_parameters`)."""
+        it saved beside it (:func:`onebit.optim._agreement.require_own_parameters`)."""
         saved, self._own_parameters = self._own_parameters, None
         require_own_parameters(self.flat.params, saved, self.process_group, self.timeout, step=self._step_count,
                                owner=type(self).__name__, param_groups=self.param_groups)

@@ -98,17 +98,17 @@ def check_ddp(params: Iterable[Tensor], owner: str, world_size: int, constructio
     found at construction."""
     if world_size == 1:
         return False
-    name, params = owner, list(params)
+    params = list(params)
     if construction:
         if attach_ddp(params, owner):
             _log.info("%s: DDP's gradient all-reduce switched off (local_gradient_hook); the optimizer "
-                      "exchanges in step()", name)
+                      "exchanges in step()", owner)
             return True
         return False
     if not all(has_local_gradient_hook(ddp) for ddp in ddp_modules_holding(params)):
         raise ValueError(
-            f"the parameters of {name} belong to a DistributedDataParallel model wrapped after "
-            f"the optimizer was built: DDP all-reduced the gradients in fp32 and {name} would "
+            f"the parameters of {owner} belong to a DistributedDataParallel model wrapped after "
+            f"the optimizer was built: DDP all-reduced the gradients in fp32 and {owner} would "
             "exchange them again, saving nothing. Call onebit.attach(optimizer) after wrapping the model "
             "and before the first backward (Accelerate: after accelerator.prepare; HF Trainer: "
             "callbacks=[onebit.integrations.transformers.AttachCallback()]), or build the optimizer after wrapping"

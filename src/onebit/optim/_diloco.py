@@ -398,7 +398,6 @@ class DiLoCo(Optimizer):
         resume bit-exactly (loads with ``weights_only=True``)."""
         sd = super().state_dict()
         sd["state"] = {}  # the anchors are saved once, as the flat buffer below
-        self.wait()
         sd["onebit"] = {
             "world_size": self.world_size, "rank": self.rank, "step": self._step_count,
             "bytes_sent_total": self._bytes_total, "flat": {"anchor": self.flat.buffers["anchor"].clone()},

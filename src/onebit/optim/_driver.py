@@ -468,7 +468,7 @@ class Driver:
         return 0 if self.buckets is None else self.buckets.done()
 
     def _end_step(self) -> None:
-        self._flights, self._warm_flights = comm.Pipeline(), comm.Pipeline()
+        # (the pipelines are empty: finish() and drop() forget what they ran)
         self._stale = False
         self._compressed_in_flight = False
         self._land = None

@@ -39,9 +39,8 @@ class Flight:
     step to come. Its collectives are the only ones on their group: the order of their issue is
     the same on every rank, their timing need not be."""
 
-    def __init__(self, lands_at: int, landing: dict[int, Tensor], exchanges: Sequence[comm.Stages] = (),
-                 owner: str = "DiLoCo") -> None:
-        self.lands_at, self.landing, self.owner = lands_at, landing, owner
+    def __init__(self, lands_at: int, landing: dict[int, Tensor], exchanges: Sequence[comm.Stages] = ()) -> None:
+        self.lands_at, self.landing = lands_at, landing
         self.bytes_sent = 0
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -88,13 +87,11 @@ def _complete_at_exit() -> None:
         try:
             flight.join()
         except Exception as exc:  # logged: what an exit handler raises is printed without its context
-            _log.error("%s: the exchange in flight to step %d failed while the process exited (%s); call "
-                       "opt.wait() before the end of the run to have it raise there", flight.owner,
-                       flight.lands_at, exc)
+            _log.error("DiLoCo: the exchange in flight to step %d failed while the process exited (%s); call "
+                       "opt.wait() before the end of the run to have it raise there", flight.lands_at, exc)
         else:
-            _log.warning("%s: the exchange in flight to step %d was completed at exit and never landed; call "
-                         "opt.wait() before the end of the run (and before destroy_process_group())",
-                         flight.owner, flight.lands_at)
+            _log.warning("DiLoCo: the exchange in flight to step %d was completed at exit and never landed; call "
+                         "opt.wait() before the end of the run (and before destroy_process_group())", flight.lands_at)
 
 
 class Schedule:
