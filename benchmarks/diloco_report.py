@@ -63,8 +63,10 @@ SETTINGS = {
     "diloco_fedavg_no_ef": ("averaging", "1-bit all-reduce"),
 }
 OUTER = {(0.7, 0.9): "paper's", (1.0, 0.0): "averaging"}
+SPARSELOCO = "SparseLoCo's"  # averaging, each rank's error carried with a decay in the place of momentum
 EXACT = ("paper's", "fp32")  # what "vs fp32 DiLoCo" compares with
 COLLECTIVES = {"allgather": "all-gather", "allreduce": "all-reduce"}
+CODES = {"sign": "1-bit", "chunk_topk": "Top-k 2-bit"}
 
 
 def setting(run: dict, date: str) -> tuple[str, str] | None:
@@ -78,22 +80,35 @@ def setting(run: dict, date: str) -> tuple[str, str] | None:
     if "sync_every" not in a:
         return None
     outer = OUTER.get((a["outer_lr"], a["outer_momentum"]), f"lr {a['outer_lr']}, momentum {a['outer_momentum']}")
+    decay = a.get("error_decay", 1.0)  # runs from before the option kept their errors whole
     if a["compressor"] == "identity":
         return outer, "fp32"
-    exchange = f"1-bit {COLLECTIVES[a['collective']]}" if a["compressor"] == "sign" else a["compressor"]
+    if outer == "averaging" and a["error_feedback"] and decay != 1:
+        outer, feedback = SPARSELOCO, "" if decay == 0.95 else f", error decay {decay}"
+    else:
+        feedback = ", error feedback" + (f" decayed by {decay}" if decay != 1 else "") if a["error_feedback"] else ""
+    exchange = f"{CODES.get(a['compressor'], a['compressor'])} {COLLECTIVES[a['collective']]}"
     streamed = f", {a['fragments']} fragments, delay {a['delay']}" if a["fragments"] > 1 else ""
-    return outer, exchange + (", error feedback" if a["error_feedback"] else "") + streamed
+    return outer, exchange + feedback + streamed
 
 
 def report(paths: list[Path]) -> str:
+    """The table of the runs in ``paths``; one per task, each under its name, where they hold several."""
     summaries = [json.loads(p.read_text()) for p in paths]
     for key in ("steps", "world_size", "batch_per_rank"):
         if len({s[key] for s in summaries}) != 1:
             raise SystemExit(f"the runs differ in {key}: {sorted({s[key] for s in summaries})}")
+    tasks = list(dict.fromkeys(r["task"] for s in summaries for r in s["runs"]))
+    if len(tasks) == 1:
+        return _table(summaries, tasks[0])
+    return "\n".join(f"`{task}`:\n\n{_table(summaries, task)}" for task in tasks)
+
+
+def _table(summaries: list[dict], task: str) -> str:
     total = summaries[0]["steps"]
-    runs = [(r, s["provenance"]["date"]) for s in summaries for r in s["runs"]]
-    if len({(r["task"], r["lr"]) for r, _ in runs}) != 1:
-        raise SystemExit("the runs are of several tasks or learning rates: report one at a time")
+    runs = [(r, s["provenance"]["date"]) for s in summaries for r in s["runs"] if r["task"] == task]
+    if len({r["lr"] for r, _ in runs}) != 1:
+        raise SystemExit(f"the {task} runs are of several learning rates: report one at a time")
 
     adamw = {_run(r): r for r, _ in runs if r["label"] == "adamw"}
     by: dict[tuple[int, tuple[str, str]], dict] = {}
@@ -117,7 +132,8 @@ def report(paths: list[Path]) -> str:
             return f"non-finite ({gaps.count(None)}/{len(gaps)})"
         mean, half = mean_interval(gaps)
         worst = max(range(len(gaps)), key=gaps.__getitem__)
-        return f"{mean:+.1f}% ± {half:.1f} (worst {gaps[worst]:+.1f}, seed {pairs[worst][0]})"
+        unit = " points" if task == "digits" else "%"  # digits: of its error rate
+        return f"{mean:+.1f}{unit} ± {half:.1f} (worst {gaps[worst]:+.1f}, seed {pairs[worst][0]})"
 
     ddp_bytes = statistics.fmean(r["bytes_sent_per_rank"] for r in adamw.values())
     lines = ["| H | outer step | exchange | held-out loss | vs DDP AdamW | vs fp32 DiLoCo | fewer bytes than DDP |",

@@ -17,6 +17,34 @@ def sign_compress(v: Tensor) -> Tensor:
     return torch.where(torch.signbit(v), -scale, scale)
 
 
+def chunk_topk_compress(v: Tensor, k: int, chunk: int, bits: int, sigmas: float) -> Tensor:
+    """SparseLoCo's Q(TopK(v)) of one tensor, value by value: in each run of ``chunk`` values
+    keep the ``k`` largest magnitudes; quantize the kept values together -- centred on their
+    mean, bins of width ``sigmas * std / 2^bits`` around bin ``2^bits / 2``, each bin decoded
+    as the mean of the centred values in it -- and put them back in their places."""
+    kept = []
+    for lo in range(0, v.numel(), chunk):
+        part = [(abs(float(v[i])), i) for i in range(lo, min(lo + chunk, v.numel()))]
+        kept += [i for _, i in sorted(part, reverse=True)[:k]]
+    out = torch.zeros_like(v)
+    if not kept:
+        return out
+    values = [float(v[i]) for i in kept]
+    mean = sum(values) / len(values)
+    centred = [x - mean for x in values]
+    std = math.sqrt(sum(c * c for c in centred) / (len(centred) - 1)) if len(centred) > 1 else 0.0
+    bins = 2 ** bits
+    width = sigmas * std / bins or 1.0
+    codes = [min(max(round(c / width + bins // 2), 0), bins - 1) for c in centred]
+    decoded = {}
+    for code in set(codes):
+        members = [c for c, q in zip(centred, codes) if q == code]
+        decoded[code] = sum(members) / len(members)
+    for i, code in zip(kept, codes):
+        out[i] = decoded[code] + mean
+    return out
+
+
 def chunks(n: int, world: int, align: int) -> list[tuple[int, int]]:
     chunk = math.ceil(n / (world * align)) * align
     return [(min(j * chunk, n), min((j + 1) * chunk, n)) for j in range(world)]

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _oracle import sign_compress
+from _oracle import chunk_topk_compress, sign_compress
 from onebit import compress
 
 # One row per registered compressor: (name, constructor kwargs).
@@ -21,6 +21,8 @@ CONTRACT = [
     ("stochastic_sign", {"seed": 3}),
     ("uniform", {"bits": 1}),
     ("uniform", {"bits": 3}),
+    ("chunk_topk", {"k": 3, "chunk": 16}),
+    ("chunk_topk", {"k": 2, "chunk": 7, "bits": 1}),
 ]
 ROW_IDS = [f"{n}-{kw}" for n, kw in CONTRACT]
 
@@ -105,6 +107,41 @@ def test_sign_with_blocks_scales_each_block_as_the_paper_scales_a_chunk(lengths,
     assert torch.allclose(out, sum(c.decompress(q) for q in payloads) / 3, rtol=1e-6, atol=1e-7)
 
 
+@settings(max_examples=25, deadline=None)
+@given(sizes=st.lists(st.integers(1, 40), min_size=1, max_size=4), seed=st.integers(0, 2**16),
+       k=st.integers(1, 5), chunk=st.integers(1, 12), bits=st.sampled_from([1, 2, 4]))
+def test_chunk_topk_is_sparselocos_top_k_of_each_chunk_with_its_values_quantized(sizes, seed, k, chunk, bits):
+    n = sum(sizes)
+    x = _vector(n, seed) * torch.repeat_interleave(3.0 ** torch.arange(len(sizes)), torch.tensor(sizes))
+    c = compress.get("chunk_topk", k=k, chunk=chunk, bits=bits, range_in_sigmas=6.0).with_blocks(sizes)
+    expect = torch.cat([chunk_topk_compress(part, k, chunk, bits, 6.0) for part in torch.split(x, sizes)])
+    p = c.compress(x)
+    assert torch.allclose(c.decompress(p), expect, rtol=1e-5, atol=1e-6)
+    kept = sum(min(k, len(range(lo, min(lo + chunk, s)))) for s in sizes for lo in range(0, s, chunk))
+    # on the wire: 12 bits an index, `bits` a value, the mean and 2^bits bin values a block
+    assert c.wire_bytes(n) == 3 * math.ceil(kept / 2) + math.ceil(kept * bits / 8) + 4 * len(sizes) * (1 + 2**bits)
+
+
+def test_chunk_topk_defaults_send_one_value_in_64_at_146x_fewer_bytes():
+    c = compress.get("chunk_topk")
+    x = _vector(64 * 4096, 0)
+    assert int((c.decompress(c.compress(x)) != 0).sum()) == 64 * 64
+    assert round(4 * x.numel() / c.wire_bytes(x.numel())) == 146
+
+
+def test_chunk_topk_arguments():
+    with pytest.raises(ValueError, match=r"Invalid chunk value: 5000 \(expected an int in \[1, 4096\]\)"):
+        compress.get("chunk_topk", chunk=5000)
+    with pytest.raises(TypeError, match=r"Invalid k value: 1.5 \(expected an int\)"):
+        compress.get("chunk_topk", k=1.5)
+    with pytest.raises(ValueError, match=r"Invalid bits value: 3 \(expected 1, 2, 4 or 8\)"):
+        compress.get("chunk_topk", bits=3)
+    with pytest.raises(ValueError, match=r"Invalid range_in_sigmas value: 0 \(expected a positive number\)"):
+        compress.get("chunk_topk", range_in_sigmas=0)
+    with pytest.raises(ValueError, match="block_sizes add up to 8, the chunk has 9 values"):
+        compress.get("chunk_topk").with_blocks([4, 4]).compress(torch.ones(9))
+
+
 def test_blocks_arguments():
     with pytest.raises(ValueError, match="block_sizes must be multiples of 8 but the last, got \\[5, 3\\]"):
         compress.SignCompressor(block_sizes=[5, 3])
@@ -164,7 +201,7 @@ def test_identity_wire_dtypes():
 
 
 def test_registry_and_argument_errors():
-    with pytest.raises(ValueError, match="unknown compressor 'nope'; available: block_sign, identity, sign"):
+    with pytest.raises(ValueError, match="unknown compressor 'nope'; available: block_sign, chunk_topk, identity"):
         compress.get("nope")
     with pytest.raises(TypeError, match="compressor must be a name or a Compressor, got int"):
         compress.get(3)

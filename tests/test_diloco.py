@@ -11,7 +11,7 @@ import torch
 
 import onebit
 from _harness import run_ranks
-from _oracle import SimulatedCompressedAllGather, SimulatedCompressedAllReduce
+from _oracle import SimulatedCompressedAllGather, SimulatedCompressedAllReduce, chunk_topk_compress, sign_compress
 
 H = 3  # inner steps per synchronisation
 STEPS = 2 * H + 2  # two synchronisations, then two steps into the third interval
@@ -190,6 +190,91 @@ def test_any_torch_optim_optimizer_is_the_outer_one(world):
         assert all(torch.equal(a, b) for a, b in zip(history, again))  # the resume changes no bit
 
 
+# SparseLoCo (arXiv 2508.15706, Algorithm 1): each rank's error-feedback accumulator decayed by
+# BETA in the place of the outer momentum, e <- BETA e + delta, sent C(e), e <- e - C(e), and the
+# anchor moved by the plain average of what was sent (outer learning rate 1, no momentum).
+BETA = 0.9
+SPARSE = {"k": 2, "chunk": 8, "bits": 2, "range_in_sigmas": 6.0}  # 2 of every 8 values, at 2 bits
+SPARSE_STEPS = 4 * H + 2
+
+
+def _sparse_compress(which):
+    """C of one tensor's accumulator, written plainly: chunk-wise Top-k at 2 bits, or 1-bit signs."""
+    if which == "chunk_topk":
+        return lambda e: chunk_topk_compress(e, SPARSE["k"], SPARSE["chunk"], SPARSE["bits"], SPARSE["range_in_sigmas"])
+    return sign_compress
+
+
+def _sparseloco_oracle(world, which, beta=BETA):
+    models = [_model() for _ in range(world)]
+    inners = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    anchor = _flat(models[0]).clone()
+    sizes = [p.numel() for p in models[0].parameters()]
+    compress = _sparse_compress(which)
+    errors = [torch.zeros_like(anchor) for _ in range(world)]
+    history = []
+    for step in range(1, SPARSE_STEPS + 1):
+        for rank in range(world):
+            _inner_step(models[rank], inners[rank], rank, step)
+            inners[rank].step()
+        if step % H == 0:
+            sent = []
+            for rank in range(world):
+                errors[rank] = beta * errors[rank] + (anchor - _flat(models[rank]))
+                # every parameter its own chunks and quantizer (scales="tensor")
+                sent.append(torch.cat([compress(part) for part in errors[rank].split(sizes)]))
+                errors[rank] = errors[rank] - sent[rank]
+            anchor = anchor - 1.0 * (sum(sent) / world)
+            for m in models:
+                with torch.no_grad():
+                    for p, value in zip(m.parameters(), anchor.split(sizes)):
+                        p.copy_(value.view_as(p))
+        history.append([_flat(m).clone() for m in models])
+    return history
+
+
+def _sparseloco(rank, world, which, resume_at):
+    torch.set_num_threads(1)
+    compressor = onebit.compress.get("chunk_topk", **SPARSE) if which == "chunk_topk" else which
+
+    def build(model):
+        return onebit.DiLoCo(torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=H, outer_lr=1.0,
+                             outer_momentum=0.0, compressor=compressor, error_feedback=True, error_decay=BETA)
+
+    model = _model()
+    opt = build(model)
+    history = []
+    for step in range(1, SPARSE_STEPS + 1):
+        _inner_step(model, opt, rank, step)
+        opt.step()
+        history.append(_flat(model).clone())
+        if step == resume_at:  # each rank its own model and optimizer, into new objects
+            buf = io.BytesIO()
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+            buf.seek(0)
+            saved = torch.load(buf, weights_only=True)
+            model = _model()
+            opt = build(model)
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["opt"])
+    return history, opt.stats["bytes_sent_total"]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("which", ["chunk_topk", "sign"])
+def test_sparseloco_matches_its_algorithm_written_plainly(world, which):
+    oracle = _sparseloco_oracle(world, which)
+    plain = run_ranks(_sparseloco, world, which, None)
+    resumed = run_ranks(_sparseloco, world, which, 2 * H + 1)  # saved with an error carried, mid-interval
+    for rank, ((history, sent), (again, _)) in enumerate(zip(plain, resumed)):
+        for step, (ours, expected) in enumerate(zip(history, oracle), start=1):
+            assert torch.allclose(ours, expected[rank], rtol=1e-5, atol=1e-6), (which, rank, step)
+        assert all(torch.equal(a, b) for a, b in zip(history, again))  # the resume changes no bit
+        assert sent > 0
+    # the decay matters: without it (beta = 1) the same run ends elsewhere
+    assert not torch.allclose(plain[0][0][-1], _sparseloco_oracle(world, which, beta=1.0)[-1][0])
+
+
 # Streaming DiLoCo: two fragments, each synchronised every SH steps, staggered by SH / 2, each
 # exchange sent TAU steps before it lands; on arrival x <- ALPHA x + (1 - ALPHA) anchor.
 SH, TAU, ALPHA = 6, 2, 0.5
@@ -310,13 +395,14 @@ def test_fragments_given_as_parameters_match_the_algorithm_written_plainly(world
             assert torch.equal(anchored, results[0][1][step - 1])
 
 
-def _streamed_resumed(rank, world, fragments=None):
+def _streamed_resumed(rank, world, fragments=None, recipe=None):
     torch.set_num_threads(1)
 
     def build():
         model = _model()
         return model, onebit.DiLoCo(torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=SH,
-                                    fragments=_given(model, fragments), delay=TAU, error_feedback=True)
+                                    fragments=_given(model, fragments), delay=TAU, error_feedback=True,
+                                    **(recipe or {}))
 
     model, opt = build()
     for step in range(1, S_STEPS + 1):
@@ -341,9 +427,13 @@ def _streamed_resumed(rank, world, fragments=None):
     return straight, _flat(model), skipped, saved["opt"]["onebit"]["arrivals"][0]["lands_at"]
 
 
-@pytest.mark.parametrize("fragments", [None, GIVEN])
-def test_streamed_skips_alone_and_resumes_inside_a_flight_bit_for_bit(fragments):
-    for rank, (straight, resumed, skipped, lands_at) in enumerate(run_ranks(_streamed_resumed, 2, fragments)):
+@pytest.mark.parametrize("fragments,recipe", [
+    (None, None), (GIVEN, None),
+    # SparseLoCo's: the decayed accumulator, chunk-wise Top-k, averaging
+    (None, {"compressor": onebit.compress.get("chunk_topk", **SPARSE), "error_decay": BETA, "outer_lr": 1.0,
+            "outer_momentum": 0.0})])
+def test_streamed_skips_alone_and_resumes_inside_a_flight_bit_for_bit(fragments, recipe):
+    for rank, (straight, resumed, skipped, lands_at) in enumerate(run_ranks(_streamed_resumed, 2, fragments, recipe)):
         assert skipped == (rank == 0)
         assert lands_at == 9  # sent at step 7, saved in flight
         assert torch.equal(straight, resumed)
@@ -461,6 +551,10 @@ def test_a_checkpoint_loads_only_into_the_same_streaming_schedule():
     ({"outer_momentum": 1.0}, ValueError, "Invalid outer_momentum value: 1.0"),
     ({"compressor": "int8"}, ValueError, "Invalid compressor value: 'int8' \\(expected one of block_sign, "),
     ({"error_feedback": 1}, TypeError, "Invalid error_feedback value: 1"),
+    ({"error_decay": 0.95}, ValueError, "Invalid error_decay value: 0.95 \\(expected a number in \\(0, 1\\], and 1 "
+                                        "without error_feedback=True"),
+    ({"error_feedback": True, "error_decay": 1.5}, ValueError, "Invalid error_decay value: 1.5"),
+    ({"error_feedback": True, "error_decay": 0}, ValueError, "Invalid error_decay value: 0"),
     ({"collective": "ring"}, ValueError, "Invalid collective value: 'ring' \\(expected 'allgather' or 'allreduce'\\)"),
     ({"overlap": True}, TypeError, "unexpected keyword argument 'overlap'"),
     ({"outer": lambda a: torch.optim.SGD(a, lr=1.0), "outer_lr": 0.5}, TypeError, "given outer= and also outer_lr="),

@@ -80,6 +80,9 @@ _IDENTITY = Variant({"compressor": "identity"}, control=True)
 # 0.5 MB buckets: every task's model is split into several, each compressed on its own
 _OVERLAP = Variant({"overlap": True, "bucket_cap_mb": 0.5}, extended=True)
 _FEDAVG = {"outer_lr": 1.0, "outer_momentum": 0.0}  # DiLoCo's outer step as periodic averaging
+# SparseLoCo (arXiv 2508.15706): plain averaged descent (alpha = 1, no outer momentum), each rank's
+# compression error carried with the decay beta = 0.95 in its place
+_SPARSELOCO = {**_FEDAVG, "error_feedback": True, "error_decay": 0.95}
 _COMPRESSOR_OPTION = {"compressor": "compressor"}  # what it sends (identity: the exact-exchange control)
 _ADAM_OPTIONS = {"bias_correction": "bias_correction", **_COMPRESSOR_OPTION}
 _COMP_AMS_OPTIONS = {"bias_correction": "bias_correction", "topk_ratio": "ratio"}
@@ -134,7 +137,11 @@ BENCHMARKED: dict[str, Benchmarked] = {
                                     "fedavg_identity": Variant({**_FEDAVG, "compressor": "identity"}, control=True,
                                                                extended=True),
                                     "fedavg_ef": Variant({**_FEDAVG, "error_feedback": True}, extended=True),
-                                    "fedavg_no_ef": Variant({**_FEDAVG, "error_feedback": False}, extended=True)},
+                                    "fedavg_no_ef": Variant({**_FEDAVG, "error_feedback": False}, extended=True),
+                                    "sparseloco": Variant({**_SPARSELOCO, "compressor": "chunk_topk"}, extended=True),
+                                    "sparseloco_sign": Variant({**_SPARSELOCO, "compressor": "sign"}, extended=True),
+                                    "sparseloco_allreduce": Variant({**_SPARSELOCO, "compressor": "chunk_topk",
+                                                                     "collective": "allreduce"}, extended=True)},
                           costs={"diloco": Cost("allgather_sign", "all-gather of signs+scales", exact="sync"),
                                  "diloco_allreduce": Cost("onebit", _ONEBIT, exact="sync"),
                                  "diloco_fp32": Cost("allreduce_fp32", "ring all-reduce fp32", kernels=0.0,

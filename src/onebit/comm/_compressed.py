@@ -164,6 +164,12 @@ class _Sized:
         """Forget all error-feedback state (errors restart at zero)."""
         self.worker_error.reset()
 
+    def decay_error(self, factor: float) -> None:
+        """``e <- factor * e``: this rank's error before its next input is added (SparseLoCo's
+        decayed accumulator ``e <- beta e + x``, arXiv 2508.15706 Algorithm 1)."""
+        if self.worker_error.error is not None:
+            self.worker_error.error.mul_(factor)
+
     def _load_base_state(self, state: Mapping[str, Any]) -> bool:
         """Restore the common part; False (errors left as zeros, warning logged) on another world size."""
         self.compressor.load_state_dict(state["compressor"])

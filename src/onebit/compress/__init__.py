@@ -10,6 +10,7 @@ from typing import Any
 
 from ._base import Compressor, Payload
 from ._block_sign import BlockSignCompressor
+from ._chunk_topk import ChunkTopKCompressor
 from ._identity import IdentityCompressor
 from ._sign import SignCompressor
 from ._stochastic import StochasticSignCompressor
@@ -18,6 +19,7 @@ from ._uniform import UniformCompressor
 
 __all__ = [
     "BlockSignCompressor",
+    "ChunkTopKCompressor",
     "Compressor",
     "IdentityCompressor",
     "Payload",
@@ -38,6 +40,7 @@ _REGISTRY: dict[str, type[Compressor]] = {
         TopKCompressor,
         StochasticSignCompressor,
         UniformCompressor,
+        ChunkTopKCompressor,
     )
 }
 
@@ -52,7 +55,7 @@ def get(name: str | Compressor, **kwargs: Any) -> Compressor:
 
     Args:
         name: ``"identity"``, ``"sign"``, ``"block_sign"``, ``"topk"``, ``"stochastic_sign"``,
-            ``"uniform"``, or a :class:`Compressor` (returned as it is).
+            ``"uniform"``, ``"chunk_topk"``, or a :class:`Compressor` (returned as it is).
         **kwargs: passed to the compressor's constructor (e.g. ``ratio=`` for ``"topk"``).
 
     Examples:

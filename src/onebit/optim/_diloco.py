@@ -38,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from .. import comm, compress
-from .._checks import check_bool, check_nonneg, check_positive_int, check_scales
+from .._checks import check_bool, check_nonneg, check_positive, check_positive_int, check_scales
 from ._agreement import parameter_sums, require_own_parameters, require_replicas, start_agreement
 from ._ddp import attach_ddp, check_ddp
 from ._flat import FlatState
@@ -101,7 +101,8 @@ class DiLoCo(Optimizer):
         outer_momentum: its momentum (0.9 in the paper).
         nesterov: its Nesterov momentum (the paper's; without momentum, none).
         compressor: ``"sign"`` (default: 1 bit per value and a scale per tensor piece),
-            ``"identity"`` (the exact fp32 mean, DiLoCo as published), another name of
+            ``"identity"`` (the exact fp32 mean, DiLoCo as published), ``"chunk_topk"``
+            (SparseLoCo's: 64 of every 4096 values of each tensor at 2 bits), another name of
             :func:`onebit.compress.available` or a :class:`onebit.compress.Compressor` (e.g.
             ``onebit.compress.get("uniform", bits=8)``, 8-bit pseudo-gradients).
         collective: how the compressed outer gradients are averaged. ``"allgather"`` (default):
@@ -131,6 +132,13 @@ class DiLoCo(Optimizer):
             held, and the outer momentum accelerates it again; it cost quality in the settings
             measured, except periodic averaging through the all-reduce at H = 16 (where it
             helped) and 64 (about even): the DiLoCo page of the docs.
+        error_decay: with ``error_feedback``, each rank's error is multiplied by it before the
+            next outer gradient is added (default 1: kept whole). SparseLoCo (arXiv 2508.15706)
+            makes this decayed accumulator ``e <- beta e + delta`` its outer momentum: each
+            rank sends ``C(e)`` and keeps ``e - C(e)``, and the anchor moves by the plain
+            average of what was sent -- ``compressor="chunk_topk", error_feedback=True,
+            error_decay=0.95, outer_lr=1.0, outer_momentum=0.0`` (see the DiLoCo page of the
+            docs for what it measured).
         scales: ``"tensor"`` (one scale per tensor piece, of each chunk with the all-reduce) or
             ``"chunk"`` (one per chunk with the all-reduce, per contiguous piece of a fragment with
             the all-gather).
@@ -169,6 +177,7 @@ class DiLoCo(Optimizer):
         compressor: str | compress.Compressor = "sign",
         collective: str = "allgather",
         error_feedback: bool = False,
+        error_decay: float = 1.0,
         scales: str = "tensor",
         group: comm.Group = None,
         **options: Unpack[CommonOptions],
@@ -193,6 +202,10 @@ class DiLoCo(Optimizer):
             raise ValueError(f"Invalid collective value: {collective!r} (expected 'allgather' or 'allreduce')")
         self.collective = collective
         self.error_feedback = check_bool("error_feedback", error_feedback)
+        self.error_decay = check_positive("error_decay", error_decay)
+        if self.error_decay > 1 or (self.error_decay != 1 and not self.error_feedback):
+            raise ValueError(f"Invalid error_decay value: {error_decay!r} (expected a number in (0, 1], and 1 "
+                             "without error_feedback=True: it decays the errors carried)")
         scales = check_scales(scales)  # (before anything is built: a bad value is the caller's)
         make_outer = outer_factory(outer, outer_lr, outer_momentum, nesterov)
         options = common_options(options, type(self).__name__)
@@ -225,7 +238,8 @@ class DiLoCo(Optimizer):
         self._anchors = anchors
         self._fragment_of = given or by_size(self.flat.offsets, self.fragments)
         self._fragments = build_fragments(self.flat, self._fragment_of, compressor, collective=collective,
-                                          error_feedback=self.error_feedback, scales=scales, delay=delay,
+                                          error_feedback=self.error_feedback, error_decay=self.error_decay,
+                                          scales=scales, delay=delay,
                                           group=self.process_group, timeout=self.timeout)
         self._step_count = self._skipped = self._bytes_last = self._bytes_total = 0
         self._last_stage: str | None = None

@@ -128,11 +128,12 @@ class Fragment:
     synchronisation in flight: ``flight``, and ``sent``, which of its parameters had a gradient
     on some rank since its last synchronisation when it was sent (both None: nothing in flight)."""
 
-    __slots__ = ("index", "runs", "members", "collectives", "group", "timeout", "sent", "flight")
+    __slots__ = ("index", "runs", "members", "collectives", "error_decay", "group", "timeout", "sent", "flight")
 
     def __init__(self, index: int, runs: list[tuple[int, int, int, list[int]]], collectives: list[Any],
-                 group: comm.Group, timeout: timedelta) -> None:
+                 group: comm.Group, timeout: timedelta, error_decay: float = 1.0) -> None:
         self.index, self.runs, self.collectives, self.group, self.timeout = index, runs, collectives, group, timeout
+        self.error_decay = error_decay
         self.members = [i for *_, m in runs for i in m]
         self.sent: list[bool] | None = None
         self.flight: Flight | None = None
@@ -156,8 +157,12 @@ class Fragment:
             for i in members:
                 first, last = offsets[i]
                 torch.sub(anchor[first:last], params[i].detach().reshape(-1), out=land[first - lo:last - lo])
-            stages = comm.all_reduce_mean_stages(land, self.group, self.timeout) if collective is None \
-                else collective.stages(land, out=land)
+            if collective is None:
+                stages = comm.all_reduce_mean_stages(land, self.group, self.timeout)
+            else:
+                if self.error_decay != 1:  # SparseLoCo: e <- beta e + delta, sent C(e), e <- e - C(e)
+                    collective.decay_error(self.error_decay)
+                stages = collective.stages(land, out=land)
             next(stages)
             exchanges.append(stages)
         if not in_flight:
@@ -270,13 +275,15 @@ def by_size(offsets: Sequence[tuple[int, int]], fragments: int) -> list[int]:
 
 
 def build_fragments(flat: FlatState, owner: Sequence[int], compressor: Any, *, collective: str, error_feedback: bool,
-                    scales: str, delay: int, group: comm.Group, timeout: timedelta) -> list[Fragment]:
+                    error_decay: float = 1.0, scales: str, delay: int, group: comm.Group,
+                    timeout: timedelta) -> list[Fragment]:
     """The fragments of parameters ``owner[i]`` (each parameter's fragment), each with the
     compressed collective of each of its runs of consecutive parameters (None where
     ``compressor`` is the identity: the exact mean): every rank's all-gathered
     (``collective="allgather"``), or 1-bit Adam's compressed all-reduce; ``scales="tensor"``: a
-    compressor with per-block scales gives every parameter's piece its own. Over ``group``, or
-    with a ``delay`` over a duplicate of it."""
+    compressor with per-block scales gives every parameter's piece its own; ``error_decay``:
+    each rank's error is multiplied by it before each send. Over ``group``, or with a ``delay``
+    over a duplicate of it."""
     # An exchange in flight across inner steps is completed on a thread (the flight's), over a
     # group of its own: when each rank issues its collectives there differs, their order does not.
     if delay and comm.get_world_size(group) > 1 and not comm.concurrent(group):
@@ -304,7 +311,7 @@ def build_fragments(flat: FlatState, owner: Sequence[int], compressor: Any, *, c
         if c is not None:
             c.warm_up(flat.device)  # kernels loaded now, not at the first synchronisation
         collectives[f].append(c)
-    return [Fragment(f, pieces[f], collectives[f], group, timeout) for f in pieces]
+    return [Fragment(f, pieces[f], collectives[f], group, timeout, error_decay) for f in pieces]
 
 
 def fragments_state(fragments: Sequence[Fragment]) -> dict[str, Any]:
