@@ -152,21 +152,17 @@ def _adam():
     return step
 
 
-def _adam_outer(rank, world, resume_at):
-    torch.set_num_threads(1)
-
-    def build(model):
-        return onebit.DiLoCo(torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=H, compressor="identity",
-                             outer=lambda anchors: torch.optim.Adam(anchors, **OUTER_ADAM))
-
+def _train(rank, build, steps, resume_at):
+    """Each step's parameters of ``build(model)``'s run, and its optimizer; after step
+    ``resume_at`` each rank's model and optimizer go through torch.save into new ones."""
     model = _model()
     opt = build(model)
     history = []
-    for step in range(1, STEPS + 1):
+    for step in range(1, steps + 1):
         _inner_step(model, opt, rank, step)
         opt.step()
         history.append(_flat(model).clone())
-        if step == resume_at:  # into new objects, through torch.save
+        if step == resume_at:
             buf = io.BytesIO()
             torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
             buf.seek(0)
@@ -175,6 +171,17 @@ def _adam_outer(rank, world, resume_at):
             opt = build(model)  # (it broadcasts rank 0's parameters: each rank's own are loaded after)
             model.load_state_dict(saved["model"])
             opt.load_state_dict(saved["opt"])
+    return history, opt
+
+
+def _adam_outer(rank, world, resume_at):
+    torch.set_num_threads(1)
+
+    def build(model):
+        return onebit.DiLoCo(torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=H, compressor="identity",
+                             outer=lambda anchors: torch.optim.Adam(anchors, **OUTER_ADAM))
+
+    history, opt = _train(rank, build, STEPS, resume_at)
     return history, type(opt.outer).__name__, sorted(opt.outer.state_dict()["state"])
 
 
@@ -241,22 +248,7 @@ def _sparseloco(rank, world, which, resume_at):
         return onebit.DiLoCo(torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=H, outer_lr=1.0,
                              outer_momentum=0.0, compressor=compressor, error_feedback=True, error_decay=BETA)
 
-    model = _model()
-    opt = build(model)
-    history = []
-    for step in range(1, SPARSE_STEPS + 1):
-        _inner_step(model, opt, rank, step)
-        opt.step()
-        history.append(_flat(model).clone())
-        if step == resume_at:  # each rank its own model and optimizer, into new objects
-            buf = io.BytesIO()
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
-            buf.seek(0)
-            saved = torch.load(buf, weights_only=True)
-            model = _model()
-            opt = build(model)
-            model.load_state_dict(saved["model"])
-            opt.load_state_dict(saved["opt"])
+    history, opt = _train(rank, build, SPARSE_STEPS, resume_at)
     return history, opt.stats["bytes_sent_total"]
 
 

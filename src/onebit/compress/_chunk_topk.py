@@ -79,10 +79,12 @@ class ChunkTopKCompressor(Compressor):
         block_sizes: the blocks' lengths (``None``: the input is one block).
 
     Examples:
-        >>> c = onebit.compress.ChunkTopKCompressor(k=2, chunk=4, bits=8)  # 2 of every 4, 256 bins
-        >>> c.decompress(c.compress(torch.tensor([0.1, -3.0, 0.2, 2.0, 4.0, 0.0, -0.1, -5.0])))
+        >>> c = onebit.compress.ChunkTopKCompressor(k=2, chunk=4, bits=8)
+        >>> x = torch.tensor([0.1, -3.0, 0.2, 2.0, 4.0, 0.0, -0.1, -5.0])
+        >>> c.decompress(c.compress(x))  # 2 of every 4, in 256 bins
         tensor([ 0., -3.,  0.,  2.,  4.,  0.,  0., -5.])
-        >>> round(4 * 2**20 / onebit.compress.get("chunk_topk").wire_bytes(2**20))  # the defaults against fp32
+        >>> n = 2**20  # the defaults' bytes against fp32's
+        >>> round(4 * n / onebit.compress.get("chunk_topk").wire_bytes(n))
         146
     """
 
