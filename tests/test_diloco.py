@@ -38,6 +38,14 @@ def _flat(model):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
+def _take_anchor(models, anchor):
+    """Every worker's parameters <- the flat ``anchor`` (Algorithm 1: all continue from it)."""
+    with torch.no_grad():
+        for m in models:
+            for p, value in zip(m.parameters(), anchor.split([p.numel() for p in m.parameters()])):
+                p.copy_(value.view_as(p))
+
+
 def _simulated(collective, world, numel, segments):
     cls = SimulatedCompressedAllGather if collective == "allgather" else SimulatedCompressedAllReduce
     return cls(world, numel, segments=segments)
@@ -92,10 +100,7 @@ def _oracle(world, compressor, collective, error_feedback, outer=_nesterov):
         if step % H == 0:
             delta = _average([anchor - _flat(m) for m in models], exchange, compressor, error_feedback)
             anchor = outer_step(anchor, delta)
-            for m in models:
-                with torch.no_grad():
-                    for p, value in zip(m.parameters(), anchor.split([p.numel() for p in m.parameters()])):
-                        p.copy_(value.view_as(p))
+            _take_anchor(models, anchor)
         history.append([_flat(m).clone() for m in models])
     return history
 
@@ -232,10 +237,7 @@ def _sparseloco_oracle(world, which, beta=BETA):
                 sent.append(torch.cat([compress(part) for part in errors[rank].split(sizes)]))
                 errors[rank] = errors[rank] - sent[rank]
             anchor = anchor - 1.0 * (sum(sent) / world)
-            for m in models:
-                with torch.no_grad():
-                    for p, value in zip(m.parameters(), anchor.split(sizes)):
-                        p.copy_(value.view_as(p))
+            _take_anchor(models, anchor)
         history.append([_flat(m).clone() for m in models])
     return history
 
