@@ -80,3 +80,13 @@ def test_a_checkpoint_of_version_0_1_resumes_to_the_same_bits(fixture, name):
     for i, (got, want) in enumerate(zip(net.parameters(), saved["final"])):
         diff = float((got.detach() - want).abs().max())
         assert diff <= 1e-6, f"{name}: parameter {i} differs after resuming by {diff:.3g}"
+
+
+def test_a_diloco_checkpoint_of_version_0_1_keeps_its_outer_momentum():
+    # an outer optimizer without momentum would drop it: refused
+    saved = torch.load(FIXTURES / "diloco-0.1.pt", weights_only=True)["DiLoCo"]
+    net = model()
+    opt = onebit.DiLoCo(net.parameters(), lr=1e-2, sync_every=2, outer_lr=1.0, outer_momentum=0.0)
+    with pytest.raises(ValueError, match="holds an outer momentum; this optimizer's outer optimizer has none "
+                                         "\\(outer_momentum=0.0\\): build it with the outer_momentum it was saved"):
+        opt.load_state_dict(saved["optimizer"])

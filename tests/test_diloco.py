@@ -520,6 +520,14 @@ def test_a_checkpoint_loads_only_into_the_same_streaming_schedule():
     other.load_state_dict(state)
     exact = onebit.DiLoCo(torch.optim.AdamW(model.parameters()), sync_every=4, compressor="identity")
     exact.load_state_dict(state)  # the exact exchange holds no error state: either loads
+    # nor with other error feedback (errors carried, or decayed, mean another algorithm)
+    state = onebit.DiLoCo(torch.optim.AdamW(model.parameters()), sync_every=4, error_feedback=True,
+                          error_decay=0.95).state_dict()
+    for other in ({}, {"error_feedback": True}):
+        with pytest.raises(ValueError, match="saved with error_feedback=True, error_decay=0.95; this optimizer has "):
+            onebit.DiLoCo(torch.optim.AdamW(model.parameters()), sync_every=4, **other).load_state_dict(state)
+    del state["onebit"]["error_feedback"]  # a checkpoint from before the record: whatever it is built with
+    onebit.DiLoCo(torch.optim.AdamW(model.parameters()), sync_every=4).load_state_dict(state)
     # fragments given as parameters: only into the same ones, however they were given
     def built(fragments):
         return onebit.DiLoCo(torch.optim.AdamW(model.parameters()), sync_every=4, fragments=fragments, delay=1)

@@ -129,9 +129,8 @@ class DiLoCo(Optimizer):
         error_feedback: carry the compression errors (each rank's, and with the all-reduce the
             chunk owners') from one synchronisation to the next (default False: they restart at
             zero after each). The inner steps between have already moved on from what an error
-            held, and the outer momentum accelerates it again; it cost quality in the settings
-            measured, except periodic averaging through the all-reduce at H = 16 (where it
-            helped) and 64 (about even): the DiLoCo page of the docs.
+            held, and the outer momentum accelerates it again: it cost quality in most settings
+            measured (the DiLoCo page of the docs).
         error_decay: with ``error_feedback``, each rank's error is multiplied by it before the
             next outer gradient is added (default 1: kept whole). SparseLoCo (arXiv 2508.15706)
             makes this decayed accumulator ``e <- beta e + delta`` its outer momentum: each
@@ -420,16 +419,17 @@ class DiLoCo(Optimizer):
             **({} if self.synchronised else {"own_parameters": parameter_sums(self.flat.params)}),
             "inner": self.inner.state_dict(), "outer": self.outer.state_dict(), "touched": list(self._touched),
             "streaming": [self.fragments, self.delay], "fragment_of": self._fragment_of, "collective": self.collective,
+            "error_feedback": [self.error_feedback, self.error_decay],
             **fragments_state(self._fragments),
         }
         return sd
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` (also those of onebit 0.x, whose outer momentum was a flat
-        buffer); a state saved by another rank or on another world size restarts the
-        collectives' errors (with a warning)."""
+        """Restore :meth:`state_dict` (also onebit 0.x's, whose outer momentum was a flat buffer);
+        a state saved by another rank or on another world size restarts the errors (with a warning)."""
         extra = check_state(state_dict, self.flat, fragments=self.fragments, delay=self.delay,
-                            fragment_of=self._fragment_of, collective=self.collective, exact=self._fragments[0].exact)
+                            fragment_of=self._fragment_of, collective=self.collective, exact=self._fragments[0].exact,
+                            error_feedback=[self.error_feedback, self.error_decay])
         self.wait()  # an exchange still in flight writes into the collectives' errors: done first
         self.flat.buffers["anchor"].copy_(extra["flat"]["anchor"])
         self.inner.load_state_dict(extra["inner"])

@@ -80,7 +80,11 @@ def load_flat_momentum(outer: Optimizer, anchors: list[Tensor], momentum: list[T
     the state of ``torch.optim.SGD``, the outer optimizer it computed."""
     if type(outer) is not torch.optim.SGD:
         raise ValueError(f"a DiLoCo state_dict of onebit 0.x holds the outer momentum of Nesterov SGD; this "
-                         f"optimizer's outer optimizer is a {type(outer).__name__}: build it with the default outer")
+                         f"optimizer's outer optimizer is a {type(outer).__name__}: build it without outer=")
     if outer.defaults["momentum"]:
         for anchor, m in zip(anchors, momentum):
             outer.state[anchor]["momentum_buffer"] = m.to(anchor).clone()
+    elif any(m.any() for m in momentum):  # dropping it would change the run silently
+        raise ValueError("a DiLoCo state_dict of onebit 0.x holds an outer momentum; this optimizer's outer "
+                         f"optimizer has none (outer_momentum={outer.defaults['momentum']}): build it with the "
+                         "outer_momentum it was saved with")
