@@ -66,7 +66,7 @@ OUTER = {(0.7, 0.9): "paper's", (1.0, 0.0): "averaging"}
 SPARSELOCO = "SparseLoCo's"  # averaging, each rank's error carried with a decay in the place of momentum
 EXACT = ("paper's", "fp32")  # what "vs fp32 DiLoCo" compares with
 COLLECTIVES = {"allgather": "all-gather", "allreduce": "all-reduce"}
-CODES = {"sign": "1-bit", "chunk_topk": "Top-k 2-bit"}
+CODES = {"sign": "1-bit", "chunk_topk": "Top-k 2-bit", "block_sign": "Block-Sign"}
 
 
 def setting(run: dict, date: str) -> tuple[str, str] | None:
