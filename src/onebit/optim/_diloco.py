@@ -429,7 +429,7 @@ class DiLoCo(Optimizer):
         a state saved by another rank or on another world size restarts the errors (with a warning)."""
         extra = check_state(state_dict, self.flat, fragments=self.fragments, delay=self.delay,
                             fragment_of=self._fragment_of, collective=self.collective, exact=self._fragments[0].exact,
-                            error_feedback=[self.error_feedback, self.error_decay])
+                            error_feedback=self.error_feedback, error_decay=self.error_decay)
         self.wait()  # an exchange still in flight writes into the collectives' errors: done first
         self.flat.buffers["anchor"].copy_(extra["flat"]["anchor"])
         self.inner.load_state_dict(extra["inner"])

@@ -367,11 +367,11 @@ def load_fragments(fragments: Sequence[Fragment], state: Mapping[str, Any], own_
 
 
 def check_state(state_dict: Any, flat: FlatState, *, fragments: int, delay: int, fragment_of: list[int],
-                collective: str, exact: bool, error_feedback: list[Any]) -> Mapping[str, Any]:
+                collective: str, exact: bool, error_feedback: bool, error_decay: float) -> Mapping[str, Any]:
     """The ``"onebit"`` entry of a DiLoCo ``state_dict``, refused (``ValueError``, before anything
     is loaded) where incomplete, or saved with another schedule, other fragments, another
-    collective or other ``[error_feedback, error_decay]`` than these (``exact``: the exact
-    exchange, which keeps no error, loads either's)."""
+    collective or other error feedback than these (``exact``: the exact exchange, which keeps
+    no error, loads either's)."""
     if not isinstance(state_dict, Mapping) or "onebit" not in state_dict:
         raise ValueError("not a DiLoCo state_dict: missing the 'onebit' entry (keys: "
                          f"{sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__})")
@@ -395,11 +395,11 @@ def check_state(state_dict: Any, flat: FlatState, *, fragments: int, delay: int,
         raise ValueError(f"DiLoCo state_dict saved with collective={saved!r}; this optimizer has "
                          f"collective={collective!r} (their error state differs): build it with the saved one")
     # checkpoints from before the record: whatever they were built with
-    saved = list(extra.get("error_feedback", error_feedback))
-    if saved != error_feedback and not exact:
+    saved = list(extra.get("error_feedback", [error_feedback, error_decay]))
+    if saved != [error_feedback, error_decay] and not exact:
         raise ValueError(f"DiLoCo state_dict saved with error_feedback={saved[0]}, error_decay={saved[1]}; this "
-                         f"optimizer has error_feedback={error_feedback[0]}, error_decay={error_feedback[1]} (the "
-                         "errors it carries mean another algorithm): build it with the saved ones")
+                         f"optimizer has error_feedback={error_feedback}, error_decay={error_decay} (the errors it "
+                         "carries mean another algorithm): build it with the saved ones")
     buffers = extra["flat"]
     expected = ["anchor"] if "outer" in extra else ["anchor", "outer_momentum"]  # onebit 0.x: a flat momentum
     if sorted(buffers) != expected:
