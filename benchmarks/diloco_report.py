@@ -200,8 +200,10 @@ def _curve_setting(name: str, summary: dict) -> str:
     if name == "onebit_adam":
         asked, took = config["freeze_step"], summary["freeze_step"]
         asked = "auto" if asked is None else asked  # None: the optimizer's own, "auto"
-        if config.get("refresh_every") is None and "refresh" in summary.get("step_time_s", ()):  # the default's
-            extra = ", variance refreshed" + extra
+        if "refresh" in summary.get("step_time_s", ()):  # what the refreshes sent: fp32 before refresh_dtype
+            sends = config.get("refresh_dtype", "fp32") or "bf16"
+            extra = (f", variance refreshed in {sends}" + extra if config.get("refresh_every") is None
+                     else f"{extra} in {sends}")
         return (f"freeze_step={asked}: " + ("never froze" if took is None else f"compressed from step {took + 1}")
                 + extra)
     return (_setting(name, config) or "every step, fp32") + extra

@@ -48,7 +48,8 @@ FLOOR = "local_adam"
 _WORK = ("task", "d_model", "layers", "heads", "context", "hidden", "batch_size", "world_size", "bucket_cap_mb",
          "hierarchical", "fragments", "delay", "collective", "compressor")
 # options a run with the defaults leaves unset (1-bit Adam's and LAMB's default freeze is "auto")
-_OPTIONS = ("sync_every", "fragments", "delay", "collective", "compressor", "local_step_scaler", "refresh_every")
+_OPTIONS = ("sync_every", "fragments", "delay", "collective", "compressor", "local_step_scaler", "refresh_every",
+            "refresh_dtype")
 
 
 def _defaults(name: str, summary: dict) -> None:
@@ -93,8 +94,10 @@ def _curve(name: str, config: dict) -> tuple:
 
 
 def _timing(link: float, name: str, config: dict) -> tuple:
-    """The key of the cluster run at ``link`` whose steps do the work of ``name``'s with ``config``."""
-    return link, name, tuple(config.get(k) for k in _WORK)
+    """The key of the cluster run at ``link`` whose steps do the work of ``name``'s with ``config``
+    (1-bit Adam's: and what its refreshes send, fp32 in the runs from before ``refresh_dtype``)."""
+    sends = (config.get("refresh_dtype", "fp32") or "bf16",) if name == "onebit_adam" else ()
+    return link, name, tuple(config.get(k) for k in _WORK) + sends
 
 
 def _ratio_text(ratios: dict[int, float | None], minutes: list[float]) -> str:

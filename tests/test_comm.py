@@ -169,6 +169,34 @@ def test_stages_interleave_and_carry_the_nonfinite_flag_world_3():
         assert r["unflagged"] is None
 
 
+def _half_mean_worker(rank, world, dtype):
+    x = _inputs(world, 1_001, 3)[rank]
+    with comm.measure() as m:
+        got = comm.run_stages(comm.all_reduce_mean_stages(x.clone(), None, None, dtype=dtype))
+    return _digest(got), got, m.bytes_sent
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_all_reduce_mean_summed_in_bf16(world):
+    """``dtype=torch.bfloat16``: each rank's x / world rounded to bf16 and summed in it, half the
+    bytes of fp32's ring, the same bits on every rank; on 2 ranks the plain sum of the two
+    rounded values rounded once; on one rank the input itself, nothing rounded."""
+    xs = _inputs(world, 1_001, 3)
+    exact = sum(xs) / world
+    if world == 1:
+        _, got, sent = _half_mean_worker(0, 1, torch.bfloat16)
+        assert torch.equal(got, exact) and sent == 0
+        return
+    res = run_ranks(_half_mean_worker, world, torch.bfloat16)
+    assert all(r[0] == res[0][0] for r in res)
+    got = res[0][1]
+    assert got.dtype == torch.float32 and not torch.equal(got, exact)
+    assert (got - exact).abs().max() <= 2**-7 * max(x.abs().max() for x in xs)  # bf16's rounding, a few times
+    if world == 2:
+        assert torch.equal(got, ((xs[0] / 2).bfloat16() + (xs[1] / 2).bfloat16()).float())
+    assert res[0][2] == 2 * (world - 1) * 2 * 1_001 // world
+
+
 def _pipelined_worker(rank, world):
     sizes = (10_001, 64, 3_000)
     plain = [comm.CompressedAllReduce("sign") for _ in sizes]

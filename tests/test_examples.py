@@ -83,11 +83,12 @@ def test_diloco_torchrun_streamed():
 
 
 def test_switching_pages_plain_script_exits_cleanly(tmp_path):
-    # The page's script as a user copies it: 1-bit Adam with its defaults, compressed from step 102
-    # on, then destroy_process_group() with the optimizer still referenced. A gloo worker that
-    # released its last collective during interpreter finalization aborted the process ("terminate
-    # called without an active exception") in most runs on a loaded 2-core machine (an idle one may
-    # pass without the fix: the race needs the worker to be slow to release).
+    # The page's script as a user copies it: 1-bit Adam with its defaults, compressed from step 101
+    # on (its last step, 300, a refresh), then destroy_process_group() with the optimizer still
+    # referenced. A gloo worker that released its last collective during interpreter finalization
+    # aborted the process ("terminate called without an active exception") in most runs on a loaded
+    # 2-core machine (an idle one may pass without the fix: the race needs the worker to be slow to
+    # release).
     page = (EXAMPLES.parent / "docs" / "switching.md").read_text()
     section = page.split("\n## A plain script under torchrun\n")[1].split("\n## ")[0]
     blocks = section.split("```python\n")[1:]
@@ -99,7 +100,8 @@ def test_switching_pages_plain_script_exits_cleanly(tmp_path):
     for _ in range(3):
         proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-        assert "'stage': 'compressed'" in proc.stdout and "'skipped_steps': 0" in proc.stdout
+        assert "'stage': 'refresh'" in proc.stdout and "'freeze_step': 100" in proc.stdout
+        assert "'skipped_steps': 0" in proc.stdout
 
 
 def _agent(port, tmp_path, name, *args):

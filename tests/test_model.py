@@ -1,5 +1,6 @@
 """The alpha-beta cost model against hand-computed volumes and the 1-bit Adam paper's volume formula."""
 
+import dataclasses
 import statistics
 
 import pytest
@@ -43,9 +44,12 @@ def test_speedups_and_end_to_end_formula():
     assert rows["adam"].stage_speedup == 1.0
     s = rows["onebit_adam"].stage_speedup
     assert s > 5
-    # every 8th step after the warm-up an fp32 refresh (1-bit Adam's default); 1-bit LAMB has none
-    assert rows["onebit_adam"].warmup_fraction == pytest.approx(0.2 + 0.8 / 8)
-    assert rows["onebit_adam"].end_to_end_speedup == pytest.approx(1 / (0.3 + 0.7 / s))
+    # every 8th step after the warm-up a bf16 refresh (1-bit Adam's default), half an fp32 step's
+    # bytes: counted as half of one; 1-bit LAMB has none
+    assert rows["onebit_adam"].warmup_fraction == pytest.approx(0.2 + 0.8 / 8 / 2)
+    assert rows["onebit_adam"].end_to_end_speedup == pytest.approx(1 / (0.25 + 0.75 / s))
+    fp16 = _by_name(dataclasses.replace(m, value_bytes=2))["onebit_adam"]  # a bf16 refresh of an fp16 model
+    assert fp16.warmup_fraction == pytest.approx(0.2 + 0.8 / 8)
     assert rows["onebit_lamb"].end_to_end_speedup == pytest.approx(1 / (0.2 + 0.8 / rows["onebit_lamb"].stage_speedup))
     never = _by_name(ModelInput(params=8_400_000, world_size=4, nodes=4, bandwidth=2e8, compute=0.2,
                                 warmup_fraction=0.2, refresh_every=None))["onebit_adam"]

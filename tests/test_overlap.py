@@ -150,10 +150,11 @@ def test_one_bucket_gives_the_one_shot_bits_through_both_stages(world):
 
 
 def test_refreshes_overlapped_give_the_one_shot_bits():
-    # every other step after the freeze an fp32 refresh, launched during backward as the warm-up's
+    # every other step after the freeze a refresh (bf16, half the warm-up's bytes), launched during
+    # backward as the warm-up's
     for r in run_ranks(_lockstep, 2, "onebit_adam", 25.0, FREEZE + 5, {"refresh_every": 2}):
         assert all(r["same"]) and r["stage"] == "compressed"
-        assert r["bytes"][FREEZE + 1] == r["bytes"][0] > r["bytes"][FREEZE]  # step FREEZE + 2: a refresh
+        assert r["bytes"][0] > r["bytes"][FREEZE + 1] > r["bytes"][FREEZE]  # step FREEZE + 2: a refresh
         assert all(n == 1 for n in r["in_backward"])
 
 

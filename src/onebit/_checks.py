@@ -10,6 +10,8 @@ import math
 from datetime import timedelta
 from typing import TypedDict
 
+import torch
+
 __all__ = [
     "COMMON_OPTIONS",
     "CommonOptions",
@@ -120,6 +122,17 @@ def check_scales(scales: object) -> str:
     if scales not in ("tensor", "chunk"):
         raise ValueError(f"Invalid scales value: {scales!r} (expected 'tensor' or 'chunk')")
     return scales  # type: ignore[return-value]
+
+
+_WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_wire_dtype(name: str, value: object) -> torch.dtype:
+    """The dtype an all-reduce of fp32 values sums in: ``torch.float32``, ``torch.bfloat16`` or
+    ``torch.float16``; a ``TypeError`` naming the value otherwise."""
+    if not isinstance(value, torch.dtype) or value not in _WIRE_DTYPES:
+        raise TypeError(f"Invalid {name} value: {value!r} (expected torch.float32, torch.bfloat16 or torch.float16)")
+    return value
 
 
 def check_seed(seed: object) -> int:

@@ -135,9 +135,11 @@ def _training_flags(p: argparse.ArgumentParser, steps: int, out: str, bandwidth:
                    help=f"what 1-bit Adam/LAMB, 0/1 Adam, Birder and DiLoCo send: {', '.join(available())} (default: "
                         "their own; identity: the exact exchange, the control that tells the compression's cost from "
                         "the algorithm's)")
+    p.add_argument("--refresh-dtype", choices=("bf16", "fp32"), default=None,
+                   help="1-bit Adam: what its refreshes sum the gradients in (default: its own, bf16)")
     p.add_argument("--refresh-every", type=_refresh, default=None,
                    help="1-bit Adam: refresh the frozen variance every K steps after the freeze, with the gradients' "
-                        "fp32 average, or 'never' (default: its own, every 8)")
+                        "average, or 'never' (default: its own, every 8)")
     p.add_argument("--local-step-scaler", type=_positive_int, default=None,
                    help="0/1 Adam: steps per doubling of the local-step interval (default: a quarter of "
                         "--freeze-step where one is given, else 0/1 Adam's own; larger than --steps: no local "
@@ -326,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the compression kernels' GB/s of fp32 values, instead of --device's")
     model.add_argument("--warmup-fraction", type=float, default=0.15, help="1-bit Adam/LAMB warm-up share")
     model.add_argument("--refresh-every", type=_refresh, default=8,
-                       help="1-bit Adam: an fp32 step every K steps after the warm-up, or 'never' (default 8)")
+                       help="1-bit Adam: a bf16 refresh every K steps after the warm-up, or 'never' (default 8)")
     model.add_argument("--refresh-fraction", type=float, default=0.01,
                        help="0/1 Adam: share of steps that refresh the variance (fp32)")
     model.add_argument("--local-fraction", type=float, default=0.5,

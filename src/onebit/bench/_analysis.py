@@ -60,9 +60,9 @@ def demo_verdict(summaries: dict[str, dict], *, nodes: int | None, world_size: i
     adam, onebit = summaries["adam"], summaries["onebit_adam"]
     adam_step = adam["step_time_s"]["warmup"]
     compressed = onebit["step_time_s"].get("compressed")
-    if compressed is None:  # the automatic freeze needs 100 steps of history, and comes by step 200
-        return [f"1-bit Adam did not leave its fp32 warm-up in {steps} steps: its automatic freeze waits until "
-                "Adam's variance settles (after 101 to 200 steps), so this run was Adam's. Run more --steps, "
+    if compressed is None:  # the automatic freeze comes after a window of the variance's history
+        return [f"1-bit Adam did not leave its fp32 warm-up in {steps} steps: its automatic freeze waits for "
+                "100 steps of Adam's variance, so this run was Adam's. Run more --steps, "
                 "or set --freeze-step N by hand"]
     lines = [
         f"1-bit Adam's compressed step: {compressed * 1e3:.1f} ms vs Adam's {adam_step * 1e3:.1f} ms "
@@ -73,7 +73,8 @@ def demo_verdict(summaries: dict[str, dict], *, nodes: int | None, world_size: i
     ]
     if not nodes:
         compute = max(0.0, adam_step - (adam["comm_time_s"]["warmup"] or 0.0))
-        exact = 1.0 - onebit["steps"]["compressed"] / steps  # the warm-up and the variance refreshes
+        # the warm-up, and the variance refreshes: bf16, half an fp32 step's bytes each
+        exact = (steps - onebit["steps"]["compressed"] - onebit["steps"].get("refresh", 0) / 2) / steps
         lines.append("Loopback moves gigabytes per second between processes of one machine: the fp32 all-reduce "
                      "costs about what the compression costs, so no speed-up shows here. The cost model "
                      f"(`onebit model`) for this model, {world_size} nodes, {compute * 1e3:.1f} ms of compute "

@@ -38,8 +38,9 @@ class Cost:
     ``label``; ``kernels``: the compression arithmetic's share of 1-bit Adam's (compress, the
     server's average, decode); ``exact``: the steps that send fp32 instead (``"warmup"``: the
     warm-up fraction, ``"warmup_refreshed"``: that and every ``refresh_every``-th step after it,
-    1-bit Adam's variance refreshes, ``"refresh"``: 0/1 Adam's refreshes, its local steps sending
-    nothing, ``"sync"``: DiLoCo's synchronisations, its inner steps sending nothing)."""
+    1-bit Adam's variance refreshes (in bf16: counted as half an fp32 step), ``"refresh"``: 0/1
+    Adam's refreshes, its local steps sending nothing, ``"sync"``: DiLoCo's synchronisations, its
+    inner steps sending nothing)."""
 
     collective: str
     label: str
@@ -90,7 +91,8 @@ _COMP_AMS_OPTIONS = {"bias_correction": "bias_correction", "topk_ratio": "ratio"
 BENCHMARKED: dict[str, Benchmarked] = {
     "onebit_adam": Benchmarked("adamw", matrix="onebit_adam", variants={"identity": _IDENTITY, "overlap": _OVERLAP},
                                target=3.0, costs={"onebit_adam": Cost("onebit", _ONEBIT, exact="warmup_refreshed")},
-                               options={**_ADAM_OPTIONS, "refresh_every": "refresh_every"}),
+                               options={**_ADAM_OPTIONS, "refresh_every": "refresh_every",
+                                        "refresh_dtype": "refresh_dtype"}),
     "onebit_adam_naive": Benchmarked("adamw", costs={"onebit_adam_naive": Cost("onebit", _ONEBIT)},
                                      options=_ADAM_OPTIONS),
     "onebit_lamb": Benchmarked("lamb", matrix="onebit_lamb", variants={"identity": _IDENTITY, "overlap": _OVERLAP},

@@ -74,7 +74,8 @@ def _config(args: argparse.Namespace, optimizer: str):
         batch_size=args.batch_size, lr=args.lr, schedule=args.schedule, warmup_steps=args.warmup_steps,
         freeze_step=args.freeze_step,
         seed=args.seed, topk_ratio=min(args.topk_ratio, 1.0), qadam_bits=args.qadam_bits, compressor=args.compressor,
-        local_step_scaler=args.local_step_scaler, refresh_every=args.refresh_every, powersgd_rank=args.powersgd_rank,
+        local_step_scaler=args.local_step_scaler, refresh_every=args.refresh_every, refresh_dtype=args.refresh_dtype,
+        powersgd_rank=args.powersgd_rank,
         hierarchical=args.hierarchical,
         bucket_cap_mb=args.bucket_cap_mb, sync_every=args.sync_every, fragments=args.fragments, delay=args.delay,
         collective=args.collective, context=args.context,
@@ -426,7 +427,8 @@ _MODEL_COLUMNS = (
     "MB/exch: megabytes out of the busiest node in one exchange (DiLoCo: one synchronisation); "
     "MB/step: the same averaged over every step of the run; step ms: a step that exchanges (compute "
     "+ communication + compression); stage: its speedup over adam's step; fp32: the share of "
-    "steps that send fp32 (1-bit Adam and LAMB's warm-up, 1-bit Adam's and 0/1 Adam's refreshes); overall: "
+    "steps that send fp32 (1-bit Adam and LAMB's warm-up, 0/1 Adam's refreshes; 1-bit Adam's bf16 refreshes "
+    "count half); overall: "
     "the speedup over the whole run, counting those and the steps that send nothing (0/1 Adam's local steps, "
     "DiLoCo's inner steps); volume: adam's bytes over this optimizer's, summed over the run and every "
     "link, those inside a node too (birder_hierarchical's fp32 reduce-scatter inside each node).")

@@ -48,7 +48,7 @@ class ModelInput:
     compute: float = 0.0  # seconds of forward + backward + update per step
     kernel_gbps: float = 4.5  # GB/s of the compression kernels (one CPU thread; `onebit model --device`)
     warmup_fraction: float = 0.15  # 1-bit Adam / LAMB steps before the freeze
-    refresh_every: int | None = 8  # 1-bit Adam's fp32 variance refreshes after the freeze (its default; None: none)
+    refresh_every: int | None = 8  # 1-bit Adam's bf16 variance refreshes after the freeze (its default; None: none)
     refresh_fraction: float = 0.01  # 0/1 Adam's variance refreshes (fp32 all-reduce)
     local_fraction: float = 0.5  # 0/1 Adam's local steps (the paper: up to 54% fewer rounds than 1-bit Adam)
     sync_every: int = 500  # DiLoCo's inner steps per synchronisation (H; the paper's and onebit.DiLoCo's default)
@@ -190,7 +190,10 @@ def predict(m: ModelInput) -> list[Prediction]:
     # name (as `onebit train --optimizer`), collective, cost-model kind, kernel time, uncompressed and
     # local-step fractions (None: DiLoCo's, from its synchronisations): the uncompressed references,
     # then the registry's rows
-    refreshed = m.warmup_fraction + ((1.0 - m.warmup_fraction) / m.refresh_every if m.refresh_every else 0.0)
+    # 1-bit Adam's refreshes all-reduce the gradients in bf16: 2 / value_bytes of an uncompressed step's
+    # bytes, counted as that share of one (the rest of the step as a compressed one's)
+    refreshed = m.warmup_fraction + ((1.0 - m.warmup_fraction) / m.refresh_every * 2 / m.value_bytes
+                                     if m.refresh_every else 0.0)
     exact = {None: (0.0, 0.0), "warmup": (m.warmup_fraction, 0.0), "warmup_refreshed": (refreshed, 0.0),
              "refresh": (m.refresh_fraction, m.local_fraction), "sync": (0.0, None)}
     rows = [(name, full, "allreduce_full", 0.0, 0.0, 0.0)

@@ -25,7 +25,7 @@ from .. import comm, hooks
 from ..optim import REGISTRY, CompAMS, OnebitLamb, make_optimizer
 from ._catalogue import BENCHMARKED
 
-__all__ = ["NO_COMMUNICATION", "OPTIMIZERS", "Run", "build_run"]
+__all__ = ["NO_COMMUNICATION", "OPTIMIZERS", "REFRESH_DTYPES", "Run", "build_run"]
 
 _log = logging.getLogger(__name__)
 
@@ -47,6 +47,8 @@ OPTIMIZERS = (
 # The compute floor: each rank steps Adam on its own gradients and nothing is exchanged, so
 # its replicas drift apart by design (the end-of-run replica check does not apply).
 NO_COMMUNICATION = "local_adam"
+# 1-bit Adam's refresh_dtype, as the lab names it (TrainConfig.refresh_dtype, --refresh-dtype)
+REFRESH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 # DDP hooks compress from this iteration on (DDP rebuilds its buckets after the first).
 _HOOK_START = 2
@@ -186,6 +188,8 @@ def _registry_optimizer(name: str, params, cfg, exchange: dict[str, Any]) -> tor
     kw.update({arg: getattr(cfg, option) for option, arg in options.items() if getattr(cfg, option) is not None})
     if kw.get("refresh_every") == "never":  # 1-bit Adam's frozen variance, never refreshed (Algorithm 1)
         kw["refresh_every"] = None
+    if "refresh_dtype" in kw:
+        kw["refresh_dtype"] = REFRESH_DTYPES[kw["refresh_dtype"]]
     return make_optimizer(name.removesuffix("_overlap"), params, **kw)
 
 

@@ -18,7 +18,7 @@ import torch
 
 from .. import comm, compress
 from ..launch import spawn
-from ._runs import NO_COMMUNICATION, OPTIMIZERS, build_run
+from ._runs import NO_COMMUNICATION, OPTIMIZERS, REFRESH_DTYPES, build_run
 from ._tasks import TASKS, Task, TaskSpec
 
 __all__ = ["OPTIMIZERS", "SCHEDULES", "TASKS", "TrainConfig", "train"]
@@ -49,6 +49,7 @@ class TrainConfig(TaskSpec):
     compressor: str | None = None  # what the optimizers that take one send (None: each one's own)
     local_step_scaler: int | None = None  # 0/1 Adam's (None: a quarter of freeze_step, or its own)
     refresh_every: int | str | None = None  # 1-bit Adam's variance refreshes: every K steps, "never" (None: its own)
+    refresh_dtype: str | None = None  # what they sum the gradients in: "bf16", "fp32" (None: its own, bf16)
     powersgd_rank: int = 1
     hierarchical: bool = False
     # the overlapped exchange's (and DDP's) bucket size, MB of fp32 values (None: the default, 25)
@@ -89,6 +90,8 @@ class TrainConfig(TaskSpec):
         if self.trace_step is not None and (isinstance(self.trace_step, bool) or not isinstance(self.trace_step, int)
                                             or not 1 <= self.trace_step <= self.steps):
             raise ValueError(f"trace_step must be a step of the run (1 to {self.steps}), got {self.trace_step!r}")
+        if self.refresh_dtype not in (None, *REFRESH_DTYPES):
+            raise ValueError(f"refresh_dtype must be one of {', '.join(REFRESH_DTYPES)}; got {self.refresh_dtype!r}")
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr must be a positive number, got {self.lr!r}")
 

@@ -82,12 +82,14 @@ class Transport(Protocol):
     issuing them at its own times (in the same order within each group). ``worker_threads``: a
     collective's work is finished and released by the backend's own threads (gloo's, NCCL's
     watchdog), which must never hold its last reference (see ``_HELD``). ``device``: where the
-    tensors of its collectives live.
+    tensors of its collectives live. ``sums_half``: its sums travel and add in bf16 and fp16
+    themselves (not widened to fp32 first).
     """
 
     backend: str
     concurrent: bool
     worker_threads: bool
+    sums_half: bool
     device: torch.device
 
     def size(self) -> int: ...
@@ -108,6 +110,7 @@ class _TorchGroup:
 
     backend = "torch"
     worker_threads = True
+    sums_half = True
     __slots__ = ("group",)
 
     @property
@@ -447,12 +450,23 @@ def all_reduce_mean(tensor: Tensor, group: Group = None, timeout: float | timede
 
 
 def all_reduce_mean_stages(tensor: Tensor, group: Group = None, timeout: float | timedelta | None = None,
-                           divide_first: bool = False) -> Stages:
+                           divide_first: bool = False, dtype: torch.dtype | None = None) -> Stages:
     """:func:`all_reduce_mean` of ``tensor`` in place, as stages (see :func:`run_stages`): the
-    first ``next()`` starts it and yields its :class:`Pending`; the result is ``tensor``."""
-    inflight = all_reduce_mean(tensor, group, timeout, async_op=True, divide_first=divide_first)
+    first ``next()`` starts it and yields its :class:`Pending`; the result is ``tensor``.
+    ``dtype`` (None: ``tensor``'s): what goes on the wire -- ``tensor`` divided by the world size
+    in its own precision, cast to ``dtype``, summed in it (half the bytes of fp32 in bf16; every
+    rank gets the same sum) and copied back; on one rank nothing is sent, nor rounded, and
+    over a group that widens half precision to fp32 to sum it (MPI's) it goes in ``tensor``'s."""
+    t = _transport(group)
+    world = t.size()
+    if dtype is None or dtype == tensor.dtype or world == 1 or not t.sums_half:
+        inflight = all_reduce_mean(tensor, group, timeout, async_op=True, divide_first=divide_first)
+        yield inflight
+        return inflight.wait()
+    wire = tensor.div_(world).to(dtype)
+    inflight = _all_reduce(wire, "sum", group, timeout, "flat", async_op=True)
     yield inflight
-    return inflight.wait()
+    return tensor.copy_(inflight.wait())
 
 
 def _all_reduce(tensor: Tensor, op: str, group: Group, timeout: float | timedelta | None, link: str,

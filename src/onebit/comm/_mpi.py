@@ -128,6 +128,7 @@ class MPIGroup:
 
     backend = "mpi"
     worker_threads = False  # mpi4py's requests are waited on by the caller's thread
+    sums_half = False  # _Staged widens bf16/fp16 to fp32: MPI has no sum of them
     device = torch.device("cpu")  # mpi4py's buffers here are host memory
     __slots__ = ("comm",)
 

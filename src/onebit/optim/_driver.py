@@ -8,7 +8,7 @@ its only caller, and it reads nothing of the optimizer; it calls back into it th
 (``form``, ``landing``) and :meth:`Driver.run`'s ``landed``.
 
 Each stage declares its :class:`Wire` -- what is sent (the gradients themselves, or what
-the optimizer forms) and how (the exact fp32 mean, or the optimizer's compressed collective) --
+the optimizer forms) and how (the mean by an all-reduce, or the optimizer's compressed collective) --
 and the driver does the rest for every optimizer alike: without overlap, one bucket spanning
 the whole model, launched in ``step()`` once every rank agreed the gradients are finite;
 with ``overlap=True``, DDP's scheme: the parameters are grouped into buckets of about
@@ -16,7 +16,7 @@ with ``overlap=True``, DDP's scheme: the parameters are grouped into buckets of 
 gradients -- each a contiguous range of the flat state, and a post-accumulate-grad hook
 launches a bucket's exchange once its gradients are all in, while backward goes on with
 earlier layers. With ``overlap="warmup"`` (1-bit Adam's and 1-bit LAMB's default) only the
-exact exchange does so, in buckets of its own over a duplicate of the group, and a compressed
+all-reduce does so, in buckets of its own over a duplicate of the group, and a compressed
 stage keeps the one-shot exchange. No optimizer knows about buckets.
 
 Collectives must be issued in the same order on every rank, so buckets are launched
@@ -232,11 +232,12 @@ class Buckets:
 
 
 class Sends(enum.Enum):
-    """The kinds of step, by what they send. ``GRADIENTS``: the gradients' exact fp32 mean (an
-    all-reduce); ``COMPRESSED_GRADIENTS``: the gradients, through the optimizer's compressed
-    collectives; ``FORMED``: what the optimizer's ``_form`` makes (momentum, an update), through
-    them; ``NOTHING``: a step each rank takes on its own (0/1 Adam's local steps), whose
-    ``_apply`` gets no average and reads the local gradients itself."""
+    """The kinds of step, by what they send. ``GRADIENTS``: the gradients' mean (an all-reduce, in
+    the :class:`Wire`'s ``dtype``: exact in fp32); ``COMPRESSED_GRADIENTS``: the gradients,
+    through the optimizer's compressed collectives; ``FORMED``: what the optimizer's ``_form``
+    makes (momentum, an update), through them; ``NOTHING``: a step each rank takes on its own
+    (0/1 Adam's local steps), whose ``_apply`` gets no average and reads the local gradients
+    itself."""
 
     GRADIENTS = "gradients"
     COMPRESSED_GRADIENTS = "compressed gradients"
@@ -247,23 +248,25 @@ class Sends(enum.Enum):
 @dataclass(frozen=True)
 class Wire:
     """What a stage sends, as an optimizer declares it: ``stage``, its name in
-    ``stats["stage"]`` (``"warmup"``: uncompressed, ``"compressed"``, ...), and the kind of step
-    it ``sends``. Read from the kind: ``formed``, the gradients are not what is sent (the
-    optimizer forms it, or sends nothing) -- where the gradients are sent, their average exists
-    and ``max_grad_norm`` clips it; where they are not, it never exists and each rank clips its
-    own gradients before forming (what ``clip_grad_norm_`` does on one process); ``exact``, the
-    gradients' exact fp32 mean; ``exchanged``, something is sent."""
+    ``stats["stage"]`` (``"warmup"``: uncompressed, ``"compressed"``, ...), the kind of step
+    it ``sends``, and the ``dtype`` the gradients' all-reduce sums in (``Sends.GRADIENTS`` only;
+    fp32: their exact mean). Read from the kind: ``formed``, the gradients are not what is sent
+    (the optimizer forms it, or sends nothing) -- where the gradients are sent, their average
+    exists and ``max_grad_norm`` clips it; where they are not, it never exists and each rank clips
+    its own gradients before forming (what ``clip_grad_norm_`` does on one process);
+    ``all_reduced``, the gradients' mean by an all-reduce; ``exchanged``, something is sent."""
 
     stage: str
     sends: Sends
+    dtype: torch.dtype = torch.float32
     formed: bool = field(init=False)
-    exact: bool = field(init=False)
+    all_reduced: bool = field(init=False)
     exchanged: bool = field(init=False)
 
     def __post_init__(self) -> None:
         # set once (a frozen dataclass), read as plain attributes by every step
         object.__setattr__(self, "formed", self.sends in (Sends.FORMED, Sends.NOTHING))
-        object.__setattr__(self, "exact", self.sends is Sends.GRADIENTS)
+        object.__setattr__(self, "all_reduced", self.sends is Sends.GRADIENTS)
         object.__setattr__(self, "exchanged", self.sends is not Sends.NOTHING)
 
 
@@ -370,7 +373,7 @@ class Driver:
         """What the next step sends (before its backward: its buckets may leave during it)."""
         self._plan = plan
         if self._warm is not None:  # (buckets already launched in this step are all sent)
-            self.buckets.active = self.warmup_in_backward and plan.wire.exact or bool(self._warm_flights)
+            self.buckets.active = self.warmup_in_backward and plan.wire.all_reduced or bool(self._warm_flights)
 
     @property
     def warmup_in_backward(self) -> bool:
@@ -485,7 +488,8 @@ class Driver:
         lo, hi, members = self._warm[b]
         land = self._landing()[lo:hi]
         self._plan.form(land, lo, members, [True] * len(self.flat.params), False, False)
-        stages = comm.all_reduce_mean_stages(land, self._warm_group, self.timeout, divide_first=True)
+        stages = comm.all_reduce_mean_stages(land, self._warm_group, self.timeout, divide_first=True,
+                                             dtype=self._plan.wire.dtype)
         self._warm_flights.launch(stages, bucket=b, lags=False)
 
     def _launch_in_backward(self, b: int) -> None:
@@ -505,7 +509,7 @@ class Driver:
         wire, form = self._plan.wire, self._plan.form
         lo, hi, members = self.bounds[b]
         start, end = self.spans[b]
-        collective = None if wire.exact else self.collectives[b]
+        collective = None if wire.all_reduced else self.collectives[b]
         self._compressed_in_flight |= collective is not None
         # Added into the collective's worker error where what is formed must stay out of the
         # landing buffer (a bucket formed during backward, before the ranks agreed to step) or
@@ -522,8 +526,8 @@ class Driver:
             return True
         land = self._landing()
         form(land[lo:hi], lo, members, live, agreed, False)
-        if wire.exact:
-            stages = comm.all_reduce_mean_stages(land[lo:hi], self.group, self.timeout)
+        if wire.all_reduced:
+            stages = comm.all_reduce_mean_stages(land[lo:hi], self.group, self.timeout, dtype=wire.dtype)
         elif collective is None:  # no whole block in this bucket: its values go with the next one
             return False
         else:

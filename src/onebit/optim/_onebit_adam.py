@@ -15,10 +15,18 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import Tensor
 
 from .. import comm
-from .._checks import check_adam_args, check_bool, check_optional_positive, check_overlap, check_positive_int
+from .._checks import (
+    check_adam_args,
+    check_bool,
+    check_optional_positive,
+    check_overlap,
+    check_positive_int,
+    check_wire_dtype,
+)
 from ._base import OnebitOptimizer
 from ._driver import COMPRESSED_FORMED, COMPRESSED_GRADIENT, EXACT_GRADIENT, Sends, Wire
 from ._freeze import count_unused, freeze_schedule, mask_unused_, warn_early_freeze
@@ -143,17 +151,16 @@ def refresh_preconditioner(
 
 
 # "auto"'s latest freeze with refreshes, in windows of its criterion (on the bias-corrected variance,
-# 100 steps at beta2 = 0.999). Frozen there (step 200 of 1,024) and refreshed every 8, the 12.9M GPT
-# ended ahead of never freezing on 3 seeds (benchmarks/results/time-to-loss/gpt); frozen at 204 for
-# good it stalled. The criterion itself fired after 395-457 steps there.
-_REFRESHED_WINDOWS = 2
+# 100 steps at beta2 = 0.999): one, the first step the criterion could look back a window, so that with
+# refreshes the freeze comes there. Frozen at step 100 of 1,024 and refreshed every 8 in bf16, the 12.9M
+# GPT ended as far ahead of never freezing as frozen at 200 with fp32 refreshes
+# (benchmarks/results/time-to-loss/gpt); frozen at 204 for good it stalled. The criterion itself fired
+# after 395-457 steps there, the fp32 steps of its wait most of the run's time at 100 Mbit/s.
+_REFRESHED_WINDOWS = 1
 # Adam's moments, and the gradients' average: the warm-up, and the naive control's every step
 _ADAM = ("exp_avg", "exp_avg_sq")
 # The compression stage: the variance becomes the frozen preconditioner in place (Algorithm 1 line 2)
 _FROZEN = Stage(COMPRESSED_FORMED, ("exp_avg", "frozen_denom"), renames={"exp_avg_sq": "frozen_denom"})
-# A refresh of the frozen state (refresh_every): the gradients' exact fp32 average, as in the warm-up
-_REFRESH = Stage(Wire("refresh", Sends.GRADIENTS), ("exp_avg", "frozen_denom"), averages=True,
-                 renames=_FROZEN.renames)
 
 
 class _AdamFamily(OnebitOptimizer):
@@ -204,10 +211,11 @@ class OnebitAdam(_AdamFamily):
       from then on): the compression stage holds ``m``, that, and the collective's worker and
       server errors -- 3 + 1/w model sizes.
     * Refreshes (``refresh_every``, not in the paper; every 8th step after the freeze by
-      default): the step all-reduces the gradients in fp32 and refreshes ``m`` and the frozen
-      variance from their average (:func:`onebit.optim.refresh_preconditioner`), so that the
-      preconditioner follows the gradients after an early freeze; ``stats["stage"]`` is
-      ``"refresh"``. ``refresh_every=None``: Algorithm 1.
+      default): the step all-reduces the gradients (in bf16 by default, ``refresh_dtype``) and
+      refreshes ``m`` and the frozen variance from their average
+      (:func:`onebit.optim.refresh_preconditioner`), so that the preconditioner follows the
+      gradients after an early freeze; ``stats["stage"]`` is ``"refresh"``.
+      ``refresh_every=None``: Algorithm 1.
 
     Args:
         params: parameters or param groups (options ``lr``, ``betas``, ``weight_decay``).
@@ -227,8 +235,9 @@ class OnebitAdam(_AdamFamily):
             raw one, without bias correction).
         min_freeze_step: "auto" never freezes before this step (set it to the LR warm-up).
         max_freeze_step: "auto" freezes at this step at the latest (``None``: with refreshes,
-            after two of its windows -- step 200 with the defaults -- or at ``min_freeze_step`` if
-            later; without refreshes, no limit).
+            after one of its windows -- step 100 with the defaults, before the criterion could
+            fire, so that the freeze comes there -- or at ``min_freeze_step`` if later; without
+            refreshes, no limit).
         compressor: compressor of the momentum exchange (``"sign"``; ``"identity"`` gives the
             paper's "1-bit Adam (32-bits)" ablation).
         scales: ``"tensor"``: a compressor with scales (``"sign"``) gives each parameter's
@@ -241,12 +250,17 @@ class OnebitAdam(_AdamFamily):
             tiny take steps of ``lr * scale / sqrt(v)`` from the 1-bit exchange.
         refresh_every: after the freeze, every ``refresh_every``-th step refreshes the frozen
             variance (not in the paper; ``None``: frozen for good, Algorithm 1): that step
-            all-reduces the gradients in fp32, as the warm-up does, and the variance takes their
+            all-reduces the gradients (in ``refresh_dtype``), and the variance takes their
             square as if every step since its last update had seen it
             (:func:`onebit.optim.refresh_preconditioner`), so that the preconditioner follows the
             gradients' scale where it moves after the freeze; the other steps are 1-bit. A variance
             frozen for good stalls a run frozen early at a constant learning rate; refreshed, the
             freeze can come early, so ``"auto"`` freezes by ``max_freeze_step``'s default at the latest.
+        refresh_dtype: what a refresh's all-reduce sums the gradients in: ``torch.bfloat16`` (the
+            default) sends half the bytes of the warm-up's fp32 all-reduce; the average it gives
+            differs from the exact one by bf16's rounding (about 0.4% of a value), far less than the
+            noise of a variance estimate, and enters ``m`` for that one step only.
+            ``torch.float32``: the exact average, as an MPI group's, which sums in fp32.
         hierarchical: exchange with Birder's Hierarchical-1-bit-All-Reduce
             (:func:`onebit.comm.compressed_allreduce`: ``True``, ``False`` or ``"auto"``).
         ranks_per_node: ranks on each node, for the hierarchical exchange (``None``: detected).
@@ -314,6 +328,7 @@ class OnebitAdam(_AdamFamily):
         scales: str = "tensor",
         clip_update: float | None = 10.0,
         refresh_every: int | None = 8,
+        refresh_dtype: torch.dtype = torch.bfloat16,
         hierarchical: bool | str = False,
         ranks_per_node: int | None = None,
         overlap: bool | str | None = None,
@@ -322,6 +337,9 @@ class OnebitAdam(_AdamFamily):
     ) -> None:
         self.clip_update = check_optional_positive("clip_update", clip_update)
         self.refresh_every = None if refresh_every is None else check_positive_int("refresh_every", refresh_every)
+        # A refresh of the frozen state: the gradients' average, as the warm-up's but in refresh_dtype
+        self._refresh = Stage(Wire("refresh", Sends.GRADIENTS, check_wire_dtype("refresh_dtype", refresh_dtype)),
+                              ("exp_avg", "frozen_denom"), averages=True, renames=_FROZEN.renames)
         check_overlap(overlap)
         beta2 = check_adam_args(lr, betas, eps, weight_decay)[1]
         warmup = Stage(EXACT_GRADIENT, _ADAM, averages=True)
@@ -331,7 +349,7 @@ class OnebitAdam(_AdamFamily):
                                    max_windows=None if self.refresh_every is None else _REFRESHED_WINDOWS)
         name = type(self).__name__
         self._stages = (TwoStages(name, warmup, _FROZEN, schedule, watch="exp_avg_sq") if self.refresh_every is None
-                        else RefreshedStages(name, warmup, _FROZEN, _REFRESH, schedule, watch="exp_avg_sq",
+                        else RefreshedStages(name, warmup, _FROZEN, self._refresh, schedule, watch="exp_avg_sq",
                                              every=self.refresh_every))
         self._unused: list[int] = []  # the parameters with values unused through the warm-up
         self._init_adam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
@@ -364,7 +382,7 @@ class OnebitAdam(_AdamFamily):
             return
         b = self.flat.buffers
         step, updated = self._step_count, self._stages.updated_at
-        if wire == _REFRESH.wire:  # the exact average enters m and the frozen variance
+        if wire == self._refresh.wire:  # the gradients' average enters m and the frozen variance
             refresh_preconditioner(self.flat.offsets, grads=self.flat.split(average, members), active=self._active,
                                    indices=members, exp_avg=b["exp_avg"], frozen_denom=b["frozen_denom"], step=step,
                                    since=updated, betas=self._hyper("betas"), eps=self.eps,
@@ -393,7 +411,7 @@ class OnebitAdam(_AdamFamily):
             adam_denominators(d, self.flat.offsets, eps=self.eps, bias_corrections2=bc2, out=d)
             if not self.bias_correction:
                 warn_early_freeze(type(self).__name__, frozen_at, max(b for _, b in self._hyper("betas")))
-        if stage is not _REFRESH:
+        if stage is not self._refresh:
             self._note_unused(log=froze)
 
     def _note_unused(self, log: bool = True) -> None:
