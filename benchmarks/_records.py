@@ -36,6 +36,12 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+def refreshes_sent(config: dict[str, Any]) -> str:
+    """What a run's 1-bit Adam refreshes summed the gradients in, from its config: ``"bf16"`` (the
+    default, ``refresh_dtype`` None) or ``"fp32"``; runs from before the option refreshed in fp32."""
+    return config.get("refresh_dtype", "fp32") or "bf16"
+
+
 def compare_sources(dirs: list[Path]) -> str:
     """The commands of the ``onebit compare`` runs in ``dirs``, and the machines and dates they ran on."""
     sources = [json.loads((d / "provenance.json").read_text()) for d in dirs]

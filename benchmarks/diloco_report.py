@@ -47,7 +47,7 @@ import math
 import statistics
 from pathlib import Path
 
-from _records import added_up, compare_runs, compare_sources, same_losses
+from _records import added_up, compare_runs, compare_sources, refreshes_sent, same_losses
 
 from onebit.bench._analysis import mean_interval, ratio_interval, step_time, steps_to_loss
 from onebit.bench._convergence import _gap, _run
@@ -200,8 +200,8 @@ def _curve_setting(name: str, summary: dict) -> str:
     if name == "onebit_adam":
         asked, took = config["freeze_step"], summary["freeze_step"]
         asked = "auto" if asked is None else asked  # None: the optimizer's own, "auto"
-        if "refresh" in summary.get("step_time_s", ()):  # what the refreshes sent: fp32 before refresh_dtype
-            sends = config.get("refresh_dtype", "fp32") or "bf16"
+        if "refresh" in summary.get("step_time_s", ()):
+            sends = refreshes_sent(config)
             extra = (f", variance refreshed in {sends}" + extra if config.get("refresh_every") is None
                      else f"{extra} in {sends}")
         return (f"freeze_step={asked}: " + ("never froze" if took is None else f"compressed from step {took + 1}")

@@ -34,7 +34,7 @@ import inspect
 import statistics
 from pathlib import Path
 
-from _records import added_up, compare_runs, compare_sources, same_losses
+from _records import added_up, compare_runs, compare_sources, refreshes_sent, same_losses
 
 from onebit.bench._analysis import ratio_interval, steps_to_loss
 from onebit.optim import REGISTRY
@@ -96,7 +96,7 @@ def _curve(name: str, config: dict) -> tuple:
 def _timing(link: float, name: str, config: dict) -> tuple:
     """The key of the cluster run at ``link`` whose steps do the work of ``name``'s with ``config``
     (1-bit Adam's: and what its refreshes send, fp32 in the runs from before ``refresh_dtype``)."""
-    sends = (config.get("refresh_dtype", "fp32") or "bf16",) if name == "onebit_adam" else ()
+    sends = (refreshes_sent(config),) if name == "onebit_adam" else ()
     return link, name, tuple(config.get(k) for k in _WORK) + sends
 
 
