@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from _oracle import SplitMix64
 from onebit import ops
 
 
@@ -53,16 +54,23 @@ def random_blocks(n: int, g: torch.Generator) -> ops.Blocks | None:
 
 def check_stochastic_sign(n: int, g: torch.Generator, where: str = "") -> None:
     """``stochastic_sign_compress_`` equals the reference bit for bit, and its bits are the
-    plain rule ``2u - 1 < c`` with ``error = c - (+-1)``."""
+    plain rule ``2u - 1 < c`` with ``error = c - (+-1)``, ``u`` SplitMix64's draws from the
+    offset on."""
     c = torch.randn(n, generator=g) * 0.7  # mostly inside [-1, 1], some outside
     c[torch.rand(n, generator=g) < 0.05] = -0.0
-    u = torch.rand(n, generator=g)
+    seed, offset = int(torch.randint(0, 2**62, (1,), generator=g)), int(torch.randint(0, 300, (1,), generator=g))
+    stream = SplitMix64(seed)
+    stream.uniform(offset)
+    u = stream.uniform(n)
     fast_e, ref_e = c.clone(), c.clone()
-    packed = ops.stochastic_sign_compress_(fast_e, u.clone())
+    packed = ops.stochastic_sign_compress_(fast_e, seed=seed, offset=offset)
     with ops.reference_kernels():
-        ref_packed = ops.stochastic_sign_compress_(ref_e, u.clone())
+        ref_packed = ops.stochastic_sign_compress_(ref_e, seed=seed, offset=offset)
     assert torch.equal(packed, ref_packed), f"stochastic_sign_compress_ {where}"
     assert torch.equal(bits(fast_e), bits(ref_e)), f"stochastic_sign_compress_ error {where}"
+    plus = (u * 2 - 1) < c
+    assert torch.equal(ops.unpack_bits(packed, n), plus), f"stochastic_sign_compress_ bits {where}"
+    assert torch.equal(fast_e, c - torch.where(plus, 1.0, -1.0)), f"stochastic_sign_compress_ error {where}"
     plus = (u * 2 - 1) < c
     assert torch.equal(ops.unpack_bits(packed, n), plus), f"stochastic_sign_compress_ bits {where}"
     assert torch.equal(fast_e, c - torch.where(plus, 1.0, -1.0)), f"stochastic_sign_compress_ error {where}"

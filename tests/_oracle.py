@@ -17,6 +17,25 @@ def sign_compress(v: Tensor) -> Tensor:
     return torch.where(torch.signbit(v), -scale, scale)
 
 
+class SplitMix64:
+    """Steele, Lea and Flood's SplitMix64 (Vigna's reference code), in Python integers:
+    ``state += 0x9E3779B97F4A7C15``, then two xor-shift-multiply rounds and a last xor-shift.
+    :meth:`uniform` takes the next ``n`` outputs, each's top 24 bits times ``2**-24``."""
+
+    def __init__(self, seed: int) -> None:
+        self.state = seed % 2**64
+
+    def next(self) -> int:
+        self.state = (self.state + 0x9E3779B97F4A7C15) % 2**64
+        z = self.state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+        return z ^ (z >> 31)
+
+    def uniform(self, n: int) -> Tensor:
+        return torch.tensor([(self.next() >> 40) / 2**24 for _ in range(n)], dtype=torch.float32)
+
+
 def chunk_topk_compress(v: Tensor, k: int, chunk: int, bits: int, sigmas: float) -> Tensor:
     """SparseLoCo's Q(TopK(v)) of one tensor, value by value: in each run of ``chunk`` values
     keep the ``k`` largest magnitudes; quantize the kept values together -- centred on their

@@ -5,7 +5,7 @@ import torch
 
 import onebit
 from _harness import run_ranks
-from _oracle import chunks
+from _oracle import SplitMix64, chunks
 from _problem import DIM, flag_bytes, grads, initial_params, run_problem, teacher_student_loss
 
 SIZES = [DIM, 1]
@@ -26,15 +26,15 @@ def _train(rank, world, cls_name, steps, kwargs, resume_at=None):
 # ---------------------------------------------------------------- plain oracles from the paper
 def _q(x, gen):
     """Eq. (5): +1 with probability (x + 1) / 2 (clipped), drawn as in Birder's documentation."""
-    r = torch.rand(x.numel(), generator=gen)
+    r = gen.uniform(x.numel())
     return torch.where(2 * r - 1 < x, 1.0, -1.0)
 
 
 def _algorithm1(world, steps, lr, beta, eps, wd, seed, threshold=None, per_node=1):
     """Birder, Algorithm 1, for ``world`` simulated workers, with section 4's hierarchy when ``per_node > 1``.
 
-    Worker ``r = k * per_node + l`` is local rank ``l`` of node ``k``; its random bits come from a
-    generator seeded ``seed + r * 2**32``. Section 4: the node averages shard ``l`` of its
+    Worker ``r = k * per_node + l`` is local rank ``l`` of node ``k``; its random bits come from
+    SplitMix64 seeded ``seed + r * 2**32``. Section 4: the node averages shard ``l`` of its
     workers' ``m / (b + eps)`` exactly; worker ``(k, l)`` then runs lines 8-14 on that shard
     among the workers ``(., l)`` of every node -- worker error and its draws per inner chunk,
     in chunk order, then the server draw for inner chunk ``k``, which it owns. With
@@ -46,7 +46,7 @@ def _algorithm1(world, steps, lr, beta, eps, wd, seed, threshold=None, per_node=
     nodes = world // per_node
     shards = chunks(d, per_node, 8 * nodes)
     inner = [chunks(hi - lo, nodes, 8) for lo, hi in shards]
-    gens = [torch.Generator().manual_seed(seed + r * 2**32) for r in range(world)]
+    gens = [SplitMix64(seed + r * 2**32) for r in range(world)]
     m = [torch.zeros(d) for _ in range(world)]
     bhat = [torch.zeros(d) for _ in range(world)]
     b = [torch.zeros(d) for _ in range(world)]

@@ -1,7 +1,9 @@
 """Checkpoints written by onebit 0.1.0 (``fixtures/checkpoints-0.1.pt``; DiLoCo's,
 ``fixtures/diloco-0.1.pt``, by 0.1.0 as it stood before DiLoCo stood apart from the 1-bit
 family's base, its outer momentum a flat buffer) load into today's optimizers and resume to the
-bits the saving version reached.
+bits the saving version reached -- but Birder, whose random draws come from another generator
+since (SplitMix64, not a ``torch.Generator``): it resumes from the saved state with new draws,
+and warns.
 
 The fixture holds, per optimizer, a state_dict saved mid-run (compression stage where there
 is one; 1-bit Adam also bucketed, with ``overlap=True``), the model at that step, and the
@@ -63,8 +65,8 @@ def batch(step: int) -> torch.Tensor:
     return torch.randn(5, 6, generator=torch.Generator().manual_seed(step))
 
 
-@pytest.mark.parametrize("fixture,name", [(f, n) for f, makers in FIXTURE_MAKERS.items() for n in sorted(makers)])
-def test_a_checkpoint_of_version_0_1_resumes_to_the_same_bits(fixture, name):
+def _resume(fixture: str, name: str) -> tuple[list[torch.Tensor], dict]:
+    """The fixture's optimizer loaded and run to the end: its parameters, and the saved entry."""
     torch.set_num_threads(1)
     saved = torch.load(FIXTURES / fixture, weights_only=True)[name]
     net = model()
@@ -77,9 +79,31 @@ def test_a_checkpoint_of_version_0_1_resumes_to_the_same_bits(fixture, name):
         net(batch(step)).pow(2).mean().backward()
         opt.step()
     assert opt.stats["step"] == steps
-    for i, (got, want) in enumerate(zip(net.parameters(), saved["final"])):
-        diff = float((got.detach() - want).abs().max())
+    return [p.detach() for p in net.parameters()], saved
+
+
+# Birder's draws came from a torch.Generator in 0.1; they come from SplitMix64 since.
+@pytest.mark.parametrize("fixture,name", [(f, n) for f, makers in FIXTURE_MAKERS.items() for n in sorted(makers)
+                                          if n != "Birder"])
+def test_a_checkpoint_of_version_0_1_resumes_to_the_same_bits(fixture, name):
+    params, saved = _resume(fixture, name)
+    for i, (got, want) in enumerate(zip(params, saved["final"])):
+        diff = float((got - want).abs().max())
         assert diff <= 1e-6, f"{name}: parameter {i} differs after resuming by {diff:.3g}"
+
+
+def test_a_birder_checkpoint_of_version_0_1_resumes_with_new_draws_and_says_so():
+    with pytest.warns(UserWarning, match=r"draws come from onebit 0.1's torch.Generator: they go on from position "
+                                         r"\d+ of the SplitMix64 stream of seed 5"):
+        params, saved = _resume("checkpoints-0.1.pt", "Birder")
+    with pytest.warns(UserWarning):
+        again, _ = _resume("checkpoints-0.1.pt", "Birder")
+    assert all(torch.equal(a, b) for a, b in zip(params, again)), "the new position is not the same on every resume"
+    # Its moments and errors are the saved ones: each step moves a value by at most lr (|u_bar| <= 1)
+    # beyond its weight decay, and the draws differ, so the end is near the old one but not on it.
+    at, steps = saved["steps"]
+    diffs = [float((got - want).abs().max()) for got, want in zip(params, saved["final"])]
+    assert 0 < max(diffs) <= 2 * 1e-2 * (steps - at), diffs
 
 
 def test_a_diloco_checkpoint_of_version_0_1_keeps_its_outer_momentum():

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from _fused_check import check_fused_ops, check_stochastic_sign, random_blocks
+from _oracle import SplitMix64
 from onebit import ops
 
 lengths = st.integers(min_value=0, max_value=300)
@@ -162,3 +163,78 @@ def test_uniform_codes_bit_identical_to_reference(n, bits, seed, zero):
     codes = (stream << torch.arange(bits)).sum(1)
     assert torch.equal(codes, torch.round(x / safe * levels).long() + levels)
     assert torch.equal(values, (codes.float() - levels) / levels * scale)
+
+
+def plain_topk(values: list[float], k: int) -> list[int]:
+    """The k largest magnitudes' indices, ascending: by magnitude (a NaN above everything), then
+    the lowest index first."""
+    def rank(i: int) -> tuple[bool, float, int]:
+        v = values[i]
+        return (not math.isnan(v), -abs(v) if not math.isnan(v) else 0.0, i)
+    return sorted(sorted(range(len(values)), key=rank)[:k])
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 400), fraction=st.floats(0.0, 1.0), seed=st.integers(0, 2**16),
+       palette=st.sampled_from(["randn", "ties", "zeros", "special"]),
+       dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]))
+def test_topk_indices_are_the_largest_magnitudes_lowest_index_first(n, fraction, seed, palette, dtype):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g)
+    if palette == "ties":  # many equal magnitudes of both signs: the threshold's ties decide
+        x = torch.randint(-3, 4, (n,), generator=g).float()
+    elif palette == "zeros":  # a sparse gradient: fewer non-zeros than k
+        x[torch.rand(n, generator=g) < 0.9] = 0.0
+        x[torch.rand(n, generator=g) < 0.2] = -0.0
+    elif palette == "special":
+        x[torch.randint(0, n, (3,), generator=g)] = torch.tensor([math.nan, math.inf, -math.inf])
+    x = x.to(dtype)
+    k = round(fraction * n)
+    fast = ops.topk_indices(x, k)
+    with ops.reference_kernels():
+        expect = ops.topk_indices(x, k)
+    assert fast.dtype == expect.dtype == torch.int32
+    assert fast.tolist() == expect.tolist() == plain_topk(x.double().tolist(), k)
+
+
+def test_topk_indices_across_the_radix_bins():
+    # 0.7M values: many in the threshold's high bin, so its low bits settle it
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(700_000, generator=g)
+    x[::5] = 0.0
+    x[1::7] = x[3]  # ties exactly at a common magnitude
+    for k in (1, 7_000, 100_000, 600_000, 700_000):
+        fast = ops.topk_indices(x, k)
+        with ops.reference_kernels():
+            expect = ops.topk_indices(x, k)
+        assert torch.equal(fast, expect)
+        kept = torch.zeros(x.numel(), dtype=torch.bool)
+        kept[fast.long()] = True
+        assert int(kept.sum()) == k and bool((fast[1:] > fast[:-1]).all())
+        assert x.abs()[kept].min() >= x.abs()[~kept].max() if k < x.numel() else True
+
+
+def test_topk_indices_bad_input():
+    with pytest.raises(ValueError, match=r"k must be an int in \[0, 3\].*got 4"):
+        ops.topk_indices(torch.ones(3), 4)
+    with pytest.raises(ValueError, match="got 1.5"):
+        ops.topk_indices(torch.ones(3), 1.5)
+    with pytest.raises(TypeError, match="floating-point tensor, got torch.int64"):
+        ops.topk_indices(torch.ones(3, dtype=torch.int64), 1)
+
+
+def test_splitmix_uniform_is_the_splitmix64_stream():
+    # SplitMix64 seeded 0 (the published reference outputs): 0xe220a8397b1dcdaf, 0x6e789e6aa1b965f4
+    stream = SplitMix64(0)
+    assert [stream.next(), stream.next()] == [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4]
+    assert ops.splitmix_uniform(0, 0, 2).tolist() == [0xE220A8 / 2**24, 0x6E789E / 2**24]
+    for seed, offset in ((5, 0), (2**64 - 3, 10**12), (11 + 3 * 2**32, 999)):
+        stream = SplitMix64(seed)
+        skipped = [stream.next() for _ in range(offset)] if offset < 10**6 else None
+        if skipped is None:  # jump: the state after `offset` outputs
+            stream.state = (seed + offset * 0x9E3779B97F4A7C15) % 2**64
+        assert torch.equal(ops.splitmix_uniform(seed, offset, 500), stream.uniform(500))
+    with pytest.raises(ValueError, match="offset must be a non-negative int, got -1"):
+        ops.splitmix_uniform(0, -1, 3)
+    with pytest.raises(ValueError, match="seed must be an int, got 1.5"):
+        ops.splitmix_uniform(1.5, 0, 3)

@@ -27,8 +27,8 @@ def _kernels() -> dict:
 # the kernels called from Python, and those called only from other kernels (compiled into them:
 # loaded from numba's cache with their caller, they may never get a signature of their own)
 _ENTRIES = {"_pack_signs_update", "_average_blocks", "_unpack_signs", "_clamp_scaled", "_zero_where_equal",
-            "_stochastic_signs_update", "_max_ratio", "_pack_codes", "_unpack_codes"}
-_INNER = {"_pack_range", "_average_range", "_few_range", "_few_sum", "_unpack_range"}
+            "_stochastic_signs_update", "_max_ratio", "_pack_codes", "_unpack_codes", "_topk_indices"}
+_INNER = {"_pack_range", "_average_range", "_few_range", "_few_sum", "_unpack_range", "_random_plus"}
 
 OPTIMIZERS = {
     "OnebitAdam": lambda params: onebit.OnebitAdam(params, lr=1e-3, freeze_step=3),

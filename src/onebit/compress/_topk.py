@@ -7,6 +7,7 @@ import math
 import torch
 from torch import Tensor
 
+from ..ops import topk_indices
 from ._base import Compressor, Payload
 
 __all__ = ["TopKCompressor"]
@@ -15,7 +16,8 @@ __all__ = ["TopKCompressor"]
 class TopKCompressor(Compressor):
     """Top-k with ``k = ceil(ratio * n)`` (at least one value of a non-empty chunk).
 
-    Wire: ``k`` fp32 values then ``k`` int32 indices. Ties are broken by ``torch.topk``.
+    Wire: ``k`` fp32 values then their ``k`` int32 indices, ascending. Among equal magnitudes
+    the lowest indices are kept (:func:`onebit.ops.topk_indices`).
     """
 
     name = "topk"
@@ -36,16 +38,15 @@ class TopKCompressor(Compressor):
         return ((torch.float32, k), (torch.int32, k))
 
     def _compress(self, x: Tensor) -> tuple[Tensor, ...]:
-        k = self.k(x.numel())
-        _, idx = torch.topk(x.abs(), k, sorted=False)
-        return x[idx], idx.to(torch.int32)
+        idx = topk_indices(x, self.k(x.numel()))
+        return x[idx], idx
 
     def compress_ef(self, x: Tensor | None, error: Tensor, workspace: Tensor | None = None) -> Payload:
         """As :meth:`Compressor.compress_ef`, in place: ``c - D(C(c))`` is ``c`` with the kept
         values zeroed (each exactly ``c_i - c_i``), so no decompressed copy is made."""
         self._add_input(x, error)
         values, idx = self._compress(error)
-        error[idx.long()] = 0.0
+        error[idx] = 0.0
         return Payload((values, idx), error.numel())
 
     def _decompress(self, tensors: tuple[Tensor, ...], numel: int, out: Tensor) -> Tensor:

@@ -6,12 +6,14 @@ order, so their results are bit-identical to it:
 * the error ``c - copysign(scale, c)`` of a sign code;
 * ``((+-s_0) + (+-s_1) + ...) * (1/w)`` for an average of sign payloads;
 * ``+-scale`` (a copy, no arithmetic) for a decoded payload;
-* the bit ``(u * 2) - 1 < c`` and the error ``c - (+-1)`` of Birder's randomised sign;
+* the bit ``(u * 2) - 1 < c`` and the error ``c - (+-1)`` of Birder's randomised sign, its
+  draws ``u`` SplitMix64's, integers only;
 * QAdam's ``b``-bit codes ``round(x / s * L) + L`` (half to even) and their values
   ``((code - L) / L) * s``;
 * ``min(max(x, -b * s), b * s)`` (``torch.clamp`` with the limits ``b * s`` and their
   negation), ``masked_fill_(ref == value, 0)`` and the largest fp32 quotient ``a / b`` over
-  ``b > 0`` (NaN propagating, as ``torch.max``), the optimizers' element-wise passes.
+  ``b > 0`` (NaN propagating, as ``torch.max``), the optimizers' element-wise passes;
+* the indices of the ``k`` largest magnitudes (Top-k), integers only.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = ["average_signs", "clamp_scaled_", "max_ratio", "pack_codes", "pack_signs_update",
-           "stochastic_signs_update", "unpack_codes", "unpack_signs", "zero_where_equal_"]
+           "stochastic_signs_update", "topk_indices", "unpack_codes", "unpack_signs", "zero_where_equal_"]
 
 try:
     import numba
@@ -155,17 +157,38 @@ if numba is not None:
             start = end
 
     @numba.njit(cache=True, nogil=True, boundscheck=False)
-    def _stochastic_signs_update(c, u, packed):  # pragma: no cover - compiled
-        two, one = np.float32(2.0), np.float32(1.0)
+    def _random_plus(c, j, start):  # pragma: no cover - compiled
+        # Draw j: SplitMix64's output for the state start + j * gamma (from j alone, so the loop
+        # vectorises), its top 24 bits an fp32 u in [0, 1); then the torch form's fp32
+        # operations: (u * 2) - 1 < c.
+        z = start + np.uint64(j) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+        u = np.float32(z >> np.uint64(40)) * np.float32(2.0**-24)
+        return u * np.float32(2.0) - np.float32(1.0) < c[j]
+
+    @numba.njit(cache=True, nogil=True, boundscheck=False)
+    def _stochastic_signs_update(c, start, packed):  # pragma: no cover - compiled
+        one = np.float32(1.0)
         n = c.size
-        for i in range((n + 7) // 8):
+        full = n // 8
+        for i in range(full):  # a fixed trip count of 8, as in _pack_range
             byte = 0
-            for k in range(min(8, n - 8 * i)):
+            for k in range(8):
                 j = 8 * i + k
-                plus = u[j] * two - one < c[j]  # the torch form's fp32 operations: (u * 2) - 1, then <
+                plus = _random_plus(c, j, start)
                 byte |= plus << k
                 c[j] = c[j] - (one if plus else -one)
             packed[i] = byte
+        if n > 8 * full:
+            byte = 0
+            for k in range(n - 8 * full):
+                j = 8 * full + k
+                plus = _random_plus(c, j, start)
+                byte |= plus << k
+                c[j] = c[j] - (one if plus else -one)
+            packed[full] = byte
 
     @numba.njit(cache=True, nogil=True, boundscheck=False)
     def _clamp_scaled(x, bound, scale):  # pragma: no cover - compiled
@@ -216,6 +239,57 @@ if numba is not None:
                 code |= ((packed[at >> 3] >> (at & 7)) & 1) << k
             out[i] = (np.float32(code) - level) / level * scale
 
+    @numba.njit(cache=True, nogil=True, boundscheck=False)
+    def _topk_indices(x, k, out):  # pragma: no cover - compiled
+        # A radix select on the magnitudes' bit patterns (sign bit cleared), which order like the
+        # magnitudes (a NaN's above inf): a histogram of their high 16 bits finds the bin of the
+        # k-th largest, one more pass keeps the bins above it and lists the bin's values, whose
+        # low 15 bits settle the threshold; the lowest indices win its ties.
+        keys = x.view(np.uint32)
+        mask = np.uint32(0x7FFFFFFF)
+        high = np.zeros(1 << 16, dtype=np.int64)
+        for i in range(keys.size):
+            high[(keys[i] & mask) >> 15] += 1
+        above = 0
+        top = (1 << 16) - 1
+        while above + high[top] < k:
+            above += high[top]
+            top -= 1
+        kept = np.empty(above, dtype=np.int32)
+        bin_ = np.empty(high[top], dtype=np.int32)
+        a = 0
+        b = 0
+        for i in range(keys.size):
+            h = (keys[i] & mask) >> 15
+            if h > top:
+                kept[a] = i
+                a += 1
+            elif h == top:
+                bin_[b] = i
+                b += 1
+        low = np.zeros(1 << 15, dtype=np.int64)
+        for i in bin_:
+            low[keys[i] & 0x7FFF] += 1
+        t = (1 << 15) - 1
+        while above + low[t] < k:
+            above += low[t]
+            t -= 1
+        ties = k - above
+        j = 0  # merge the two ascending lists: the kept bins and the bin's values from the threshold
+        a = 0
+        for i in bin_:
+            key = keys[i] & 0x7FFF
+            if key > t or (key == t and ties > 0):
+                if key == t:
+                    ties -= 1
+                while a < kept.size and kept[a] < i:
+                    out[j] = kept[a]
+                    j += 1
+                    a += 1
+                out[j] = i
+                j += 1
+        out[j:] = kept[a:]
+
     def pack_signs_update(c: np.ndarray, scales: np.ndarray, ends: np.ndarray, packed: np.ndarray) -> None:
         """Pack the signs of ``c`` (bit 1 = sign bit clear) and set ``c -= copysign(scale, c)``,
         ``scales[b]`` for the values of block ``b`` (blocks end at ``ends``, the last at ``c.size``)."""
@@ -242,9 +316,15 @@ if numba is not None:
         in block ``b``, ending at ``ends``)."""
         _unpack_signs(packed, scales, ends, out)
 
-    def stochastic_signs_update(c: np.ndarray, u: np.ndarray, packed: np.ndarray) -> None:
-        """Pack the bits ``2 u - 1 < c`` (uniform draws ``u``) and set ``c -= +-1`` accordingly."""
-        _stochastic_signs_update(c, u, packed)
+    def stochastic_signs_update(c: np.ndarray, start: np.uint64, packed: np.ndarray) -> None:
+        """Pack the bits ``2 u - 1 < c`` and set ``c -= +-1`` accordingly, ``u_j`` the top 24 bits
+        of SplitMix64's output for the state ``start + j * gamma``, times ``2**-24``."""
+        _stochastic_signs_update(c, start, packed)
+
+    def topk_indices(x: np.ndarray, k: int, out: np.ndarray) -> None:
+        """``out`` (``k`` int32, ascending): the indices of the ``k`` largest ``|x|`` (fp32; a NaN
+        above inf), the lowest indices first among equal magnitudes; ``1 <= k <= x.size``."""
+        _topk_indices(x, k, out)
 
     def clamp_scaled_(x: np.ndarray, bound: np.ndarray, scale: np.float32) -> None:
         """``x = clamp(x, -bound * scale, bound * scale)`` in place (fp32 products)."""
@@ -273,6 +353,7 @@ else:  # pragma: no cover
     pack_codes = None
     unpack_codes = None
     stochastic_signs_update = None
+    topk_indices = None
     zero_where_equal_ = None
     pack_signs_update = None
     average_signs = None

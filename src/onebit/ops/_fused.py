@@ -24,8 +24,9 @@ from ._blocks import Blocks
 from ._bits import _numba_ok, pack_bits, pack_codes, pack_signs, packed_numel, unpack_codes, unpack_signs
 from ._elementwise import clamp_scaled_, max_ratio, zero_where_equal_
 from ._norms import l2_norm
+from ._select import topk_indices
 
-__all__ = ["average_signs", "ef_sign_compress_", "stochastic_sign_compress_", "warm_up"]
+__all__ = ["average_signs", "ef_sign_compress_", "splitmix_uniform", "stochastic_sign_compress_", "warm_up"]
 
 _WARM: set[str] = set()
 
@@ -92,21 +93,66 @@ def _ends(blocks: Blocks | None, numel: int) -> np.ndarray:
     return np.array([numel], dtype=np.int64) if blocks is None else blocks.ends
 
 
-def stochastic_sign_compress_(error: Tensor, u: Tensor) -> Tensor:
-    """Birder's randomiser with error feedback on ``c = error`` (eq. 5): bit ``2u - 1 < c``,
-    i.e. ``+1`` with probability ``(c + 1) / 2`` for uniform draws ``u`` in ``[0, 1)``;
-    returns the packed bits and sets ``error = c - Q(c)`` (``Q(c) = +-1``) in place.
+# SplitMix64 (Steele, Lea and Flood, 2014; Vigna's reference code): output k of seed s mixes
+# the state s + (k + 1) * _GAMMA. A counter-based stream: any stretch of it is computed
+# directly, on every device, and costs a few integer operations per value where torch.rand's
+# Mersenne Twister takes ~5 ns per value on one CPU thread.
+_GAMMA, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+_U64 = (1 << 64) - 1
 
-    ``error`` and ``u`` are contiguous fp32 of the same size; ``u`` is scratch afterwards. On
-    CPU one numba pass; elsewhere (and in the reference) four torch passes and a bool mask.
+
+def _int64(v: int) -> int:
+    """The int64 with the bits of the uint64 ``v``: torch has no uint64 arithmetic."""
+    return v - (1 << 64) if v >> 63 else v
+
+
+def _state(seed: int, offset: int) -> int:
+    """SplitMix64's state for output ``offset`` of ``seed``, a uint64."""
+    return (seed + (offset + 1) * _GAMMA) & _U64
+
+
+def _shift(z: Tensor, s: int) -> Tensor:
+    """``z >> s`` of the uint64 bits held in the int64 ``z`` (torch shifts int64 arithmetically)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def splitmix_uniform(seed: int, offset: int, n: int, device: torch.device | str = "cpu") -> Tensor:
+    """``n`` uniform fp32 draws in ``[0, 1)``: outputs ``offset`` to ``offset + n - 1`` (0-based)
+    of the SplitMix64 generator seeded ``seed`` (mod 2**64), each its top 24 bits times
+    ``2**-24`` (as ``torch.rand``'s fp32, which also has 24 random bits). SplitMix64(0)'s first
+    outputs are ``0xe220a8397b1dcdaf`` and ``0x6e789e6aa1b965f4``:
+
+    Example:
+        >>> onebit.ops.splitmix_uniform(0, 0, 2).tolist()
+        [0.8833107948303223, 0.4315279722213745]
+    """
+    for name, value in (("seed", seed), ("offset", offset), ("n", n)):
+        if isinstance(value, bool) or not isinstance(value, int) or (name != "seed" and value < 0):
+            raise ValueError(f"{name} must be {'an int' if name == 'seed' else 'a non-negative int'}, got {value!r}")
+    z = torch.arange(n, dtype=torch.int64, device=device) * _int64(_GAMMA) + _int64(_state(seed, offset))  # mod 2**64
+    z = (z ^ _shift(z, 30)) * _int64(_MIX1)
+    z = (z ^ _shift(z, 27)) * _int64(_MIX2)
+    z = z ^ _shift(z, 31)
+    return _shift(z, 40).to(torch.float32) * 2.0**-24
+
+
+def stochastic_sign_compress_(error: Tensor, *, seed: int, offset: int) -> Tensor:
+    """Birder's randomiser with error feedback on ``c = error`` (eq. 5): bit ``2u - 1 < c``,
+    i.e. ``+1`` with probability ``(c + 1) / 2``, ``u`` the draws :func:`splitmix_uniform`
+    ``(seed, offset, c.numel())``; returns the packed bits and sets ``error = c - Q(c)``
+    (``Q(c) = +-1``) in place.
+
+    ``error`` is contiguous fp32. On CPU one numba pass, drawing as it goes; elsewhere (and in
+    the reference) the draws, then four torch passes and a bool mask.
     """
     n = error.numel()
-    if n and _numba_ok(error, u):
+    if n and _numba_ok(error):
         packed = torch.empty(packed_numel(n), dtype=torch.uint8)
-        _cpu.stochastic_signs_update(error.view(-1).numpy(), u.view(-1).numpy(), packed.numpy())
+        _cpu.stochastic_signs_update(error.view(-1).numpy(), np.uint64(_state(seed, offset)), packed.numpy())
         return packed
+    u = splitmix_uniform(seed, offset, n, error.device)
     packed = pack_bits(u.mul_(2.0).sub_(1.0) < error.view(-1))
-    error.view(-1).sub_(unpack_signs(packed, n, 1.0, out=u.view(-1)))
+    error.view(-1).sub_(unpack_signs(packed, n, 1.0, out=u))
     return packed
 
 
@@ -167,7 +213,8 @@ def warm_up(device: torch.device | str) -> None:
             average_signs(rows, [scale] * ranks, 16, out, accumulate=True)
     unpack_signs(packed, 16, scale, out=out)
     unpack_codes(pack_codes(c, scale, 3), 16, 3, scale, out)  # QAdam's b-bit codes
-    stochastic_sign_compress_(c.clone(), c.abs())  # fixed "draws": the global random stream is left alone
+    stochastic_sign_compress_(c.clone(), seed=0, offset=0)  # Birder's randomised sign
+    topk_indices(c, 3)  # Comp-AMS's Top-k
     clamp_scaled_(out, c.abs(), 0.5)  # the optimizers' element-wise passes
     zero_where_equal_(out, c, 0.0)
     max_ratio(out, c, torch.zeros((), dtype=torch.float64, device=device))
