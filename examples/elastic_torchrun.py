@@ -1,14 +1,19 @@
 """Training that survives a lost node: torchrun's elastic restarts and onebit.Checkpoints.
 
-    torchrun --nnodes 1:4 --nproc_per_node 1 --max-restarts 10 --rdzv-backend c10d \\
-        --rdzv-endpoint HOST:29400 --rdzv-id myjob examples/elastic_torchrun.py [--optimizer diloco]
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 1:4 --nproc_per_node 1 --max-restarts 10 \\
+        --rdzv-backend c10d --rdzv-endpoint HOST:29400 --rdzv-id myjob \\
+        examples/elastic_torchrun.py [--optimizer diloco]
 
 Start the same command on each machine. When a node dies, the survivors' collectives fail
 within ``--timeout`` seconds, torchrun stops their workers and restarts them among the nodes
 left (at least the minimum of ``--nnodes``); each worker resumes from the newest complete
 checkpoint, so at most the steps since it are done again. A node started again later joins at
-the next restart, which torchrun makes as soon as it sees it waiting. ``--record`` appends one JSON
-line per step on rank 0 (the step, the world size, the loss) to follow what happened.
+the next restart, which torchrun makes as soon as it sees it waiting. The variable gives each
+restart a new store for the workers: with the store torchrun shares by default, a restarted
+worker can read a dead peer's address and a node that comes back cannot join.
+
+``--record`` appends one JSON line per step on rank 0 (the step, the world size, the loss) to
+follow what happened.
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--optimizer", choices=("onebit_adam", "diloco"), default="onebit_adam")
+    parser.add_argument("--sync-every", type=int, default=8, help="DiLoCo: inner steps between synchronisations")
+    parser.add_argument("--fragments", type=int, default=1, help="DiLoCo: fragments synchronised in turn")
+    parser.add_argument("--delay", type=int, default=0, help="DiLoCo: steps a fragment's exchange stays in flight")
     parser.add_argument("--checkpoints", default="checkpoints", help="a directory every node shares")
     parser.add_argument("--checkpoint-every", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=32, help="samples per rank per step")
@@ -43,7 +51,8 @@ def main() -> None:
     torch.manual_seed(0)
     model = byte_model()
     if args.optimizer == "diloco":
-        opt = onebit.DiLoCo(torch.optim.AdamW(model.parameters(), lr=3e-3), sync_every=8, timeout=args.timeout)
+        opt = onebit.DiLoCo(torch.optim.AdamW(model.parameters(), lr=3e-3), sync_every=args.sync_every,
+                            fragments=args.fragments, delay=args.delay, timeout=args.timeout)
     else:
         opt = onebit.OnebitAdam(model.parameters(), lr=3e-3, timeout=args.timeout)
     checkpoints = onebit.Checkpoints(args.checkpoints, timeout=args.timeout)

@@ -2,6 +2,7 @@
 world size, pruning, and its arguments."""
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -123,6 +124,18 @@ def test_bad_arguments_are_named(kwargs, error, match):
 def test_a_bad_step_is_named(tmp_path, step):
     with pytest.raises(ValueError, match=f"Invalid step value: {step!r}"):
         onebit.Checkpoints(tmp_path).save(step)
+
+
+@pytest.mark.parametrize("shared,restarts,warns", [("True", "3", True), ("False", "3", False), ("True", "0", False)])
+def test_a_store_torchrun_shares_across_restarts_is_named(tmp_path, monkeypatch, shared, restarts, warns):
+    # What torchrun's agent sets in its workers' environment (torch 2.13's local_elastic_agent).
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", shared)
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", restarts)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        onebit.Checkpoints(tmp_path)
+    said = [str(w.message) for w in caught if "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in str(w.message)]
+    assert len(said) == warns and all(w.filename == __file__ for w in caught)
 
 
 def _apart(rank, world, directory):

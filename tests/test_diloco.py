@@ -1,16 +1,12 @@
 """DiLoCo against Algorithm 1 of arXiv 2311.08105 written plainly here, on real gloo ranks."""
 
 import io
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import onebit
-from _harness import run_ranks
+from _harness import run_ranks, run_torchrun
 from _oracle import SimulatedCompressedAllGather, SimulatedCompressedAllReduce, chunk_topk_compress, sign_compress
 
 H = 3  # inner steps per synchronisation
@@ -610,17 +606,6 @@ def test_fragments_given_as_parameters_are_checked(fragments, error, match):
 # A run that ends between a streamed synchronisation's launch and its landing, without opt.wait():
 # the last rank optionally dies right after its last step (its peers' exchange then fails).
 _ENDS_IN_FLIGHT = """
-import os, sys
-import torch, torch.distributed as dist, torch.nn.functional as F
-import onebit
-sys.path.insert(0, {examples!r})
-from _bytes import CONTEXT, byte_model, byte_windows
-
-dist.init_process_group("gloo")
-torch.set_num_threads(1)
-rank, world = dist.get_rank(), dist.get_world_size()
-torch.manual_seed(0)
-model = byte_model()
 opt = onebit.DiLoCo(torch.optim.AdamW(model.parameters(), lr=3e-3), sync_every=8, fragments=2, delay=2, timeout=10)
 data = byte_windows(rank, world, 15 * 32)
 for step in range(15):  # fragment 0 launched after step 13, landing at 16: in flight at the end
@@ -637,14 +622,8 @@ print("rank", rank, "left its loop", flush=True)
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("dies", [False, True])
 def test_a_run_that_ends_with_a_synchronisation_in_flight_completes_it_at_exit(tmp_path, world, dies):
-    examples = str(Path(__file__).resolve().parent.parent / "examples")
-    script = tmp_path / "ends_in_flight.py"
-    script.write_text(_ENDS_IN_FLIGHT.format(examples=examples, dies=dies))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world), str(script)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and "terminate called" not in out, out[-4000:]
+    code, out = run_torchrun(tmp_path, _ENDS_IN_FLIGHT.format(dies=dies), world)
+    assert code == 0 and "terminate called" not in out, out[-4000:]
     survivors = world - 1 if dies else world
     assert out.count("left its loop") == survivors
     completed = out.count("DiLoCo: the exchange in flight to step 16 was completed at exit and never landed")

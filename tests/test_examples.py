@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from onebit.bench._cluster import cluster_unavailable
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
@@ -110,7 +112,7 @@ def _agent(port, tmp_path, name, *args):
            "--max-restarts", "3", "--monitor-interval", "1", "--rdzv-backend", "c10d",
            "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "elastic-test",
            "--rdzv-conf", "last_call_timeout=2", str(EXAMPLES / "elastic_torchrun.py"), *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     return subprocess.Popen(cmd, cwd=EXAMPLES, env=env, stdout=open(tmp_path / f"{name}.log", "w"),
                             stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -148,3 +150,18 @@ def test_elastic_torchrun_goes_on_without_a_lost_node(tmp_path, optimizer):
     assert resumed == 10 * (killed_after // 10) or resumed == 10 * (before[-1]["step"] // 10)  # the last complete one
     assert [r["step"] for r in after] == list(range(resumed + 1, 101))  # nothing lost, each step once after it
     assert all(math.isfinite(r["loss"]) for r in rows) and after[-1]["loss"] < math.log(256)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(cluster_unavailable() is not None, reason=f"{cluster_unavailable()}")
+@pytest.mark.parametrize("scenario", ["between", "save", "in-flight"])
+def test_a_node_lost_on_the_emulated_cluster_and_back(tmp_path, scenario):
+    # benchmarks/node_loss.py: 4 namespaces, one torchrun agent each; the last is killed after step
+    # 46 (or in the save after it), the 3 others go on, and the node started again at step 60 joins.
+    out = tmp_path / "trial.jsonl"
+    cmd = [sys.executable, str(EXAMPLES.parent / "benchmarks" / "node_loss.py"), "--scenario", scenario,
+           "--steps", "160", "--rejoin", "60", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    row = json.loads(out.read_text())
+    assert row["passed"] and row["worlds"] == [3, 4], (row["checks"], row["logs"])

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from _harness import run_ranks
+from _harness import run_ranks, run_torchrun
 from _oracle import chunks, pieces
 from _problem import flag_bytes
 from onebit.optim import Birder, CompAMS, OnebitAdam, OnebitAdamNaive, OnebitLamb
@@ -552,3 +552,31 @@ def test_comp_ams_overlap_refuses_top_k_and_what_it_cannot_honour():
     assert len(errors) == len(needles), errors
     for needle, msg in zip(needles, errors):
         assert needle in msg, msg
+
+
+# A run that ends after a backward whose exchange left during it, without the step() that would
+# take it: a warm-up all-reduce or a compressed exchange still in flight at exit, with or without
+# destroy_process_group().
+_ENDS_AFTER_BACKWARD = """
+opt = onebit.OnebitAdam(model.parameters(), lr=3e-3, freeze_step={freeze}, overlap=True, bucket_cap_mb=0.25,
+                        timeout=10)
+data = byte_windows(rank, world, 7 * 32)
+for step in range(7):
+    opt.zero_grad()
+    batch = data[step * 32:(step + 1) * 32]
+    F.cross_entropy(model(batch[:, :CONTEXT]), batch[:, CONTEXT]).backward()
+    if step < 6:  # the last backward's exchange is never taken
+        opt.step()
+assert opt.stats["stage"] == {stage!r}, opt.stats
+if {destroy}:
+    dist.destroy_process_group()
+print("rank", rank, "left its loop", flush=True)
+"""
+
+
+@pytest.mark.parametrize("stage,freeze", [("warmup", 100), ("compressed", 3)])
+@pytest.mark.parametrize("destroy", [False, True])
+def test_a_run_that_ends_with_an_overlapped_exchange_in_flight_exits_cleanly(tmp_path, stage, freeze, destroy):
+    code, out = run_torchrun(tmp_path, _ENDS_AFTER_BACKWARD.format(freeze=freeze, stage=stage, destroy=destroy), 3)
+    assert code == 0 and "terminate called" not in out, out[-4000:]
+    assert out.count("left its loop") == 3

@@ -7,6 +7,7 @@ import logging
 import os
 import re
 import shutil
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -65,6 +66,7 @@ class Checkpoints:
             raise ValueError(f"Invalid keep value: {keep!r} (expected an int >= 1)")
         self.directory, self.keep, self.group = Path(directory), keep, group
         self.timeout = comm.to_timedelta(timeout)
+        _warn_if_store_shared_across_restarts()
 
     def save(self, step: int, **state: Any) -> Path:
         """Save this rank's ``state`` (keyword arguments: state dicts, tensors, plain values) as
@@ -130,6 +132,22 @@ class Checkpoints:
             return []
         found = (_STEP.fullmatch(p.name) for p in self.directory.iterdir())
         return sorted(int(m.group(1)) for m in found if m and (self.directory / m.group(0) / _DONE).is_file())
+
+
+def _warn_if_store_shared_across_restarts() -> None:
+    """Under torchrun with restarts allowed, say so where its workers reuse one store across
+    restarts (torchrun's default on torch 2.13): a worker started again can read the address a
+    peer of the previous round published and fail to connect (connection refused, one more
+    restart each time, until ``--max-restarts`` runs out), and a node that comes back cannot
+    join (it waits for keys the others never write again: pytorch#147064). With
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's environment, each round's rank 0
+    starts a new store: measured on the emulated cluster (``benchmarks/node_loss.py``)."""
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if shared and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+        warnings.warn("torchrun shares one rendezvous store with its workers across restarts: a restarted worker can "
+                      "read a dead peer's address (connection refused, more restarts) and a node that comes back "
+                      "cannot rejoin (pytorch#147064); start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in "
+                      "its environment on every node", stacklevel=3)
 
 
 def _write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
