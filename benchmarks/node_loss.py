@@ -45,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 
 from _records import append_row, provenance, provenance_note, read_rows
@@ -62,7 +63,7 @@ PORT = 29400
 
 
 def _descendants(pid: int) -> list[int]:
-    """``pid``'s children, theirs, and so on (read from /proc)."""
+    """``pid``'s children, theirs, and so on (by ``pgrep -P``)."""
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
     return [d for c in map(int, out) for d in (c, *_descendants(c))]
 
@@ -197,7 +198,7 @@ def trial(scenario: str, nodes: int, bandwidth: str, steps: int, kill_at: int, p
                 "dedicated_store": dedicated_store, "shared_store": shared_store, "logs": tails}
 
 
-_STAMP = re.compile(r"^[IWE](\d{4} \d\d:\d\d:\d\d\.\d+) ")
+_STAMP = re.compile(r"^[IWE](\d{4} \d\d:\d\d:\d\d\.\d{6}) ")
 
 
 def _phases(log: str, t_kill: float, first_after: float | None) -> dict:
@@ -210,8 +211,8 @@ def _phases(log: str, t_kill: float, first_after: float | None) -> dict:
     for line in log.splitlines():
         m = _STAMP.match(line)
         if m and ("will restart worker group" in line or "Rendezvous complete" in line):
-            t = time.mktime(time.strptime(f"{year}{m.group(1).split('.')[0]}", "%Y%m%d %H:%M:%S"))
-            events.append((t + float("0." + m.group(1).split(".")[1]), "restart" in line))
+            t = datetime.strptime(f"{year}{m.group(1)}", "%Y%m%d %H:%M:%S.%f").timestamp()  # local time
+            events.append((t, "restart" in line))
     events = [(t, restart) for t, restart in events if t >= t_kill - 1]
     failed = next((t for t, restart in events if restart), None)
     ready = next((t for t, restart in events if not restart and failed is not None and t >= failed), None)
