@@ -2,16 +2,20 @@
 
 A fused kernel's first call loads it from numba's cache (~0.5 s) or compiles it (~2 s);
 before, that landed on the first compressed step, a visible gap in the middle of a run.
-Run in fresh spawned processes, as a user's job starts. The check is on numba's own record
+Run by torchrun in fresh interpreters, as a user's job starts (the tests' other ranks fork from
+a server that has loaded the kernels already). The check is on numba's own record
 of what each kernel has loaded (its signatures), never on a timing: a timed assertion on a
 shared 2-core machine measures the neighbours as much as the code.
 """
+
+import json
+from pathlib import Path
 
 import pytest
 import torch
 
 import onebit
-from _harness import run_ranks
+from _harness import run_ranks, run_torchrun
 
 
 def _kernels() -> dict:
@@ -55,11 +59,31 @@ def _steps(rank, world, name):
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_kernels_are_loaded_at_construction_and_none_during_training(name):
-    for r in run_ranks(_steps, 2, name):
+def test_kernels_are_loaded_at_construction_and_none_during_training(tmp_path, name):
+    body = (f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+            "import json\nfrom test_warm_start import _steps\n"
+            f"print('RESULT', json.dumps(_steps(rank, world, {name!r})))\n")
+    code, out = run_torchrun(tmp_path, body, 2)
+    assert code == 0, out
+    results = [json.loads(line.split("RESULT ", 1)[1]) for line in out.splitlines() if "RESULT " in line]
+    assert len(results) == 2, out
+    for r in results:
         if name == "OnebitAdam":
             assert r["stages"] == ["warmup"] * 3 + ["compressed"] * 3
         assert set(r["loaded"]) == _ENTRIES | _INNER
         assert all(n == 0 for n in r["fresh"].values()), f"kernels loaded before the optimizer: {r['fresh']}"
         assert all(r["loaded"][n] > 0 for n in _ENTRIES), f"kernels not loaded at construction: {r['loaded']}"
         assert r["after"] == r["loaded"], "a kernel was loaded or compiled during training"
+
+
+def _preloaded(rank, world):
+    import sys
+
+    return {"dynamo": "torch._dynamo" in sys.modules, "kernels": _kernels()}
+
+
+def test_ranks_forked_by_spawn_start_with_what_the_first_optimizer_loads():
+    # what makes a multi-rank test start in a fraction of a second: loaded once in the fork server
+    for r in run_ranks(_preloaded, 2):
+        assert r["dynamo"], "torch._dynamo is not loaded in a forked rank"
+        assert all(r["kernels"][n] > 0 for n in _ENTRIES), f"kernels not loaded in a forked rank: {r['kernels']}"
