@@ -111,7 +111,7 @@ def _agent(port, tmp_path, name, *args):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc_per_node", "1",
            "--max-restarts", "3", "--monitor-interval", "1", "--rdzv-backend", "c10d",
            "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "elastic-test",
-           "--rdzv-conf", "last_call_timeout=2", str(EXAMPLES / "elastic_torchrun.py"), *args]
+           "--rdzv-conf", "last_call_timeout=2,keep_alive_interval=1", str(EXAMPLES / "elastic_torchrun.py"), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     return subprocess.Popen(cmd, cwd=EXAMPLES, env=env, stdout=open(tmp_path / f"{name}.log", "w"),
                             stderr=subprocess.STDOUT, start_new_session=True)
