@@ -88,6 +88,7 @@ def setting(run: dict, date: str) -> tuple[str, str] | None:
     else:
         feedback = ", error feedback" + (f" decayed by {decay}" if decay != 1 else "") if a["error_feedback"] else ""
     exchange = f"{CODES.get(a['compressor'], a['compressor'])} {COLLECTIVES[a['collective']]}"
+    exchange += {"row": ", a scale per row", "chunk": ", a scale per chunk"}.get(a.get("scales", "tensor"), "")
     streamed = f", {a['fragments']} fragments, delay {a['delay']}" if a["fragments"] > 1 else ""
     return outer, exchange + feedback + streamed
 
@@ -148,10 +149,14 @@ def _table(summaries: list[dict], task: str) -> str:
                      f"| {'—' if (outer, exchange) == EXACT else gap(mine, exact)} | {ddp_bytes / sent:,.0f}x |")
     first = summaries[0]
     provenance = "; ".join(f"`{s['provenance']['command']}`" for s in summaries)
+    dates: dict[str, dict[str, None]] = {}  # each machine's run dates, in the summaries' order
+    for s in summaries:
+        dates.setdefault(s["provenance"]["machine"], {})[s["provenance"]["date"]] = None
+    where = "; ".join(f"{machine}, {' and '.join(days)}" for machine, days in dates.items())
     ddp_loss = statistics.fmean(r["heldout_loss"] for r in adamw.values())
     return ("\n".join(lines) + f"\n\nDDP AdamW: held-out loss {ddp_loss:.3f}, "
             f"{len(adamw)} seeds; {first['world_size']} workers, {total} steps of batch {first['batch_per_rank']} "
-            f"per worker. {provenance}; {first['provenance']['machine']}, {first['provenance']['date']}.\n")
+            f"per worker. {provenance}; {where}.\n")
 
 
 def _setting(name: str, config: dict) -> str:

@@ -75,19 +75,21 @@ def _nesterov():
     return step
 
 
-def _oracle(world, compressor, collective, error_feedback, outer=_nesterov):
+def _oracle(world, compressor, collective, error_feedback, outer=_nesterov, rows=False):
     """Every worker's parameters after every step: H AdamW steps on its own batches, then
     delta_i = anchor - x_i averaged (exactly; or each rank's 1-bit delta_i with one scale per
-    tensor piece all-gathered and averaged; or by the two-sided 1-bit all-reduce), the outer
-    step (``outer()``'s) on the anchor, x_i <- anchor."""
+    tensor piece -- with ``rows`` per row of each weight -- all-gathered and averaged; or by the
+    two-sided 1-bit all-reduce), the outer step (``outer()``'s) on the anchor, x_i <- anchor."""
     models = [_model() for _ in range(world)]
     inners = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
     anchor = _flat(models[0]).clone()
     outer_step = outer()
-    starts = [0]
+    starts, start = [], 0
     for p in models[0].parameters():
-        starts.append(starts[-1] + p.numel())
-    exchange = _simulated(collective, world, anchor.numel(), starts[:-1])
+        row = p.shape[1] if rows and p.dim() == 2 else p.numel()  # a Linear weight's rows: its dimension 1
+        starts += list(range(start, start + p.numel(), row))
+        start += p.numel()
+    exchange = _simulated(collective, world, anchor.numel(), starts)
     history = []
     for step in range(1, STEPS + 1):
         for rank in range(world):
@@ -101,12 +103,12 @@ def _oracle(world, compressor, collective, error_feedback, outer=_nesterov):
     return history
 
 
-def _ours(rank, world, compressor, collective, error_feedback):
+def _ours(rank, world, compressor, collective, error_feedback, scales="tensor"):
     torch.set_num_threads(1)
     model = _model()
     opt = onebit.DiLoCo(torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=H, outer_lr=OUTER_LR,
                         outer_momentum=OUTER_MOMENTUM, compressor=compressor, collective=collective,
-                        error_feedback=error_feedback)
+                        error_feedback=error_feedback, scales=scales)
     history, stages = [], []
     for step in range(1, STEPS + 1):
         _inner_step(model, opt, rank, step)
@@ -132,6 +134,19 @@ def test_matches_the_algorithm_written_plainly(world, compressor, collective, er
     for step in range(H, STEPS + 1, H):  # after each synchronisation every rank holds the same bits
         assert all(torch.equal(r[0][step - 1], results[0][0][step - 1]) for r in results)
     assert not torch.equal(results[0][0][-1], results[1][0][-1])  # inside an interval they differ
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("collective", ["allgather", "allreduce"])
+def test_row_scales_give_every_row_of_a_weight_a_scale_of_its_own(world, collective):
+    # scales="row": one scale per slice along a parameter's first dimension (a Linear weight's
+    # output rows: 8 of 6 values, whose starts round down to whole bytes of signs, then 3 of 8)
+    oracle = _oracle(world, "sign", collective, True, rows=True)
+    results = run_ranks(_ours, world, "sign", collective, True, "row")
+    for rank, (history, _) in enumerate(results):
+        for step, (ours, expected) in enumerate(zip(history, oracle), start=1):
+            assert torch.allclose(ours, expected[rank], rtol=1e-5, atol=1e-6), (rank, step)
+    assert not torch.allclose(oracle[-1][0], _oracle(world, "sign", collective, True)[-1][0])  # not per tensor
 
 
 # Any torch.optim optimizer as the outer one: Adam on the averaged outer gradients, written out.
@@ -554,6 +569,7 @@ def test_a_checkpoint_loads_only_into_the_same_streaming_schedule():
     ({"error_feedback": True, "error_decay": 1.5}, ValueError, "Invalid error_decay value: 1.5"),
     ({"error_feedback": True, "error_decay": 0}, ValueError, "Invalid error_decay value: 0"),
     ({"collective": "ring"}, ValueError, "Invalid collective value: 'ring' \\(expected 'allgather' or 'allreduce'\\)"),
+    ({"scales": "rows"}, ValueError, "Invalid scales value: 'rows' \\(expected 'tensor', 'chunk' or 'row'\\)"),
     ({"overlap": True}, TypeError, "unexpected keyword argument 'overlap'"),
     ({"outer": lambda a: torch.optim.SGD(a, lr=1.0), "outer_lr": 0.5}, TypeError, "given outer= and also outer_lr="),
     ({"outer": "sgd"}, TypeError, "Invalid outer value: 'sgd' \\(expected a factory of a torch.optim.Optimizer"),

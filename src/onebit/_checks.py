@@ -116,11 +116,13 @@ def check_beta(beta: object) -> float:
     return float(beta)
 
 
-def check_scales(scales: object) -> str:
+def check_scales(scales: object, *, row: bool = False) -> str:
     """``scales`` of an exchange by a compressed all-reduce: ``"tensor"`` (one scale per tensor
-    piece of each chunk) or ``"chunk"``; a ``ValueError`` naming the value otherwise."""
-    if scales not in ("tensor", "chunk"):
-        raise ValueError(f"Invalid scales value: {scales!r} (expected 'tensor' or 'chunk')")
+    piece of each chunk) or ``"chunk"``, and with ``row`` also ``"row"`` (one per slice along a
+    tensor's first dimension); a ``ValueError`` naming the value otherwise."""
+    if scales not in ("tensor", "chunk", "row") or (scales == "row" and not row):
+        expected = "'tensor', 'chunk' or 'row'" if row else "'tensor' or 'chunk'"
+        raise ValueError(f"Invalid scales value: {scales!r} (expected {expected})")
     return scales  # type: ignore[return-value]
 
 

@@ -135,6 +135,8 @@ BENCHMARKED: dict[str, Benchmarked] = {
                                                             extended=True),
                                     # Streaming DiLoCo: a quarter of the model every H / 4 steps, a step in flight
                                     "streamed": Variant({"fragments": 4, "delay": 1}, extended=True),
+                                    # one scale per embedding row (and per row of each weight)
+                                    "rows": Variant({"scales": "row"}, extended=True),
                                     "fedavg": Variant(_FEDAVG, extended=True),
                                     "fedavg_identity": Variant({**_FEDAVG, "compressor": "identity"}, control=True,
                                                                extended=True),

@@ -138,9 +138,9 @@ class DiLoCo(Optimizer):
             average of what was sent -- ``compressor="chunk_topk", error_feedback=True,
             error_decay=0.95, outer_lr=1.0, outer_momentum=0.0`` (see the DiLoCo page of the
             docs for what it measured).
-        scales: ``"tensor"`` (one scale per tensor piece, of each chunk with the all-reduce) or
-            ``"chunk"`` (one per chunk with the all-reduce, per contiguous piece of a fragment with
-            the all-gather).
+        scales: ``"tensor"`` (one scale per tensor piece, of each chunk with the all-reduce),
+            ``"row"`` (one per slice along a tensor's first dimension: an embedding's rows) or
+            ``"chunk"`` (one per chunk with the all-reduce, per contiguous piece with the all-gather).
         group: the process group the workers average over (``None``: the default group).
         **options: ``timeout``, ``broadcast_parameters``, ``on_nonfinite``,
             ``check_replicas_every``, ``max_grad_norm`` (each rank clips its own gradients
@@ -205,7 +205,7 @@ class DiLoCo(Optimizer):
         if self.error_decay > 1 or (self.error_decay != 1 and not self.error_feedback):
             raise ValueError(f"Invalid error_decay value: {error_decay!r} (expected a number in (0, 1], and 1 "
                              "without error_feedback=True: it decays the errors carried)")
-        scales = check_scales(scales)  # (before anything is built: a bad value is the caller's)
+        scales = check_scales(scales, row=True)  # (before anything is built: a bad value is the caller's)
         make_outer = outer_factory(outer, outer_lr, outer_momentum, nesterov)
         options = common_options(options, type(self).__name__)
         self.max_grad_norm, self.on_nonfinite = options["max_grad_norm"], options["on_nonfinite"]

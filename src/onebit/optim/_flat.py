@@ -49,6 +49,17 @@ class FlatState:
             return {i: flat[self.offsets[i][0] : self.offsets[i][1]].view(self.params[i].shape) for i in indices}
         return [flat[lo:hi].view(p.shape) for p, (lo, hi) in zip(self.params, self.offsets)]
 
+    def rows(self) -> list[tuple[int, int]]:
+        """The flat ranges of every parameter's slices along its first dimension (an embedding's
+        rows, a ``Linear`` weight's output rows, a convolution's filters): each in logical order
+        is contiguous here. A parameter of fewer than 2 dimensions is one range."""
+        out = []
+        for p, (lo, hi) in zip(self.params, self.offsets):
+            n = p.shape[0] if p.dim() >= 2 and p.numel() else 1
+            size = (hi - lo) // n
+            out.extend((lo + k * size, lo + (k + 1) * size) for k in range(n))
+        return out
+
     def rename(self, old: str, new: str) -> None:
         """Register buffer ``old`` under the name ``new`` (its values unchanged)."""
         self.buffers[new] = self.buffers.pop(old)
@@ -65,7 +76,7 @@ class FlatState:
 
 
 def starts_inside(offsets: Iterable[tuple[int, int]], start: int, end: int) -> list[int]:
-    """Where the parameters at ``offsets`` that start inside ``(start, end)`` start, relative to
-    ``start``: the segments of a collective over the flat values ``[start, end)`` that gives each
-    parameter's piece a scale of its own."""
+    """Where the parameters (or rows, :meth:`FlatState.rows`) at ``offsets`` that start inside
+    ``(start, end)`` start, relative to ``start``: the segments of a collective over the flat
+    values ``[start, end)`` that gives each parameter's (row's) piece a scale of its own."""
     return [lo - start for lo, _ in offsets if start < lo < end]

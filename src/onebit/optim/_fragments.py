@@ -280,8 +280,9 @@ def build_fragments(flat: FlatState, owner: Sequence[int], compressor: Any, *, c
     """The fragments of parameters ``owner[i]`` (each parameter's fragment), each with the
     compressed collective of each of its runs of consecutive parameters (None where
     ``compressor`` is the identity: the exact mean): every rank's all-gathered
-    (``collective="allgather"``), or 1-bit Adam's compressed all-reduce; ``scales="tensor"``: a
-    compressor with per-block scales gives every parameter's piece its own; ``error_decay``:
+    (``collective="allgather"``), or 1-bit Adam's compressed all-reduce; ``scales="tensor"``
+    (``"row"``): a compressor with per-block scales gives every parameter's (every slice along a
+    parameter's first dimension's) piece its own; ``error_decay``:
     each rank's error is multiplied by it before each send. Over ``group``, or with a ``delay``
     over a duplicate of it."""
     # An exchange in flight across inner steps is completed on a thread (the flight's), over a
@@ -293,13 +294,13 @@ def build_fragments(flat: FlatState, owner: Sequence[int], compressor: Any, *, c
                          "gloo group")
     group = comm.duplicate(group, timeout) if delay else group
     exact = compress.get(compressor).name == "identity"
-    segmented = scales == "tensor" and compress.get(compressor).blockwise
+    bounds = {"tensor": flat.offsets, "row": flat.rows()}.get(scales) if compress.get(compressor).blockwise else None
     pieces: dict[int, list[tuple[int, int, int, list[int]]]] = {f: [] for f in sorted(set(owner))}
     collectives: dict[int, list[Any]] = {f: [] for f in pieces}
     for b, (f, members) in enumerate(runs(owner)):
         lo, hi = flat.offsets[members[0]][0], flat.offsets[members[-1]][1]
         pieces[f].append((b, lo, hi, members))
-        segments = starts_inside(flat.offsets, lo, hi) if segmented else None
+        segments = starts_inside(bounds, lo, hi) if bounds is not None else None
         if exact:
             c = None
         elif collective == "allgather":
