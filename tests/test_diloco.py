@@ -570,6 +570,8 @@ def test_a_checkpoint_loads_only_into_the_same_streaming_schedule():
     ({"error_feedback": True, "error_decay": 0}, ValueError, "Invalid error_decay value: 0"),
     ({"collective": "ring"}, ValueError, "Invalid collective value: 'ring' \\(expected 'allgather' or 'allreduce'\\)"),
     ({"scales": "rows"}, ValueError, "Invalid scales value: 'rows' \\(expected 'tensor', 'chunk' or 'row'\\)"),
+    ({"scales": "row", "compressor": "block_sign"}, ValueError,
+     "Invalid scales value for compressor 'block_sign': 'row' \\(it has no per-block scales"),
     ({"overlap": True}, TypeError, "unexpected keyword argument 'overlap'"),
     ({"outer": lambda a: torch.optim.SGD(a, lr=1.0), "outer_lr": 0.5}, TypeError, "given outer= and also outer_lr="),
     ({"outer": "sgd"}, TypeError, "Invalid outer value: 'sgd' \\(expected a factory of a torch.optim.Optimizer"),

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import onebit
+import onebit.launch
 from _harness import run_ranks, run_torchrun
 
 
@@ -82,6 +83,8 @@ def _preloaded(rank, world):
     return {"dynamo": "torch._dynamo" in sys.modules, "kernels": _kernels()}
 
 
+@pytest.mark.skipif(onebit.launch._CTX.get_start_method() != "forkserver",
+                    reason="no fork server here: every rank is a fresh interpreter")
 def test_ranks_forked_by_spawn_start_with_what_the_first_optimizer_loads():
     # what makes a multi-rank test start in a fraction of a second: loaded once in the fork server
     for r in run_ranks(_preloaded, 2):

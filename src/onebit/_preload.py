@@ -9,8 +9,11 @@ The server stays free of threads that a fork would break: only numpy's and scipy
 OpenBLAS servers run, which OpenBLAS resets in the child.
 """
 
-import torch._dynamo  # noqa: F401 -- loaded, not used here
+try:
+    import torch._dynamo  # noqa: F401 -- loaded, not used here
 
-from onebit import ops
+    from onebit import ops
 
-ops.warm_up("cpu")
+    ops.warm_up("cpu")
+except Exception:  # noqa: BLE001 -- only time is saved here: a rank that meets the error meets it itself
+    pass  # (the fork server survives an ImportError in its preload, but no other exception)

@@ -139,7 +139,7 @@ class DiLoCo(Optimizer):
             error_decay=0.95, outer_lr=1.0, outer_momentum=0.0`` (see the DiLoCo page of the
             docs for what it measured).
         scales: ``"tensor"`` (one scale per tensor piece, of each chunk with the all-reduce),
-            ``"row"`` (one per slice along a tensor's first dimension: an embedding's rows) or
+            ``"row"`` (one per slice along the first dimension of each 2-D or larger tensor) or
             ``"chunk"`` (one per chunk with the all-reduce, per contiguous piece with the all-gather).
         group: the process group the workers average over (``None``: the default group).
         **options: ``timeout``, ``broadcast_parameters``, ``on_nonfinite``,

@@ -293,8 +293,14 @@ def build_fragments(flat: FlatState, owner: Sequence[int], compressor: Any, *, c
                          "its own: NCCL, or MPI without MPI_THREAD_MULTIPLE, do not allow it); use delay=0, or a "
                          "gloo group")
     group = comm.duplicate(group, timeout) if delay else group
-    exact = compress.get(compressor).name == "identity"
-    bounds = {"tensor": flat.offsets, "row": flat.rows()}.get(scales) if compress.get(compressor).blockwise else None
+    codec = compress.get(compressor)
+    exact = codec.name == "identity"
+    if scales == "row" and not (exact or codec.blockwise):
+        raise ValueError(f"Invalid scales value for compressor {codec.name!r}: 'row' (it has no per-block scales; "
+                         "take 'sign' or another compressor with blockwise=True)")
+    bounds = None
+    if codec.blockwise and scales in ("tensor", "row"):
+        bounds = flat.offsets if scales == "tensor" else flat.rows()
     pieces: dict[int, list[tuple[int, int, int, list[int]]]] = {f: [] for f in sorted(set(owner))}
     collectives: dict[int, list[Any]] = {f: [] for f in pieces}
     for b, (f, members) in enumerate(runs(owner)):
