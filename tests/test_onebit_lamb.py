@@ -125,6 +125,33 @@ def test_resume_mid_compression_is_bit_exact(world):
         assert a["digests"] == b["digests"]
 
 
+def test_a_state_loaded_after_compressed_steps_decides_the_next_ones():
+    """The layers' norms of the frozen variance are taken once after a freeze or a load: an
+    optimizer that stepped on its own frozen variance and then loads another run's state continues
+    that run bit for bit."""
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        return model, onebit.OnebitLamb(model.parameters(), lr=0.01, freeze_step=3)
+
+    def step(model, opt, x):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+
+    batches = torch.randn(2, 10, 16, 6, generator=torch.Generator().manual_seed(0))
+    (a, a_opt), (b, b_opt) = make(), make()
+    for x, y in zip(batches[0, :6], batches[1, :6]):  # two runs, frozen variances far apart
+        step(a, a_opt, x)
+        step(b, b_opt, 100 * y)
+    b.load_state_dict(a.state_dict())
+    b_opt.load_state_dict(a_opt.state_dict())
+    for x in batches[0, 6:]:
+        step(a, a_opt, x)
+        step(b, b_opt, x)
+        assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
 def _loss(rank, world, freeze, steps):
     return teacher_student_loss(lambda p: onebit.OnebitLamb(p, lr=3e-3, freeze_step=freeze), steps, 128, rank)
 

@@ -1,4 +1,7 @@
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -110,6 +113,53 @@ def test_elementwise_kernels_bit_identical_to_reference(n, seed, scale):
     assert torch.equal(ops.clamp_scaled_(x.clone(), bound, scale), torch.minimum(torch.maximum(x, -limit), limit))
     assert torch.equal(ops.zero_where_equal_(x.clone(), ref, 0.0), torch.where(ref == 0, 0.0, x))
     assert torch.equal(ops.zero_where_equal_(x.clone(), eps, 1e-8), torch.where(eps == 1e-8, 0.0, x))
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.sampled_from([0, 1, 7, 8, 67, 300, 4099]), seed=st.integers(0, 2**16),
+       beta=st.sampled_from([0.0, 0.9, 0.95]), first=st.booleans())
+def test_soft_sign_bit_identical_to_reference(n, seed, beta, first):
+    g = torch.Generator().manual_seed(seed)
+    grad = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 4)  # magnitudes over decades
+    grad[torch.rand(n, generator=g) < 0.2] = 0.0  # rows never looked up
+    grad[torch.rand(n, generator=g) < 0.05] = -0.0
+    m = torch.randn(n, generator=g) * 1e-2
+    b = m.abs() + torch.rand(n, generator=g) * 1e-2  # |m| <= b, as the EMAs of g and |g| keep it
+    if first:  # Birder's first step: b == 0 where the gradient is 0, so m / (0 + eps)
+        m.zero_(), b.zero_()
+    for special in (float("inf"), float("nan")):
+        if n > 3:
+            grad[n // 3] = special
+    fast = [m.clone(), b.clone(), torch.empty(n)]
+    ops.soft_sign_(fast[0], fast[1], grad, fast[2], beta=beta, eps=1e-8)
+    expect = [m.clone(), b.clone(), torch.empty(n)]
+    with ops.reference_kernels():
+        ops.soft_sign_(expect[0], expect[1], grad, expect[2], beta=beta, eps=1e-8)
+    for name, a, e in zip(("m", "b", "out"), fast, expect):
+        assert torch.equal(a.view(torch.int32), e.view(torch.int32)), name
+    # Plain definition (float64, close): the EMAs of g and |g|, then m / (b + eps)
+    m64 = beta * m.double() + (1 - beta) * grad.double()
+    b64 = beta * b.double() + (1 - beta) * grad.double().abs()
+    finite = torch.isfinite(grad)
+    size = (beta * m.double().abs() + (1 - beta) * grad.double().abs())[finite]  # rounding is relative to it
+    assert ((fast[0].double()[finite] - m64[finite]).abs() <= 1e-6 * size).all()
+    assert ((fast[1].double()[finite] - b64[finite]).abs() <= 1e-6 * b64[finite]).all()
+    direction = m64 / (b64 + 1e-8)
+    assert ((fast[2].double() - direction)[finite].abs() <= 1e-5 * (size / (b64[finite] + 1e-8) + 1)).all()
+    assert (fast[2][finite].abs() <= 1 + 1e-6).all()
+
+
+def test_soft_sign_bit_identical_where_torch_rounds_twice():
+    """Under ATEN_CPU_CAPABILITY=default torch's add_(alpha=) rounds the product and the sum apart:
+    the kernel's other path, checked against the torch form there."""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}
+    probe = "from onebit.ops._elementwise import _torch_add_rounds_once as f; print(f())"
+    assert subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"
+    test = f"{__file__}::test_soft_sign_bit_identical_to_reference"
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test], env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:]
 
 
 @settings(max_examples=40, deadline=None)

@@ -22,7 +22,7 @@ from torch import Tensor
 from . import _bits, _cpu, _triton
 from ._blocks import Blocks
 from ._bits import _numba_ok, pack_bits, pack_codes, pack_signs, packed_numel, unpack_codes, unpack_signs
-from ._elementwise import clamp_scaled_, max_ratio, zero_where_equal_
+from ._elementwise import clamp_scaled_, max_ratio, soft_sign_, zero_where_equal_
 from ._norms import l2_norm
 from ._select import topk_indices
 
@@ -218,4 +218,5 @@ def warm_up(device: torch.device | str) -> None:
     clamp_scaled_(out, c.abs(), 0.5)  # the optimizers' element-wise passes
     zero_where_equal_(out, c, 0.0)
     max_ratio(out, c, torch.zeros((), dtype=torch.float64, device=device))
+    soft_sign_(c.clone(), c.abs(), c, out, beta=0.9, eps=1e-8)
     _WARM.add(device.type)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from .. import comm
+from .. import comm, ops
 from .._checks import check_beta, check_bool, check_nonneg, check_positive, check_seed
 from ..compress import StochasticSignCompressor
 from ._base import OnebitOptimizer
@@ -252,6 +252,9 @@ class Birder(_SoftSign):
         formed in scratch and ``_apply`` moves the moments once the step is agreed."""
         b = self.flat.buffers
         m, b_abs = b["exp_avg"][lo:hi], b["exp_avg_abs"][lo:hi]
+        if live and agreed and grad is not None and "max_exp_avg_abs" not in b:  # the common step, one pass
+            ops.soft_sign_(m, b_abs, grad, out, beta=group["beta"], eps=self.eps)
+            return
         if live:
             m = ema_(m, grad, group["beta"], out=None if agreed else scratch[0])
             b_abs = ema_(b_abs, None if grad is None else grad.abs(), group["beta"], out=None if agreed else scratch[1])

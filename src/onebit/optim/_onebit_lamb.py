@@ -131,6 +131,7 @@ def onebit_lamb(
     scaling_ratio: str = "norm",
     max_per_param: Reduce | None = None,
     sum_per_param: Reduce | None = None,
+    frozen_norms: Tensor | None = None,
 ) -> Tensor:
     """Algorithm 1 lines 12-21 on the averaged scaled momentum ``exp_avg`` (``last_exp_avg``
     holds ``m_{t-1}``, and scratch after it): unscale (A.5.2);
@@ -142,7 +143,9 @@ def onebit_lamb(
     (:func:`clip_to_adam_step_`). Returns each tensor's ``c`` (0 where ``active[i]`` is false:
     not updated); ``ratio`` and the other per-tensor vectors are float64 on the device.
     ``max_per_param`` / ``sum_per_param``: the parameters are FSDP2 shards, and the maximum or
-    the norms are the whole parameters' (one reduction)."""
+    the norms are the whole parameters' (one reduction). ``frozen_norms``: each tensor's
+    ``||v_frozen||_1`` (float64 sums, as this function takes them), kept by the caller: they do not
+    change after the freeze."""
     device = exp_avg.device
     by_norm = scaling_ratio == "norm"
     # "max": the largest quotient (-inf: no value with a variance); "norm": the two l1 norms
@@ -162,7 +165,8 @@ def onebit_lamb(
         g = work.mul_(-b1).add_(m).div_(1.0 - b1)  # (m_t - b1 m_{t-1}) / (1 - b1)
         v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
         if by_norm:
-            norms[0, i], norms[1, i] = v_frozen.sum(dtype=torch.float64), v.sum(dtype=torch.float64)
+            norms[0, i] = v_frozen.sum(dtype=torch.float64) if frozen_norms is None else frozen_norms[i]
+            norms[1, i] = v.sum(dtype=torch.float64)
         elif hi > lo:
             largest[i] = max_ratio(v_frozen, v, largest[i], work=work)
     if by_norm:
@@ -171,22 +175,22 @@ def onebit_lamb(
         largest = torch.where(norms[1] > 0, norms[0] / norms[1], largest)
     elif max_per_param is not None:
         max_per_param(largest)
-    coeffs = torch.zeros(len(offsets), dtype=torch.float64, device=device)
+    # Lines 17-20 for every tensor at once (element-wise float64: each tensor's own arithmetic);
+    # the previous ratio where no value has a variance, and an inactive tensor's left as it is.
+    r = torch.where(largest == float("-inf"), ratio, largest)
+    r = torch.minimum(torch.maximum(r, (1.0 - factor_threshold) * ratio), (1.0 + factor_threshold) * ratio)
+    r = r.clamp(factor_min, factor_max)
+    on = torch.tensor(list(active), dtype=torch.bool, device=device)
+    ratio.copy_(torch.where(on, r, ratio))
+    coeffs = torch.where(on, r * coeff_avg, 0.0)
+    steps = torch.tensor(list(lrs), dtype=torch.float64, device=device) * coeffs
     for i, (lo, hi) in enumerate(offsets):
         if not active[i]:
             continue
-        prev = ratio[i].clone()
-        # the previous ratio where no value has a variance
-        r = torch.where(largest[i] == float("-inf"), prev, largest[i])
-        r = torch.minimum(torch.maximum(r, (1.0 - factor_threshold) * prev), (1.0 + factor_threshold) * prev)
-        r = r.clamp(factor_min, factor_max)
-        ratio[i] = r
-        c = r * coeff_avg[i]
         update = torch.div(exp_avg[lo:hi], frozen_exp_avg_sq[lo:hi].sqrt().add_(eps), out=last_exp_avg[lo:hi])
         if weight_decays[i]:
             update.add_(params[i].detach().reshape(-1).float(), alpha=weight_decays[i])
-        apply_update_(params[i], update, None, lr=lrs[i], weight_decay=0.0, step_size=lrs[i] * c)
-        coeffs[i] = c
+        apply_update_(params[i], update, None, lr=lrs[i], weight_decay=0.0, step_size=steps[i])
     return coeffs
 
 
@@ -351,6 +355,7 @@ class OnebitLamb(OnebitOptimizer):
         self.ratio = torch.ones(n, dtype=torch.float64, device=device)
         self.momentum_scale = torch.ones(n, dtype=torch.float64, device=device)
         self._coefficients: Tensor | None = None
+        self._frozen_sums: Tensor | None = None  # each tensor's ||v_Tw||_1 (_frozen_norms)
         self._drive(self._allreduce(compressor, hierarchical=hierarchical, ranks_per_node=ranks_per_node,
                                     overlap=overlap is True, scales=scales), overlap=overlap,
                     bucket_cap_mb=bucket_cap_mb)
@@ -398,13 +403,22 @@ class OnebitLamb(OnebitOptimizer):
             factor_max=o["factor_max"], factor_min=o["factor_min"], factor_threshold=o["factor_threshold"],
             clip_update=o["clip_update"], frozen_at=self._stages.frozen_at, scaling_ratio=o["scaling_ratio"],
             max_per_param=self._shards.max_per_param if self._shards.sharded else None,
-            sum_per_param=self._shards.sum_per_param if self._shards.sharded else None, **common)
+            sum_per_param=self._shards.sum_per_param if self._shards.sharded else None,
+            frozen_norms=self._frozen_norms() if o["scaling_ratio"] == "norm" else None, **common)
+
+    def _frozen_norms(self) -> Tensor:
+        """Each tensor's ``||v_Tw||_1`` (float64 sums), taken once after the freeze or a load."""
+        if self._frozen_sums is None:
+            v = self.flat.buffers["frozen_exp_avg_sq"]
+            self._frozen_sums = torch.stack([v[lo:hi].sum(dtype=torch.float64) for lo, hi in self.flat.offsets])
+        return self._frozen_sums
 
     def _enter(self, stage: Stage) -> None:
         """Line 3 and A.5.2: store v_Tw (c_avg stops moving), derive the momentum scale coefficients.
         The compression stage reads each rank's own gradients where they lie."""
         b = self.flat.buffers
         b["frozen_exp_avg_sq"].copy_(b["exp_avg_sq"])
+        self._frozen_sums = None
         self._note_unused()
         if self._shards.sharded:  # the whole parameters' norms, from their shards'
             squares = torch.stack([b["exp_avg"][lo:hi].double().square().sum() for lo, hi in self.flat.offsets])
@@ -434,6 +448,7 @@ class OnebitLamb(OnebitOptimizer):
         }
 
     def _load_extra_state(self, state: Mapping[str, Any], own_state: bool) -> None:
+        self._frozen_sums = None
         if self._stages.frozen_at is not None:
             self._note_unused()
         as_vector = {"dtype": torch.float64, "device": self.flat.device, "copy": True}
