@@ -38,14 +38,20 @@ def report(before: list[Path], after: list[Path]) -> str:
     pairs = [(_load(b)[0], _load(a)[0]) for b, a in zip(before, after)]
     lines = ["| optimizer | against | before, ms/step | after, ms/step | after / before | vs its counterpart, "
              "before → after |", "|---|---|---|---|---|---|"]
-    names = [n for n in pairs[0][0] if n in pairs[0][1] and n != _counterpart(n) and n != "local_adam"]
+    # DDP's own row is the control: a change that does not touch its code, the machine's drift
+    names = [n for n in pairs[0][0] if n in pairs[0][1] and n != "local_adam"]
     for name in names:
         other = _counterpart(name)
         mean, low, high = ratio_interval([a[name] / b[name] for b, a in pairs])
-        share = [statistics.median(run[name] / run[other] for run in side) for side in zip(*pairs)]
-        lines.append(f"| {name} | {other} | {', '.join(fmt(b[name] * 1e3, '.1f') for b, _ in pairs)} | "
+        if other == name:
+            against = "— (the control)"
+        else:
+            share = [statistics.median(run[name] / run[other] for run in side) for side in zip(*pairs)]
+            against = f"{share[0]:.2f}x → {share[1]:.2f}x"
+        lines.append(f"| {name} | {other if other != name else '—'} | "
+                     f"{', '.join(fmt(b[name] * 1e3, '.1f') for b, _ in pairs)} | "
                      f"{', '.join(fmt(a[name] * 1e3, '.1f') for _, a in pairs)} | {mean:.2f} [{low:.2f}, {high:.2f}] | "
-                     f"{share[0]:.2f}x → {share[1]:.2f}x |")
+                     f"{against} |")
     notes = [_load(r)[1] for r in before + after]
     machines = ", ".join(sorted({n["machine"] for n in notes}))
     dates = ", ".join(sorted({n["date"] for n in notes}))

@@ -119,6 +119,8 @@ def test_elementwise_kernels_bit_identical_to_reference(n, seed, scale):
 @given(n=st.sampled_from([0, 1, 7, 8, 67, 300, 4099]), seed=st.integers(0, 2**16),
        beta=st.sampled_from([0.0, 0.9, 0.95]), first=st.booleans())
 def test_soft_sign_bit_identical_to_reference(n, seed, beta, first):
+    if ops._elementwise._torch_add_rounds_once() is None:
+        pytest.skip("torch rounds add_(alpha=) neither way on every value here: no kernel runs")
     g = torch.Generator().manual_seed(seed)
     grad = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 4)  # magnitudes over decades
     grad[torch.rand(n, generator=g) < 0.2] = 0.0  # rows never looked up
@@ -154,8 +156,9 @@ def test_soft_sign_bit_identical_where_torch_rounds_twice():
     the kernel's other path, checked against the torch form there."""
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}
     probe = "from onebit.ops._elementwise import _torch_add_rounds_once as f; print(f())"
-    assert subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
-                          check=True).stdout.strip() == "False"
+    found = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    if found.stdout.strip() != "False":  # aarch64's default build fuses them (NEON)
+        pytest.skip(f"torch's default CPU kernels round once here ({found.stdout.strip()})")
     test = f"{__file__}::test_soft_sign_bit_identical_to_reference"
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test], env=env,
                           capture_output=True, text=True)

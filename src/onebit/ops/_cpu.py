@@ -113,8 +113,8 @@ if numba is not None:
         p0, p1, p2, p3 = packed[0], packed[min(1, w - 1)], packed[min(2, w - 1)], packed[min(3, w - 1)]
         s0, s1, s2, s3 = scales[0], scales[min(1, w - 1)], scales[min(2, w - 1)], scales[min(3, w - 1)]
         # accumulate chooses between two loops, not inside one, and the last byte's values go
-        # through a function of their own: either way, in the same function, kept LLVM from
-        # vectorising (2.5-3.2 ms for 166K values and 4 ranks on an AVX2 EPYC, against 0.13-0.38).
+        # through a function of their own: either, in the same function, kept LLVM from
+        # vectorising the loop on an AVX2 EPYC (about 10-20x slower).
         full = n // 8
         if accumulate:
             for i in range(full):
@@ -127,7 +127,7 @@ if numba is not None:
                 for k in range(8):
                     out[8 * i + k] = _few_sum(w, k, b0, b1, b2, b3, s0, s1, s2, s3) * inv
         if n > 8 * full:
-            _few_tail(w, p0[full], p1[full], p2[full], p3[full], s0, s1, s2, s3, inv, out[8 * full :], accumulate)
+            _few_tail(w, p0[full], p1[full], p2[full], p3[full], s0, s1, s2, s3, inv, out[8 * full : n], accumulate)
 
     @numba.njit(cache=True, nogil=True, boundscheck=False, inline="never")
     def _few_tail(w, b0, b1, b2, b3, s0, s1, s2, s3, inv, out, accumulate):  # pragma: no cover - compiled

@@ -35,7 +35,8 @@ def _torch_add_rounds_once() -> bool | None:
     ``ATEN_CPU_CAPABILITY``: ``-1 + (1 + 2^-12)^2`` is ``2^-11 + 2^-24`` rounded once and
     ``2^-11`` rounded twice; 67 values reach both the vectorised loop and its scalar tail."""
     a = 1.0 + 2.0**-12
-    x = torch.full((67,), -1.0).add_(torch.full((67,), a), alpha=a)
+    cpu32 = {"dtype": torch.float32, "device": "cpu"}  # whatever the defaults: the kernel's case
+    x = torch.full((67,), -1.0, **cpu32).add_(torch.full((67,), a, **cpu32), alpha=a)
     once = x == 2.0**-11 + 2.0**-24
     if bool(once.all()):
         return True
@@ -46,7 +47,8 @@ def soft_sign_(m: Tensor, b: Tensor, g: Tensor, out: Tensor, *, beta: float, eps
     """Birder's lines 5-6 and its direction in one pass: ``m <- beta m + (1 - beta) g``,
     ``b <- beta b + (1 - beta) |g|`` in place, then ``out = m / (b + eps)``; all four flat fp32 of
     one size. The torch form is ``m.mul_(beta).add_(g, alpha=1 - beta)`` (and ``b``'s), then
-    ``torch.div(m, b + eps, out=out)``; the kernel rounds as it does on this machine.
+    ``torch.div(m, b + eps, out=out)``; the kernel rounds as it does on this machine (the same
+    bits, but for which NaN's sign survives where two NaNs meet).
 
     Example:
         >>> m, b, out = torch.zeros(3), torch.zeros(3), torch.empty(3)

@@ -175,22 +175,21 @@ def onebit_lamb(
         largest = torch.where(norms[1] > 0, norms[0] / norms[1], largest)
     elif max_per_param is not None:
         max_per_param(largest)
-    # Lines 17-20 for every tensor at once (element-wise float64: each tensor's own arithmetic);
-    # the previous ratio where no value has a variance, and an inactive tensor's left as it is.
+    # Lines 17-20 for every tensor at once (element-wise float64: each tensor's own arithmetic;
+    # the previous ratio where no value has a variance); an inactive tensor keeps its ratio.
     r = torch.where(largest == float("-inf"), ratio, largest)
     r = torch.minimum(torch.maximum(r, (1.0 - factor_threshold) * ratio), (1.0 + factor_threshold) * ratio)
     r = r.clamp(factor_min, factor_max)
-    on = torch.tensor(list(active), dtype=torch.bool, device=device)
-    ratio.copy_(torch.where(on, r, ratio))
-    coeffs = torch.where(on, r * coeff_avg, 0.0)
-    steps = torch.tensor(list(lrs), dtype=torch.float64, device=device) * coeffs
+    coeffs = r * coeff_avg
     for i, (lo, hi) in enumerate(offsets):
         if not active[i]:
+            coeffs[i] = 0.0
             continue
+        ratio[i] = r[i]
         update = torch.div(exp_avg[lo:hi], frozen_exp_avg_sq[lo:hi].sqrt().add_(eps), out=last_exp_avg[lo:hi])
         if weight_decays[i]:
             update.add_(params[i].detach().reshape(-1).float(), alpha=weight_decays[i])
-        apply_update_(params[i], update, None, lr=lrs[i], weight_decay=0.0, step_size=steps[i])
+        apply_update_(params[i], update, None, lr=lrs[i], weight_decay=0.0, step_size=lrs[i] * coeffs[i])
     return coeffs
 
 
