@@ -35,7 +35,8 @@ def _load(run: Path) -> tuple[dict[str, float], dict[str, str]]:
 def report(before: list[Path], after: list[Path]) -> str:
     if len(before) != len(after):
         raise ValueError(f"--before has {len(before)} runs, --after {len(after)}: one of each per round")
-    pairs = [(_load(b)[0], _load(a)[0]) for b, a in zip(before, after)]
+    loaded = {run: _load(run) for run in before + after}
+    pairs = [(loaded[b][0], loaded[a][0]) for b, a in zip(before, after)]
     lines = ["| optimizer | against | before, ms/step | after, ms/step | after / before | vs its counterpart, "
              "before → after |", "|---|---|---|---|---|---|"]
     # DDP's own row is the control: a change that does not touch its code, the machine's drift
@@ -52,7 +53,7 @@ def report(before: list[Path], after: list[Path]) -> str:
                      f"{', '.join(fmt(b[name] * 1e3, '.1f') for b, _ in pairs)} | "
                      f"{', '.join(fmt(a[name] * 1e3, '.1f') for _, a in pairs)} | {mean:.2f} [{low:.2f}, {high:.2f}] | "
                      f"{against} |")
-    notes = [_load(r)[1] for r in before + after]
+    notes = [loaded[run][1] for run in before + after]
     machines = ", ".join(sorted({n["machine"] for n in notes}))
     dates = ", ".join(sorted({n["date"] for n in notes}))
     lines += ["", f"{len(pairs)} rounds; the first before: `{notes[0]['command']}`; {machines}, {dates}. "

@@ -220,7 +220,7 @@ if numba is not None:
     # error_model="numpy": a division by zero gives IEEE's inf/NaN, as torch's, with no check
     # per value that would keep the loop from vectorising
     @numba.njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")
-    def _soft_sign(g, m, b, out, beta, alpha, eps, fused):  # pragma: no cover - compiled
+    def _soft_sign(m, b, g, out, beta, alpha, eps, fused):  # pragma: no cover - compiled
         for i in range(g.size):
             gi = g[i]
             if fused:
@@ -369,11 +369,11 @@ if numba is not None:
         above inf), the lowest indices first among equal magnitudes; ``1 <= k <= x.size``."""
         _topk_indices(x, k, out)
 
-    def soft_sign_(g: np.ndarray, m: np.ndarray, b: np.ndarray, out: np.ndarray, beta: np.float32,
+    def soft_sign_(m: np.ndarray, b: np.ndarray, g: np.ndarray, out: np.ndarray, beta: np.float32,
                    alpha: np.float32, eps: np.float32, fused: bool) -> None:
         """``m = m * beta + g * alpha``, ``b = b * beta + |g| * alpha`` (each product ``g * alpha``
         and its sum rounded once where ``fused``), then ``out = m / (b + eps)``, in place."""
-        _soft_sign(g, m, b, out, beta, alpha, eps, fused)
+        _soft_sign(m, b, g, out, beta, alpha, eps, fused)
 
     def clamp_scaled_(x: np.ndarray, bound: np.ndarray, scale: np.float32) -> None:
         """``x = clamp(x, -bound * scale, bound * scale)`` in place (fp32 products)."""

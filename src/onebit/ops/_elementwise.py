@@ -57,7 +57,7 @@ def soft_sign_(m: Tensor, b: Tensor, g: Tensor, out: Tensor, *, beta: float, eps
     """
     rounds_once = _torch_add_rounds_once()
     if rounds_once is not None and _numba_ok(m, b, g, out):
-        _cpu.soft_sign_(g.numpy(), m.numpy(), b.numpy(), out.numpy(), np.float32(beta), np.float32(1.0 - beta),
+        _cpu.soft_sign_(m.numpy(), b.numpy(), g.numpy(), out.numpy(), np.float32(beta), np.float32(1.0 - beta),
                         np.float32(eps), rounds_once)
         return out
     m.mul_(beta).add_(g, alpha=1.0 - beta)
