@@ -43,7 +43,7 @@ class Blocks:
     """Consecutive blocks of ``sizes`` values (each a multiple of 8 but the last, so that every
     block starts on a packed byte); each gets the scale ``||x_B||_2 / sqrt(n_B)``.
 
-    Example:
+    Examples:
         >>> blocks = onebit.ops.Blocks([8, 3])
         >>> blocks.l2_scales(torch.tensor([3.0] * 8 + [0.5, -0.5, 0.5]))
         tensor([3.0000, 0.5000])

@@ -50,9 +50,10 @@ def soft_sign_(m: Tensor, b: Tensor, g: Tensor, out: Tensor, *, beta: float, eps
     ``torch.div(m, b + eps, out=out)``; the kernel rounds as it does on this machine (the same
     bits, but for which NaN's sign survives where two NaNs meet).
 
-    Example:
+    Examples:
         >>> m, b, out = torch.zeros(3), torch.zeros(3), torch.empty(3)
-        >>> onebit.ops.soft_sign_(m, b, torch.tensor([2.0, -1.0, 0.0]), out, beta=0.5, eps=1e-8)
+        >>> g = torch.tensor([2.0, -1.0, 0.0])
+        >>> onebit.ops.soft_sign_(m, b, g, out, beta=0.5, eps=1e-8)
         tensor([ 1., -1.,  0.])
     """
     rounds_once = _torch_add_rounds_once()

@@ -122,7 +122,7 @@ def splitmix_uniform(seed: int, offset: int, n: int, device: torch.device | str 
     ``2**-24`` (as ``torch.rand``'s fp32, which also has 24 random bits). SplitMix64(0)'s first
     outputs are ``0xe220a8397b1dcdaf`` and ``0x6e789e6aa1b965f4``:
 
-    Example:
+    Examples:
         >>> onebit.ops.splitmix_uniform(0, 0, 2).tolist()
         [0.8833107948303223, 0.4315279722213745]
     """

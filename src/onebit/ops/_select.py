@@ -23,7 +23,7 @@ def topk_indices(x: Tensor, k: int) -> Tensor:
     the same indices: ``torch.topk`` finds the k-th largest magnitude and a running count of
     its ties keeps the first.
 
-    Example:
+    Examples:
         >>> onebit.ops.topk_indices(torch.tensor([0.5, -2.0, 1.0, 2.0, -1.0]), 3).tolist()
         [1, 2, 3]
     """
