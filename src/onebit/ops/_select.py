@@ -24,7 +24,8 @@ def topk_indices(x: Tensor, k: int) -> Tensor:
     its ties keeps the first.
 
     Examples:
-        >>> onebit.ops.topk_indices(torch.tensor([0.5, -2.0, 1.0, 2.0, -1.0]), 3).tolist()
+        >>> x = torch.tensor([0.5, -2.0, 1.0, 2.0, -1.0])
+        >>> onebit.ops.topk_indices(x, 3).tolist()
         [1, 2, 3]
     """
     x = x.reshape(-1)
