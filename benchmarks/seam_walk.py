@@ -5,9 +5,11 @@ Traced (``sys.setprofile``, one process, world size 1, which runs the same code 
 one compressed 1-bit Adam step (after the freeze, the one-shot exchange) and one local step of
 0/1 Adam. For each: the distinct functions of ``onebit`` entered, the files they live in, the
 file switches (consecutive function entries in different files) and how often each file is
-re-entered -- inside ``onebit/optim`` and end to end. Then, read from the source: the
-attributes the exchange driver reads off the optimizer (private ones named) and the optimizer
-files that read the driver's.
+re-entered -- inside ``onebit/optim`` and end to end -- and how often the walk alternates between
+the optimizer's base and its exchange (``optim/_base.py`` and ``optim/_exchange.py``). Then the
+calls back into the optimizer from the exchange (``optim/_exchange.py`` or ``comm``: a function
+of an optimizer's file entered straight from one of theirs), and, read from the source, the
+attributes the exchange reads off the optimizer.
 
 Usage, from a checkout: ``python benchmarks/seam_walk.py``
 """
@@ -29,6 +31,15 @@ _ROOT = os.path.dirname(onebit.__file__)
 _COMPREHENSIONS = ("<listcomp>", "<genexpr>", "<dictcomp>", "<setcomp>")  # not steps of the walk
 
 
+# The exchange's file (``_driver.py`` before it became a service of the step: run this script on
+# an older checkout to compare).
+_EXCHANGE_FILE = "optim/_exchange.py" if os.path.exists(os.path.join(_ROOT, "optim", "_exchange.py")) \
+    else "optim/_driver.py"
+_EXCHANGE = (_EXCHANGE_FILE, "comm/")
+_NOT_THE_OPTIMIZER = (_EXCHANGE_FILE, "optim/_buckets.py", "optim/_stages.py", "optim/_flat.py")
+_BACK: list[str] = []  # calls from the exchange into an optimizer's file, as "caller -> callee"
+
+
 def _walk(step: Callable[[], Any]) -> list[tuple[str, str]]:
     """``(file relative to onebit, function)`` of every onebit function (not comprehension) entered
     during ``step()``."""
@@ -37,7 +48,12 @@ def _walk(step: Callable[[], Any]) -> list[tuple[str, str]]:
     def profile(frame: Any, event: str, arg: Any) -> None:
         name = frame.f_code.co_qualname
         if event == "call" and frame.f_code.co_filename.startswith(_ROOT) and not name.endswith(_COMPREHENSIONS):
-            calls.append((os.path.relpath(frame.f_code.co_filename, _ROOT), name))
+            where = os.path.relpath(frame.f_code.co_filename, _ROOT)
+            calls.append((where, name))
+            caller = frame.f_back
+            came = os.path.relpath(caller.f_code.co_filename, _ROOT) if caller is not None else ""
+            if came.startswith(_EXCHANGE) and where.startswith("optim/") and where not in _NOT_THE_OPTIMIZER:
+                _BACK.append(f"{came}:{caller.f_code.co_qualname} -> {where}:{name}")
 
     sys.setprofile(profile)
     try:
@@ -53,8 +69,10 @@ def _summary(calls: list[tuple[str, str]], where: str) -> str:
     switches = sum(a != b for a, b in zip(files, files[1:]))
     entries = collections.Counter(f for i, f in enumerate(files) if i == 0 or files[i - 1] != f)
     again = ", ".join(f"{f} {n}x" for f, n in entries.most_common() if n > 1)
-    return (f"{len(set(calls))} functions in {len(set(files))} files, {len(calls)} calls, {switches} file switches"
-            f"{'; re-entered: ' + again if again else ''}")
+    seam = [f for f in files if f in ("optim/_base.py", _EXCHANGE_FILE)]
+    alternations = sum(a != b for a, b in zip(seam, seam[1:]))
+    return (f"{len(set(calls))} functions in {len(set(files))} files, {len(calls)} calls, {switches} file switches, "
+            f"{alternations} base<->exchange alternations{'; re-entered: ' + again if again else ''}")
 
 
 def _model() -> tuple[torch.nn.Module, Callable[[], None]]:
@@ -80,24 +98,15 @@ def _traced(make: Callable[[Any], Any], warm: int, stage: str) -> list[tuple[str
 
 
 def _seam() -> list[str]:
-    """What ``optim/_driver.py`` reads off the optimizer, and who reads ``_driver`` back."""
-    optim = os.path.join(_ROOT, "optim")
-    tree = ast.parse(open(os.path.join(optim, "_driver.py")).read())
-    names: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and (
-                (isinstance(node.value, ast.Name) and node.value.id == "opt")
-                or (isinstance(node.value, ast.Attribute) and node.value.attr == "opt")):
-            names.add(node.attr)
-    private = sorted(n for n in names if n.startswith("_"))
-    readers = []
-    for f in sorted(os.listdir(optim)):
-        if f.endswith(".py") and f not in ("_driver.py", "_base.py") and any(
-                isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
-                and node.value.attr == "_driver" for node in ast.walk(ast.parse(open(os.path.join(optim, f)).read()))):
-            readers.append(f)
-    return [f"the driver reads {len(names)} attributes of the optimizer, {len(private)} private: {private}",
-            f"optimizer files other than the base reading self._driver's attributes: {len(readers)} {readers}"]
+    """The calls back into the optimizer from the exchange during the walks, and what the
+    exchange's file reads off the optimizer."""
+    tree = ast.parse(open(os.path.join(_ROOT, _EXCHANGE_FILE)).read())
+    names = sorted({node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+                    and isinstance(node.value, ast.Name) and node.value.id in ("opt", "optimizer")})
+    back = collections.Counter(_BACK)
+    return [f"calls from the exchange back into the optimizer: {sum(back.values())}"
+            + "".join(f"\n  {n}x {call}" for call, n in back.items()),
+            f"attributes the exchange reads off the optimizer: {len(names)} {names}"]
 
 
 def main() -> None:

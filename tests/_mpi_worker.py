@@ -94,7 +94,7 @@ def overlap(rank: int, world: int) -> dict:
             opt = optimizer_class(name)(model.parameters(), lr=0.01, group=backend, overlap=True,
                                         bucket_cap_mb=0.004, **kwargs)
             run = _steps(model, opt, rank, 6, in_backward="buckets_in_backward")
-            res[backend, name] = {**run, "buckets": len(opt._driver.bounds)}
+            res[backend, name] = {**run, "buckets": len(opt._exchange.bounds)}
         # Streaming DiLoCo: each fragment's exchange completed on a thread of its own, across steps
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(12, 48), torch.nn.GELU(), torch.nn.Linear(48, 3))

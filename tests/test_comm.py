@@ -229,9 +229,10 @@ def test_pipelined_exchanges_overlap_their_phases_and_keep_the_bits():
 def test_the_pipeline_keeps_each_exchange_a_phase_behind_the_next():
     """``comm.Pipeline``, the one scheduler of exchanges in flight (the optimizers' buckets, the
     DDP hooks', ``run_pipelined``): a launch starts the exchange and the second phase of the
-    lagging ones before it; ``catch_up`` the last one's; the others wait for ``finish``, which
-    moves each a phase, in launch order, round after round, landing each as it ends; ``drop``
-    abandons what is left."""
+    lagging ones before it; ``catch_up`` the last one's; the others wait for ``completed``,
+    which moves each a phase, in launch order, round after round, yielding each as it ends (the
+    caller's work on it before the next phases leave); ``finish`` returns the results in launch
+    order; ``drop`` abandons what is left."""
     events = []
 
     def exchange(name, phases):
@@ -248,12 +249,16 @@ def test_the_pipeline_keeps_each_exchange_a_phase_behind_the_next():
     pipe.catch_up()
     assert events[-1] == "b1" and len(pipe) == 3
     landed = []
-    assert pipe.finish(lambda bucket, result: landed.append((bucket, result, len(events)))) == ["a", "x", "b"]
+    for bucket, result in pipe.completed():
+        landed.append((bucket, result))
     assert events == ["a0", "x0", "a1", "b0", "b1", "a2", "x1", "b2", "a3"]
-    assert [(bucket, result) for bucket, result, _ in landed] == [(1, "x"), (2, "b"), (0, "a")] and len(pipe) == 0
+    assert landed == [(1, "x"), (2, "b"), (0, "a")] and len(pipe) == 0
     pipe.launch(exchange("c", 3))
     pipe.drop()
     assert events[-1] == "c0" and len(pipe) == 0
+    pipe.launch(exchange("d", 3))
+    pipe.launch(exchange("e", 1), lags=False)
+    assert pipe.finish() == ["d", "e"] and events[-3:] == ["e0", "d1", "d2"] and len(pipe) == 0
 
 
 def _gather_worker(rank, world, name, kwargs, ef):

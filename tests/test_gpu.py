@@ -213,7 +213,7 @@ def _warm_up_on_cuda(rank, world):
             opt.step()
         same.append(all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters())))
         in_backward.append(oa.stats["buckets_in_backward"])
-    return same, in_backward, len(oa._driver._warm), oa._driver.warmup_in_backward
+    return same, in_backward, len(oa._exchange.warm_bounds), oa._buckets.warmup_in_backward
 
 
 @pytest.mark.cuda

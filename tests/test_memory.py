@@ -119,7 +119,8 @@ def _added_vs_call(rank, world):
         whole = twin[0](x)
         pieces = torch.full_like(x, float("nan"))
         twin[1].input_buffer(x.numel(), x.device).add_(x)
-        onebit.comm.run_stages(twin[1].stages(None, land=lambda: lambda lo, hi, values: pieces[lo:hi].copy_(values)))
+        gathered = onebit.comm.run_stages(twin[1].stages(None))
+        twin[1].land(gathered, lambda lo, hi, values: pieces[lo:hi].copy_(values))
         results.append((whole, pieces))
     return results, twin[0].worker_error.error, twin[1].worker_error.error
 

@@ -21,7 +21,7 @@ from _harness import run_ranks, run_torchrun
 from _oracle import chunks, pieces
 from _problem import flag_bytes
 from onebit.optim import Birder, CompAMS, OnebitAdam, OnebitAdamNaive, OnebitLamb
-from onebit.optim._driver import bucket_bounds
+from onebit.optim._buckets import bucket_bounds
 
 FREEZE = 3
 
@@ -69,9 +69,14 @@ def _opt(model: nn.Module, name: str = "onebit_adam", **kw):
     return {**OPTIMIZERS, **GATHERED}[name][0](model.parameters(), **kw)
 
 
+def _warm_in_backward(opt) -> bool:
+    """The optimizer's warm-up exchange leaves during backward (it has no buckets where it never can)."""
+    return opt._buckets is not None and opt._buckets.warmup_in_backward
+
+
 def _bucket_collectives(opt) -> list:
     """The compressed collectives of the buckets (None where a bucket has none)."""
-    return opt._driver.collectives
+    return opt._exchange.collectives
 
 
 def _sign_wire_bytes(numel: int, world: int, starts: list[int] | None) -> int:
@@ -119,7 +124,7 @@ def _lockstep(rank, world, name, cap, steps, kw=None):
     torch.set_num_threads(1)
     a, b = _model(), _model()
     oa, ob = _opt(a, name, overlap=True, bucket_cap_mb=cap, **(kw or {})), _opt(b, name, overlap=False, **(kw or {}))
-    out = {"same": [], "digest": [], "bytes": [], "in_backward": [], "buckets": len(oa._driver.bounds)}
+    out = {"same": [], "digest": [], "bytes": [], "in_backward": [], "buckets": len(oa._exchange.bounds)}
     for step in range(1, steps + 1):
         x = _batch(rank, step)
         for model, opt in ((a, oa), (b, ob)):
@@ -132,8 +137,8 @@ def _lockstep(rank, world, name, cap, steps, kw=None):
         out["digest"].append(_digest(a))
         out["bytes"].append(oa.stats["bytes_sent"])
         out["in_backward"].append(oa.stats["buckets_in_backward"])
-    out["bucket_sizes"] = [hi - lo for lo, hi, _ in oa._driver.bounds]
-    out["bucket_starts"] = [[oa.flat.offsets[i][0] - lo for i in members] for lo, _, members in oa._driver.bounds]
+    out["bucket_sizes"] = [hi - lo for lo, hi, _ in oa._exchange.bounds]
+    out["bucket_starts"] = [[oa.flat.offsets[i][0] - lo for i in members] for lo, _, members in oa._exchange.bounds]
     out["stage"] = oa.stats["stage"]
     return out
 
@@ -198,7 +203,7 @@ def _by_bucket(rank, world, steps):
         same.append(torch.equal(_flat(a).view(torch.int32), _flat(b).view(torch.int32)) and all(
             torch.equal(oa.flat.buffers[k].view(torch.int32), ob.flat.buffers[k].view(torch.int32))
             for k in ob.flat.buffers))
-    return same, len(oa._driver.bounds), oa._driver.lands_by_bucket, oa.stats["stage"]
+    return same, len(oa._exchange.bounds), oa._exchange.lands_by_bucket, oa.stats["stage"]
 
 
 def test_each_bucket_applied_as_it_lands_gives_the_whole_steps_bits():
@@ -355,7 +360,7 @@ def _warm(rank, world, name, case):
     oa, ob = _opt(a, name, bucket_cap_mb=0.004), _opt(b, name, overlap=False)
     scalers = {opt: torch.amp.GradScaler("cpu", init_scale=16.0) for opt in (oa, ob)} if case == "scaler" else {}
     micro = 2 if case in ("accumulate", "no_sync") else 1
-    out = {"same": [], "close": [], "digest": [], "in_backward": [], "warm": [], "buckets": len(oa._driver._warm)}
+    out = {"same": [], "close": [], "digest": [], "in_backward": [], "warm": [], "buckets": len(oa._exchange.warm_bounds)}
     for step in range(1, FREEZE + 4):
         for model, opt in ((a, oa), (b, ob)):
             opt.zero_grad()
@@ -374,7 +379,7 @@ def _warm(rank, world, name, case):
         out["close"].append(torch.allclose(_flat(a), _flat(b), rtol=1e-5, atol=1e-6))
         out["digest"].append(_digest(a))
         out["in_backward"].append(oa.stats["buckets_in_backward"])
-        out["warm"].append(oa._driver.warmup_in_backward)
+        out["warm"].append(_warm_in_backward(oa))
     out["stage"] = oa.stats["stage"]
     return out
 
@@ -424,7 +429,7 @@ def _warm_uneven(rank, world, name):
             torch.distributed.all_reduce(loss.detach())
             opt.step()
         same.append(torch.equal(_flat(a), _flat(b)))
-    return same, _digest(a), oa._driver.warmup_in_backward, oa.stats["stage"]
+    return same, _digest(a), _warm_in_backward(oa), oa.stats["stage"]
 
 
 def test_the_warm_up_in_backward_with_uneven_ranks_and_the_users_collectives():
@@ -447,8 +452,7 @@ def _warm_ddp_and_resume(rank, world, name):
     opt.step()
     again = _opt(_model(), name)
     again.load_state_dict(opt.state_dict())
-    return wrapped._driver.warmup_in_backward, opt._driver.warmup_in_backward, again._driver.warmup_in_backward, \
-        _opt(_model(), name)._driver.warmup_in_backward
+    return tuple(_warm_in_backward(o) for o in (wrapped, opt, again, _opt(_model(), name)))
 
 
 def test_the_warm_up_stays_in_step_under_ddp_and_after_a_fallback_resumed():
@@ -460,7 +464,7 @@ def test_overlap_values():
     with pytest.raises(ValueError, match="Invalid overlap value: 'backward'"):
         OnebitAdam(_model().parameters(), overlap="backward")
     # one rank: nothing to overlap
-    assert not OnebitLamb(_model().parameters())._driver.warmup_in_backward
+    assert not _warm_in_backward(OnebitLamb(_model().parameters()))
 
 
 def _spans(total: int, bounds: list[int], block: int) -> list[int]:

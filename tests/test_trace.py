@@ -32,7 +32,7 @@ def _traced_step(rank, world):
             with pytest.raises(RuntimeError, match="already"):
                 with comm.trace(rank):
                     pass
-    return timeline.to_json(), len(opt._driver.bounds), untraced, opt.stats["bytes_sent"]
+    return timeline.to_json(), len(opt._exchange.bounds), untraced, opt.stats["bytes_sent"]
 
 
 def test_a_traced_step_shows_each_bucket_ready_launched_and_exchanged():

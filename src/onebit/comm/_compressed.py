@@ -268,8 +268,7 @@ class CompressedAllReduce(_Sized):
         """Compressed average of ``tensor`` over the group; written to ``out`` when given."""
         return run_stages(self.stages(tensor, out))
 
-    def stages(self, tensor: Tensor | None, out: Tensor | None = None, *,
-               land: Callable[[], Tensor | Consume] | None = None) -> Stages:
+    def stages(self, tensor: Tensor | None, out: Tensor | None = None) -> Stages:
         """``self(tensor, out)`` as three stages, for a caller that overlaps them with other work.
 
         Each ``next()`` waits for the collective the previous stage left in flight, computes,
@@ -281,10 +280,9 @@ class CompressedAllReduce(_Sized):
 
         Without a model-sized input or output (the optimizers' overlapped buckets):
         ``tensor=None`` exchanges what the caller added into :meth:`input_buffer` (the worker
-        error ``e``, which then holds ``x + e``), and the average goes where ``land()``, asked
-        once it is gathered, says: a flat fp32 tensor, or ``consume(lo, hi, values)``, which
-        takes it one chunk ``[lo, hi)`` at a time, in chunk order (``values`` is scratch, valid
-        during the call only). The same bytes and arithmetic as ``self(x)``.
+        error ``e``, which then holds ``x + e``) and returns the gathered bytes, which the
+        caller decodes with :meth:`land` where it decides then. The same bytes and arithmetic
+        as ``self(x)``.
         """
         if tensor is None:
             flat, error = None, self._added_input()
@@ -295,15 +293,19 @@ class CompressedAllReduce(_Sized):
         gathered = yield from self._stages(flat, error)
         self._read_flags(gathered)
         if flat is None:
-            target = land()
-            if isinstance(target, Tensor):
-                self._decode(gathered, target.view(-1))
-                return target
-            self._hand_out(gathered, target)
-            return None
+            return gathered
         result = self._output(out, flat)
         self._decode(gathered, result)
         return self._finish(result, tensor, out)
+
+    def land(self, gathered: Tensor, target: Tensor | Consume) -> None:
+        """Decode what ``stages(None)`` gathered into ``target``: a flat fp32 tensor, or
+        ``consume(lo, hi, values)``, which takes the average one chunk ``[lo, hi)`` at a time, in
+        chunk order (``values`` is scratch, valid during the call only)."""
+        if isinstance(target, Tensor):
+            self._decode(gathered, target.view(-1))
+        else:
+            self._hand_out(gathered, target)
 
     def input_buffer(self, numel: int, device: torch.device | str) -> Tensor:
         """The worker error ``e`` (flat fp32, ``numel`` values), for a caller that adds its input

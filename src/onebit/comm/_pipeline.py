@@ -4,7 +4,7 @@ DDP hooks' buckets and :func:`run_pipelined` all launch and complete them here."
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ._dist import Pending, Stages
@@ -76,22 +76,28 @@ class Pipeline:
             if exchange.lags and exchange.stage == 1 and not exchange.done:
                 exchange.advance()
 
-    def finish(self, landed: Callable[[int | None, Any], None] | None = None) -> list[Any]:
+    def finish(self) -> list[Any]:
+        """Run every exchange to its end (:meth:`completed`): their results, in launch order."""
+        exchanges = list(self._exchanges)
+        for _ in self.completed():
+            pass
+        return [e.result for e in exchanges]
+
+    def completed(self) -> Iterator[tuple[int | None, Any]]:
         """Run every exchange to its end, a stage of each in launch order round after round, and
-        forget them: their results, in launch order; ``landed(bucket, result)`` is called as each
-        ends (others may still be in flight). An exchange that fails leaves those that ended
-        before it landed."""
+        forget them, yielding ``(bucket, result)`` as each ends -- the others may still be in
+        flight, and their next collectives leave after the caller's work on it. An exchange that
+        fails raises after those that ended before it were yielded."""
         exchanges, self._exchanges = self._exchanges, []
         live = exchanges
         while live:
             for exchange in live:
                 if not exchange.done:
                     exchange.advance()
-                if exchange.done and landed is not None:
+                if exchange.done:
                     with exchange.label():
-                        landed(exchange.bucket, exchange.result)
+                        yield exchange.bucket, exchange.result
             live = [e for e in live if not e.done]
-        return [e.result for e in exchanges]
 
     def drop(self) -> None:
         """Wait for the collectives in flight and forget the exchanges, unfinished."""

@@ -1,17 +1,20 @@
 """The base of every onebit optimizer: the contract an algorithm fills in, and the step around it.
 
-An algorithm is one contract in three phases (the driver, ``_driver.py``, runs the exchange
-between them, one-shot or bucketed and overlapped with backward):
+An algorithm is one contract in three phases; ``step()`` runs them in order, handing what is
+formed to the exchange (``_exchange.py``: one-shot, or bucketed and overlapped with backward,
+``_buckets.py``) and applying what lands:
 
 1. ``_form(i, lo, hi, grad, live, group, step, scratch, out, agreed)``: what goes on the wire
    for the flat values ``[lo, hi)`` of parameter ``i``, from its gradient and the state as it
    was; the state is not touched where the step is not yet ``agreed`` (a bucket formed during
    backward, before the ranks agreed that the step is taken). Only stages whose
-   :class:`~onebit.optim._driver.Wire` is ``formed`` have one; the others send the gradients.
+   :class:`~onebit.optim._stages.Wire` is ``formed`` have one; the others send the gradients.
 2. The exchange: the exact fp32 mean, or the collectives made by the ``collective`` factory
    handed to :meth:`OnebitOptimizer._drive`.
 3. ``_landing(wire)``: where the average lands -- a flat buffer, or a callable that takes it
-   chunk by chunk -- and ``_apply(wire, average)``: the step, where the state moves.
+   chunk by chunk -- and ``_apply(wire, average, members=None)``: the step, where the state
+   moves (of parameters ``members`` alone, as each bucket lands, where the optimizer
+   ``applies_by_bucket``).
 
 The stages are declared (``_stages``, ``_stages.py``): each stage's wire and flat buffers
 (``_flat.py``), and the policy that moves between them; the base lays the state out at a
@@ -23,7 +26,6 @@ arguments, owns the state and calls them.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -36,12 +38,13 @@ from torch.optim import Optimizer
 from .. import comm
 from ._agreement import parameter_sums, require_own_parameters, require_replicas, start_agreement
 from ._ddp import attach_ddp, check_ddp
-from ._driver import Driver, Plan, Wire, allreduce_factory
+from ._buckets import Buckets
+from ._exchange import Exchange, allreduce_factory
 from ._flat import FlatState
 from ._setup import (broadcast_parameters, check_groups, check_params, check_same_parameters_everywhere, clip_,
                      clip_coef, closure_loss, common_options)
 from ._shards import Shards
-from ._stages import OneStage, Stage, StepStages, TwoStages
+from ._stages import OneStage, Stage, StepStages, TwoStages, Wire
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -107,8 +110,8 @@ class OnebitOptimizer(Optimizer):
     """
 
     _stages: OneStage | TwoStages | StepStages  # set by the subclass before this constructor runs
-    # Declared capability: _apply_part steps some parameters alone, bit for bit as _apply steps
-    # them; the overlapped exchange then applies each bucket as it lands, under the buckets after it.
+    # Declared capability: _apply(..., members) steps some parameters alone, bit for bit as the
+    # step of all steps them; each bucket is then applied as it lands, under the buckets after it.
     applies_by_bucket: bool = False
 
     def __init__(
@@ -148,7 +151,9 @@ class OnebitOptimizer(Optimizer):
         self._last_stage: str | None = None
         self._ddp_checked = False
         self._own_parameters: list[int] | None = None  # loaded beside a state saved between synchronisations
-        self._driver: Driver | None = None
+        self._exchange: Exchange | None = None
+        self._buckets: Buckets | None = None  # the overlap's hooks
+        self._landing_now: Tensor | Callable[[int, int, Tensor], None] | None = None  # this step's, once asked
         self._grad: Tensor | None = None  # the averaged gradients, in a stage that averages them
         self._lay_out(self._stages.current)
         self._ddp_wrapped = check_ddp(self.flat.params, type(self).__name__, self.world_size, construction=True)
@@ -162,9 +167,9 @@ class OnebitOptimizer(Optimizer):
 
     def _drive(self, collective: Callable[[int, int], Any] | None, *, overlap: bool | str | None = False,
                bucket_cap_mb: float = 25.0, alignment: int = 1, key: str = "allreduce") -> None:
-        """Start the exchange driver (the end of a subclass's constructor): ``collective(start,
+        """Build the exchange (the end of a subclass's constructor): ``collective(start,
         end)`` makes the compressed collective of the flat values ``[start, end)``
-        (:class:`~onebit.optim._driver.Driver`). With ``overlap``, ``max_grad_norm`` is refused
+        (:class:`~onebit.optim._exchange.Exchange`). With ``overlap``, ``max_grad_norm`` is refused
         where a stage forms what it sends: the local clip needs every gradient before the first
         bucket leaves. ``overlap="warmup"``: only the exact exchange leaves during backward; ``None``
         (the default of the optimizers with an fp32 warm-up) is ``"warmup"`` where that can help --
@@ -182,16 +187,21 @@ class OnebitOptimizer(Optimizer):
                              f"{type(self).__name__} step clips each rank's gradient over all parameters, which the "
                              "first bucket's exchange cannot wait for); use overlap=False to clip")
         warm_group = comm.duplicate(self.process_group, self.timeout) if overlap == "warmup" else None
-        self._driver = Driver(self.flat, self.process_group, self.timeout, collective, overlap=overlap,
-                              bucket_cap_mb=bucket_cap_mb, alignment=alignment, key=key, owner=type(self).__name__,
-                              warm_group=warm_group)
-        self._plan_next()
+        name = type(self).__name__
+        self._exchange = Exchange(self.flat, self.process_group, self.timeout, collective, overlap=overlap,
+                                  bucket_cap_mb=bucket_cap_mb, alignment=alignment, key=key, owner=name,
+                                  warm_group=warm_group)
+        if overlap:
+            bounds = self._exchange.bounds if overlap is True else self._exchange.warm_bounds
+            self._buckets = Buckets(self.flat.params, bounds, self._bucket_ready, warmup=overlap == "warmup",
+                                    owner=name)
+            self._buckets.plan(self._stages.current.wire.all_reduced)
         if self._ddp_wrapped:
             self._stop_warmup_in_backward_for_ddp()
 
     def _allreduce(self, compressor: Any, *, hierarchical: bool | str, ranks_per_node: int | None, overlap: bool,
                    scales: str = "chunk", group: comm.Group = None) -> Callable[[int, int], Any]:
-        """The compressed all-reduce's factory for :meth:`_drive` (:func:`~onebit.optim._driver.allreduce_factory`
+        """The compressed all-reduce's factory for :meth:`_drive` (:func:`~onebit.optim._exchange.allreduce_factory`
         on these parameters and timeout, over ``group``: the optimizer's by default)."""
         return allreduce_factory(self.flat.offsets, self.process_group if group is None else group, self.timeout,
                                  compressor, hierarchical=hierarchical, ranks_per_node=ranks_per_node, overlap=overlap,
@@ -200,13 +210,7 @@ class OnebitOptimizer(Optimizer):
     @property
     def _collectives(self) -> list[Any]:
         """The exchange's compressed collectives, one per bucket (None where a bucket has none)."""
-        return self._driver.collectives
-
-    def _plan_next(self) -> None:
-        """Hand the driver what the next step sends (before its backward: buckets may leave during it)."""
-        wire, step = self._stages.current.wire, self._step_count + 1
-        self._driver.plan(Plan(wire, step, functools.partial(self._write, wire, step),
-                               functools.partial(self._landing, wire)))
+        return self._exchange.collectives
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Only during construction: the fused flat state and the collectives are sized for the
@@ -253,22 +257,18 @@ class OnebitOptimizer(Optimizer):
         the buffer is first written."""
         raise NotImplementedError
 
-    def _apply(self, wire: Wire, average: Tensor | None) -> None:
+    def _apply(self, wire: Wire, average: Tensor | None, members: Sequence[int] | None = None) -> None:
         """The step, on the landed ``average`` (None where it was consumed chunk by chunk, or where
-        the wire is not ``exchanged``)."""
-        raise NotImplementedError
-
-    def _apply_part(self, wire: Wire, average: Tensor | None, members: Sequence[int]) -> None:
-        """Where :attr:`applies_by_bucket`: the step of parameters ``members`` alone, ``average``
-        landed for them (and perhaps not yet elsewhere); every parameter's part, in any order, is
-        :meth:`_apply`'s step."""
+        the wire is not ``exchanged``). ``members``: where :attr:`applies_by_bucket`, the step of
+        these parameters alone, ``average`` landed for them (and perhaps not yet elsewhere), as
+        each bucket lands; every parameter's part, in any order, is the step of all (None)."""
         raise NotImplementedError
 
     def _write(self, wire: Wire, step: int, out: Tensor, base: int, members: Sequence[int], live: Sequence[bool],
                agreed: bool, add: bool) -> None:
         """What parameters ``members`` send at ``step``, written (``add``: added) into ``out`` from
         flat offset ``base`` on: their gradients (zeros where missing), or :meth:`_form` block by
-        block, in the parameters' logical order (the driver's :class:`~onebit.optim._driver.Plan`)."""
+        block, in the parameters' logical order."""
         flat = self.flat
         if not wire.formed and not add:
             flat.gather_grads(out, members, base=base)
@@ -309,7 +309,7 @@ class OnebitOptimizer(Optimizer):
         if stage is not before and not stage.laid_out_as(before):
             self._lay_out(stage)
             if stage.resets_errors:
-                self._driver.reset()
+                self._exchange.reset()
             self._enter(stage)
 
     def _lay_out(self, stage: Stage) -> None:
@@ -335,14 +335,15 @@ class OnebitOptimizer(Optimizer):
         """Switch off DDP's all-reduce on ``model`` (default: every DDP module holding these
         parameters) with :func:`onebit.optim.local_gradient_hook`; see :func:`onebit.optim.attach`."""
         found = attach_ddp(self.flat.params, type(self).__name__, model)
-        if found and self._driver is not None:
+        if found and self._buckets is not None:
             self._stop_warmup_in_backward_for_ddp()
         return found
 
     def _stop_warmup_in_backward_for_ddp(self) -> None:
         # DDP writes every gradient again at the end of backward, after the warm-up's buckets have
         # left with it: each step would find them stale and exchange again in step().
-        self._driver.stop_warmup_in_backward("a DistributedDataParallel model holds the parameters")
+        if self._buckets is not None:
+            self._buckets.stop_warmup_in_backward("a DistributedDataParallel model holds the parameters")
 
     def _link_state(self) -> None:
         """Point ``self.state[p][name]`` at the flat buffers' views (for inspection)."""
@@ -390,7 +391,7 @@ class OnebitOptimizer(Optimizer):
             "freeze_step": self._stages.frozen_at,
             "variance_ratio": self._stages.variance_ratio,
             "skipped_steps": self._skipped,
-            **self._driver.stats(),
+            **({} if self._buckets is None else self._buckets.stats()),
         }
 
     # torch.amp.GradScaler then hands us ``grad_scale`` (gradients still scaled, or None) and
@@ -402,8 +403,8 @@ class OnebitOptimizer(Optimizer):
     def step(self, closure=None):  # type: ignore[override]
         """One optimizer step (the closure, if given, is evaluated with grad enabled first).
 
-        1. **Flush**: launch, in order, the buckets backward did not (``overlap=True``, and the
-           warm-up's by default).
+        1. **Flush**: form and launch, in order, the buckets backward did not (``overlap=True``,
+           and the warm-up's by default).
         2. **Agree**: one small all-reduce of "a gradient here is not finite" and "parameter
            ``i`` has a gradient here" (the last bucket's all-gather leaves behind it). If any
            rank has a non-finite gradient (or its GradScaler
@@ -412,12 +413,13 @@ class OnebitOptimizer(Optimizer):
            ``on_nonfinite="raise"``.
         3. **Clip** (``max_grad_norm``): each rank's own gradients, where the stage never forms
            their average.
-        4. **Exchange**: the stage's wire -- the exact mean, the compressed collective, or
-           nothing -- into where the average lands; clipped where it is the gradients'.
+        4. **Exchange**: form what the stage's wire sends and launch it (where backward did not)
+           -- the exact mean, the compressed collective, or nothing -- and wait for it to land;
+           clipped where it is the gradients'.
         5. **Apply**: the algorithm's step on it, the only place the state moves. An optimizer that
            :attr:`applies_by_bucket` steps each bucket's parameters as the bucket lands.
-        6. **Advance**: the next step's stage (its state laid out where it changes), handed to the
-           driver as its plan.
+        6. **Advance**: the next step's stage (its state laid out where it changes), and whether
+           its buckets leave during backward.
         """
         loss = closure_loss(closure)
         comm.check_world_size(self.process_group, self.world_size, type(self).__name__)
@@ -426,40 +428,40 @@ class OnebitOptimizer(Optimizer):
             check_ddp(self.flat.params, type(self).__name__, self.world_size, construction=False)
             self._ddp_checked = True
         self._shards.bind_grads()
+        buckets, exchange, in_backward = self._buckets, self._exchange, 0
         try:
             with comm.measure() as meter:
-                with comm.span("flush", "step"):  # 1
-                    self._driver.flush(scaled=getattr(self, "grad_scale", None) is not None
-                                       or getattr(self, "found_inf", None) is not None)
+                if buckets is not None:
+                    with comm.span("flush", "step"):  # 1
+                        buckets.flush(scaled=getattr(self, "grad_scale", None) is not None
+                                      or getattr(self, "found_inf", None) is not None)
                 wire = self._stages.current.wire
                 with comm.span("agree", "step"):  # 2
                     agreement = start_agreement(
                         self.flat.params, self._present(), self._shards.agreement_group, self.timeout,
                         step=self._step_count + 1, rank=self.rank, on_nonfinite=self.on_nonfinite,
                         scale=getattr(self, "grad_scale", None), found_inf=getattr(self, "found_inf", None),
-                        stale=self._driver.stale)
+                        stale=buckets is not None and buckets.stale)
                     # The last bucket's all-gather leaves behind the agreement: on a busy link the
                     # agreement then waits for the bytes before it only, and the buckets before the
                     # last can be applied while that all-gather is on the wire.
                     with comm.span("gather", "step"):
-                        self._driver.gather()
+                        exchange.gather()
                     nonfinite, self._active, stale = agreement()
                 if nonfinite:
                     self._skipped += 1
-                    self._driver.abandon()
+                    exchange.abandon()
                 else:
                     self._step_count += 1
                     self._last_stage = wire.stage
-                    if wire.formed or not wire.exchanged:  # 3
+                    if wire.formed:  # 3
                         self._clip_local_grads()
-                    if self._by_bucket(wire):  # 4 and 5, each bucket applied as it lands
-                        with comm.span("exchange", "step"):
-                            self._driver.run(self._active, landed=self._apply_landed(wire), stale=stale)
-                    else:
-                        with comm.span("exchange", "step"):  # 4
-                            average = self._driver.run(self._active, stale=stale) if wire.exchanged else None
-                            if average is not None and not wire.formed:
-                                self._clip_grad_(average)
+                    by_bucket = self._by_bucket(wire)
+                    average = None
+                    if wire.exchanged:
+                        with comm.span("exchange", "step"):  # 4, and 5 as each bucket lands
+                            average = self._exchanged(wire, stale, by_bucket)
+                    if not by_bucket:
                         with comm.span("apply", "step"):  # 5
                             self._apply(wire, average)
                     self._advance()  # 6
@@ -467,25 +469,100 @@ class OnebitOptimizer(Optimizer):
                         self.check_replicas()
         finally:
             self._shards.release_grads()
-            self._plan_next()
-        sent = meter.bytes_sent + self._driver.done()
+            self._landing_now = None
+            if buckets is not None:
+                in_backward = buckets.done()
+                buckets.plan(self._stages.current.wire.all_reduced)
+        sent = meter.bytes_sent + in_backward
         self._bytes_last = sent
         self._bytes_total += sent
         return loss
+
+    def _exchanged(self, wire: Wire, stale: bool, by_bucket: bool) -> Tensor | None:
+        """Step 4: launch what backward did not, wait for every bucket to land (``by_bucket``:
+        and apply each as it does); returns the average, clipped where it is the gradients'
+        (None where it was handed out chunk by chunk). ``stale``: some rank's warm-up buckets
+        sent during backward are stale (the step's agreement): they are dropped, the exchange
+        runs here again, and in ``step()`` from now on."""
+        exchange = self._exchange
+        warm = exchange.warm_in_flight
+        if warm and stale:
+            exchange.drop_warm()
+            self._buckets.stop_warmup_in_backward("the gradients changed after their bucket left: accumulation "
+                                                  "outside no_sync(), GradScaler, a clip or another change of "
+                                                  "p.grad before step()")
+            warm = False
+        if not warm and (self._buckets is None or self._buckets.warmup):  # the one-shot exchange
+            for b in range(len(exchange.bounds)):
+                with comm.labelled(bucket=b):
+                    self._launch_bucket(b, self._active, agreed=True)
+        landing = self._landing_of_step()
+        for members in exchange.completed(landing, warm=warm):
+            if by_bucket:
+                with comm.span("apply", "step"):
+                    self._apply(wire, landing, members)
+        if not isinstance(landing, Tensor):
+            return None
+        return landing if wire.formed else self._clip_grad_(landing)
 
     def _by_bucket(self, wire: Wire) -> bool:
         """Whether this step applies each bucket as it lands: a declared capability, for a wire
         exchanged in this step whose average is not clipped as a whole (``max_grad_norm`` on the
         averaged gradients)."""
-        return (self.applies_by_bucket and self._driver.lands_by_bucket and wire.exchanged
+        return (self.applies_by_bucket and self._exchange.lands_by_bucket and wire.exchanged
                 and (wire.formed or self.max_grad_norm is None))
 
-    def _apply_landed(self, wire: Wire) -> Callable[[Tensor, Sequence[int]], None]:
-        """What the driver calls with each bucket's landed average and its parameters."""
-        def landed(average: Tensor, members: Sequence[int]) -> None:
-            with comm.span("apply", "step"):
-                self._apply_part(wire, average, members)
-        return landed
+    def _bucket_ready(self, b: int) -> None:
+        """The overlap's one entry (:class:`~onebit.optim._buckets.Buckets`): backward produced
+        bucket ``b``'s gradients (or ``step()`` flushes it); its values for the next step are
+        formed and launched, before the ranks agreed to take the step."""
+        wire, step = self._stages.current.wire, self._step_count + 1
+        if self._buckets.warmup:  # the warm-up's gradients, into where their mean lands
+            lo, hi, members = self._exchange.warm_bounds[b]
+            values = self._landing_of_step()[lo:hi]
+            self._write(wire, step, values, lo, members, [True] * len(self.flat.params), False, False)
+            self._exchange.mean(b, values, wire.dtype, warm=True)
+        elif wire.exchanged:
+            live = [p.requires_grad or p.grad is not None for p in self.flat.params]
+            if not self._launch_bucket(b, live, agreed=False):
+                self._exchange.gather()  # (all before b: the second phases a launch of b would have started)
+
+    def _launch_bucket(self, b: int, live: Sequence[bool], *, agreed: bool) -> bool:
+        """Form bucket ``b``'s values for the step and launch their exchange; whether it sent
+        anything. ``live[i]``: parameter ``i`` takes a gradient this step (one-shot: some rank
+        has one; during backward: it is trainable or has one here); the others' state enters as
+        it is. ``agreed``: launched in ``step()``, once every rank agreed to take it."""
+        wire, exchange = self._stages.current.wire, self._exchange
+        step = self._step_count if agreed else self._step_count + 1
+        lo, hi, members = exchange.bounds[b]
+        start, end = exchange.spans[b]
+        collective = None if wire.all_reduced else exchange.collectives[b]
+        # Added into the collective's worker error where what is formed must stay out of the
+        # landing buffer (a bucket formed during backward, before the ranks agreed to step) or
+        # where the average is handed out chunk by chunk; otherwise formed in place where the
+        # average lands and exchanged there, as the one-shot step does: a pass fewer over the
+        # model, since the collective's fused compression reads x and e together.
+        if collective is not None and collective.reduces_added_input and (
+                not agreed or not isinstance(self._landing_of_step(), Tensor)):
+            self._write(wire, step, exchange.input_buffer(b), lo, members, live, agreed, True)
+            exchange.added(b)
+            return True
+        landing = self._landing_of_step()
+        self._write(wire, step, landing[lo:hi], lo, members, live, agreed, False)
+        if wire.all_reduced:
+            exchange.mean(b, landing[lo:hi], wire.dtype)
+        elif collective is None:  # no whole block in this bucket: its values go with the next one
+            return False
+        else:
+            exchange.compressed(b, landing[start:end])
+        return True
+
+    def _landing_of_step(self) -> Tensor | Callable[[int, int, Tensor], None]:
+        """Where this step's average lands (:meth:`_landing`), asked once per step, right before it
+        is first written."""
+        if self._landing_now is None:
+            self._landing_now = self._landing(self._stages.current.wire)
+        return self._landing_now
 
     def wait(self) -> None:
         """Nothing of this optimizer's exchange stays in flight after ``step()``: returns at once
@@ -497,7 +574,7 @@ class OnebitOptimizer(Optimizer):
         by default): backward passes inside the block only accumulate; the next one outside it
         starts the exchange (as ``DistributedDataParallel.no_sync``). Where the exchange happens in
         ``step()`` anyway, the block changes nothing."""
-        return self._driver.no_sync()
+        return self._buckets.no_sync() if self._buckets is not None else contextlib.nullcontext()
 
     @torch.no_grad()
     def check_replicas(self) -> None:
@@ -548,7 +625,8 @@ class OnebitOptimizer(Optimizer):
             **({} if self.synchronised else {"own_parameters": parameter_sums(self.flat.params)}),
             **self._stages.state_dict(),
             **self._extra_state(),
-            **self._driver.state_dict(),
+            **({} if self._buckets is None else self._buckets.state_dict()),
+            **self._exchange.state_dict(),
         }
         return sd
 
@@ -601,8 +679,10 @@ class OnebitOptimizer(Optimizer):
             if self._stages.current.averages != (self._grad is not None):  # stages alike but for that
                 self._lay_out(self._stages.current)
             self._load_extra_state(extra, own_state)
-            self._driver.load_state_dict(extra, own_state)
-            self._plan_next()
+            self._exchange.load_state_dict(extra, own_state)
+            if self._buckets is not None:
+                self._buckets.load_state_dict(extra)
+                self._buckets.plan(self._stages.current.wire.all_reduced)
         except KeyError as exc:
             raise ValueError(
                 f"incomplete {type(self).__name__} state_dict: missing {exc.args[0]!r} "

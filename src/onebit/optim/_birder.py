@@ -18,9 +18,8 @@ from .. import comm, ops
 from .._checks import check_beta, check_bool, check_nonneg, check_positive, check_seed
 from ..compress import StochasticSignCompressor
 from ._base import OnebitOptimizer
-from ._driver import COMPRESSED_FORMED, EXACT_GRADIENT, Wire
+from ._stages import COMPRESSED_FORMED, EXACT_GRADIENT, OneStage, Stage, Wire
 from ._functional import UpdateByChunks, ema_
-from ._stages import OneStage, Stage
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -270,7 +269,7 @@ class Birder(_SoftSign):
         # u_bar applied chunk by chunk as it arrives; in u's own buffer where the exchange needs one
         return self._update() if self._send is None else self._send
 
-    def _apply(self, wire: Wire, average: Tensor | None) -> None:
+    def _apply(self, wire: Wire, average: Tensor | None, members: Sequence[int] | None = None) -> None:
         """Line 16 where ``u_bar`` landed in a buffer; then lines 5-7, the moments move, unless
         ``_form`` moved them in the agreed step."""
         if average is not None:
@@ -329,7 +328,7 @@ class SoftSignSGD(_SoftSign):
     def _landing(self, wire: Wire) -> Tensor:
         return self._grad
 
-    def _apply(self, wire: Wire, average: Tensor | None) -> None:
+    def _apply(self, wire: Wire, average: Tensor | None, members: Sequence[int] | None = None) -> None:
         b = self.flat.buffers
         soft_sign_sgd(self.flat.params, self.flat.offsets, grads=self.flat.split(average), active=self._active,
                       exp_avg=b["exp_avg"], exp_avg_abs=b["exp_avg_abs"], update=average, lrs=self._hyper("lr"),

@@ -17,9 +17,8 @@ from .. import comm
 from .._checks import check_adam_args, check_bool
 from ..compress import BlockSignCompressor, Compressor, TopKCompressor, UniformCompressor
 from ._base import OnebitOptimizer
-from ._driver import COMPRESSED_FORMED, COMPRESSED_GRADIENT, Sends, Wire
+from ._stages import COMPRESSED_FORMED, COMPRESSED_GRADIENT, OneStage, Sends, Stage, Wire
 from ._functional import apply_update_, ema_
-from ._stages import OneStage, Stage
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -97,7 +96,7 @@ class _GradientExchange(OnebitOptimizer):
 
     def _gathers(self, compressor: Callable[[int, int], Compressor] | None, error_feedback: bool,
                  overlap: bool = False) -> Callable[[int, int], comm.CompressedAllGather | None] | None:
-        """``collective(start, end)`` for the driver: the compressed all-gather of ``compressor(start,
+        """``collective(start, end)`` for the exchange: the compressed all-gather of ``compressor(start,
         end)`` (None: an exact all-reduce, no collective of its own)."""
         if compressor is None:
             return None
@@ -226,7 +225,7 @@ class CompAMS(_GradientExchange):
         # a zero-size tensor is no block
         return BlockSignCompressor(block_sizes=[b - a for a, b in self.flat.offsets if lo <= a < b <= hi])
 
-    def _apply(self, wire: Wire, average: Tensor | None) -> None:
+    def _apply(self, wire: Wire, average: Tensor | None, members: Sequence[int] | None = None) -> None:
         b = self.flat.buffers
         comp_ams(self.flat.params, self.flat.offsets, grad=average, active=self._active, exp_avg=b["exp_avg"],
                  exp_avg_sq=b["exp_avg_sq"], max_exp_avg_sq=b["max_exp_avg_sq"], step=self._step_count,
@@ -296,7 +295,7 @@ class QAdam(_GradientExchange):
         else:
             torch.div(m, torch.add(v, self.eps, out=out).sqrt_(), out=out)
 
-    def _apply(self, wire: Wire, average: Tensor | None) -> None:
+    def _apply(self, wire: Wire, average: Tensor | None, members: Sequence[int] | None = None) -> None:
         """``x <- x (1 - lr wd) - lr a_bar``."""
         for p, (lo, hi), lr, wd, on in zip(self.flat.params, self.flat.offsets, self._hyper("lr"),
                                            self._hyper("weight_decay"), self._active):

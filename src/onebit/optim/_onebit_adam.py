@@ -28,10 +28,10 @@ from .._checks import (
     check_wire_dtype,
 )
 from ._base import OnebitOptimizer
-from ._driver import COMPRESSED_FORMED, COMPRESSED_GRADIENT, EXACT_GRADIENT, Sends, Wire
+from ._stages import (COMPRESSED_FORMED, COMPRESSED_GRADIENT, EXACT_GRADIENT, OneStage, RefreshedStages, Sends,
+                      Stage, TwoStages, Wire)
 from ._freeze import count_unused, freeze_schedule, mask_unused_, warn_early_freeze
 from ._functional import adam_denominator, adam_denominators, apply_update_, clip_to_adam_step_, ema_
-from ._stages import OneStage, RefreshedStages, Stage, TwoStages
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -371,10 +371,7 @@ class OnebitAdam(_AdamFamily):
         # the warm-up averages the gradients; the compressed momentum average replaces m
         return self._grad if not wire.formed else self.flat.buffers["exp_avg"]
 
-    def _apply(self, wire: Wire, average: Tensor | None) -> None:
-        self._apply_part(wire, average, None)
-
-    def _apply_part(self, wire: Wire, average: Tensor | None, members: Sequence[int] | None) -> None:
+    def _apply(self, wire: Wire, average: Tensor | None, members: Sequence[int] | None = None) -> None:
         """The step of parameters ``members`` alone (None: all; each parameter's update reads only
         its own state and average): the overlapped exchange applies each bucket as it lands."""
         if wire == EXACT_GRADIENT:  # the warm-up
@@ -493,5 +490,5 @@ class OnebitAdamNaive(_AdamFamily):
     def _landing(self, wire: Wire) -> Tensor:
         return self._grad
 
-    def _apply(self, wire: Wire, average: Tensor | None) -> None:
+    def _apply(self, wire: Wire, average: Tensor | None, members: Sequence[int] | None = None) -> None:
         self._adam(average)

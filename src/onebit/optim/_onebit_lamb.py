@@ -14,10 +14,9 @@ from .. import comm
 from .._checks import check_adam_args, check_nonneg, check_optional_positive, check_overlap
 from ..ops import max_ratio
 from ._base import OnebitOptimizer
-from ._driver import COMPRESSED_FORMED, EXACT_GRADIENT, Wire
+from ._stages import COMPRESSED_FORMED, EXACT_GRADIENT, Stage, TwoStages, Wire
 from ._freeze import count_unused, freeze_schedule, mask_unused_
 from ._functional import apply_update_, clip_to_adam_step_, ema_
-from ._stages import Stage, TwoStages
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -381,7 +380,7 @@ class OnebitLamb(OnebitOptimizer):
         b["last_exp_avg"].copy_(b["exp_avg"])  # m_{t-1}, before the average replaces m
         return b["exp_avg"]
 
-    def _apply(self, wire: Wire, average: Tensor | None) -> None:
+    def _apply(self, wire: Wire, average: Tensor | None, members: Sequence[int] | None = None) -> None:
         b = self.flat.buffers
         common = {"lrs": self._hyper("lr"), "betas": self._hyper("betas"),
                   "weight_decays": self._hyper("weight_decay"), "eps": self.eps}

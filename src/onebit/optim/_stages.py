@@ -1,7 +1,7 @@
 """An optimizer's stages, declared in one place and carried out by the base class.
 
 A :class:`Stage` is what one step of an algorithm sends and how (its
-:class:`~onebit.optim._driver.Wire`) and the state it keeps: its flat buffers, whether it
+:class:`Wire`) and the state it keeps: its flat buffers, whether it
 averages the gradients into a flat buffer of their own, and what entering it changes --
 buffers renamed (values kept: 1-bit Adam's variance becomes its frozen preconditioner in
 place), created (zeros), dropped, the collectives' errors restarted. An optimizer declares
@@ -21,19 +21,66 @@ the math of the change. The policies:
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor
 
-from ._driver import Wire
 from ._freeze import FreezeSchedule
 
-__all__ = ["OneStage", "RefreshedStages", "Stage", "StepStages", "TwoStages"]
+__all__ = ["COMPRESSED_FORMED", "COMPRESSED_GRADIENT", "EXACT_GRADIENT", "LOCAL", "OneStage", "RefreshedStages",
+           "Sends", "Stage", "StepStages", "TwoStages", "Wire"]
 
 _log = logging.getLogger("onebit.optim")
+
+
+class Sends(enum.Enum):
+    """The kinds of step, by what they send. ``GRADIENTS``: the gradients' mean (an all-reduce, in
+    the :class:`Wire`'s ``dtype``: exact in fp32); ``COMPRESSED_GRADIENTS``: the gradients,
+    through the optimizer's compressed collectives; ``FORMED``: what the optimizer's ``_form``
+    makes (momentum, an update), through them; ``NOTHING``: a step each rank takes on its own
+    (0/1 Adam's local steps), whose ``_apply`` gets no average and reads the local gradients
+    itself."""
+
+    GRADIENTS = "gradients"
+    COMPRESSED_GRADIENTS = "compressed gradients"
+    FORMED = "formed"
+    NOTHING = "nothing"
+
+
+@dataclass(frozen=True)
+class Wire:
+    """What a stage sends, as an optimizer declares it: ``stage``, its name in
+    ``stats["stage"]`` (``"warmup"``: uncompressed, ``"compressed"``, ...), the kind of step
+    it ``sends``, and the ``dtype`` the gradients' all-reduce sums in (``Sends.GRADIENTS`` only;
+    fp32: their exact mean). Read from the kind: ``formed``, the gradients are not what is sent
+    (the optimizer forms it, or sends nothing) -- where the gradients are sent, their average
+    exists and ``max_grad_norm`` clips it; where they are not, it never exists and each rank clips
+    its own gradients before forming (what ``clip_grad_norm_`` does on one process);
+    ``all_reduced``, the gradients' mean by an all-reduce; ``exchanged``, something is sent."""
+
+    stage: str
+    sends: Sends
+    dtype: torch.dtype = torch.float32
+    formed: bool = field(init=False)
+    all_reduced: bool = field(init=False)
+    exchanged: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        # set once (a frozen dataclass), read as plain attributes by every step
+        object.__setattr__(self, "formed", self.sends in (Sends.FORMED, Sends.NOTHING))
+        object.__setattr__(self, "all_reduced", self.sends is Sends.GRADIENTS)
+        object.__setattr__(self, "exchanged", self.sends is not Sends.NOTHING)
+
+
+EXACT_GRADIENT = Wire("warmup", Sends.GRADIENTS)
+COMPRESSED_GRADIENT = Wire("compressed", Sends.COMPRESSED_GRADIENTS)
+COMPRESSED_FORMED = Wire("compressed", Sends.FORMED)
+LOCAL = Wire("local", Sends.NOTHING)
 
 
 @dataclass(frozen=True)

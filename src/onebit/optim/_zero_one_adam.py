@@ -33,10 +33,9 @@ from .. import comm
 from .._checks import check_adam_args, check_bool, check_optional_positive, check_positive_int
 from ..ops import zero_where_equal_
 from ._base import OnebitOptimizer
-from ._driver import COMPRESSED_FORMED, COMPRESSED_GRADIENT, LOCAL, Sends, Wire
+from ._stages import COMPRESSED_FORMED, COMPRESSED_GRADIENT, LOCAL, Sends, Stage, StepStages, Wire
 from ._freeze import count_unused, mask_unused_
 from ._functional import adam_denominator, adam_denominators, apply_update_, clip_to_adam_step_, ema_
-from ._stages import Stage, StepStages
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -381,7 +380,7 @@ class ZeroOneAdam(OnebitOptimizer):
         # the gradients' average (exact, or 1-bit before the freeze); the momentum's replaces m
         return self.flat.buffers["exp_avg"] if wire.formed else self._grad
 
-    def _apply(self, wire: Wire, average: Tensor | None) -> None:
+    def _apply(self, wire: Wire, average: Tensor | None, members: Sequence[int] | None = None) -> None:
         if wire is REFRESH:
             self._refresh(average)
         elif wire is LOCAL:
