@@ -106,6 +106,9 @@ def test_buckets_follow_backward_order_and_the_cap():
     # a weight's bias (the 1-D parameters registered right after it) opens the next bucket with it
     vectors = [False, False, True, False, True, True, True]
     assert [m for _, _, m in bucket_bounds(offsets, 250, vectors)] == [[3, 4, 5, 6], [1, 2], [0]]
+    # DDP's rule (the warm-up's buckets): closed after the parameter that takes a bucket to its limit
+    assert [m for _, _, m in bucket_bounds(offsets, 250, past=True)] == [[2, 3, 4, 5, 6], [1], [0]]
+    assert [m for _, _, m in bucket_bounds(offsets, 250, first=20, past=True)] == [[6], [1, 2, 3, 4, 5], [0]]
 
 
 def _each(rank, world, fn, names, *args):
@@ -353,11 +356,11 @@ WARM = ("onebit_adam", "onebit_lamb")
 
 
 def _warm(rank, world, name, case):
-    """The default (buckets of 0.004 MB) beside ``overlap=False``, stepped in turn from the warm-up into
-    the compressed stage, each training loop written as a user would for ``case``."""
+    """The default (buckets of 0.0005 MB: 3 on this model) beside ``overlap=False``, stepped in turn from
+    the warm-up into the compressed stage, each training loop written as a user would for ``case``."""
     torch.set_num_threads(1)
     a, b = _model(), _model()
-    oa, ob = _opt(a, name, bucket_cap_mb=0.004), _opt(b, name, overlap=False)
+    oa, ob = _opt(a, name, bucket_cap_mb=0.0005), _opt(b, name, overlap=False)
     scalers = {opt: torch.amp.GradScaler("cpu", init_scale=16.0) for opt in (oa, ob)} if case == "scaler" else {}
     micro = 2 if case in ("accumulate", "no_sync") else 1
     out = {"same": [], "close": [], "digest": [], "in_backward": [], "warm": [], "buckets": len(oa._exchange.warm_bounds)}
@@ -415,7 +418,7 @@ def _warm_uneven(rank, world, name):
     both all-reduce their loss between backward and step() on the optimizer's own group."""
     torch.set_num_threads(1)
     a, b = _model(), _model()
-    oa, ob = _opt(a, name, bucket_cap_mb=0.004), _opt(b, name, overlap=False)
+    oa, ob = _opt(a, name, bucket_cap_mb=0.0005), _opt(b, name, overlap=False)
     same = []
     for step in range(1, FREEZE + 3):
         for model, opt in ((a, oa), (b, ob)):

@@ -40,17 +40,20 @@ FIRST_BUCKET = (1 << 20) // 4
 
 
 def bucket_bounds(offsets: Sequence[tuple[int, int]], cap: int, vectors: Sequence[bool] | None = None,
-                  first: int | None = None) -> list[tuple[int, int, list[int]]]:
+                  first: int | None = None, *, past: bool = False) -> list[tuple[int, int, list[int]]]:
     """``(lo, hi, parameter indices)`` of each bucket, last parameters first; a bucket is closed
     before a parameter that would take it past ``cap`` values (``first``, if given, for the first
     bucket: DDP's 1 MB, so that the link starts with backward's first gradients; a larger
     parameter is a bucket of its own), so the first bucket -- the last layers -- leaves as early
-    as possible.
+    as possible. ``past``: DDP's rule instead -- a bucket is closed after the parameter that takes
+    it to its limit, which it may exceed (DDP's first bucket of the 12.9M GPT is 4.7 MB).
 
     ``vectors[i]``: parameter ``i`` is 1-D. The 1-D parameters registered right after the one
     that opens a new bucket move into it with it: a layer registers its weight and then its
     bias, and backward produces both at once, so a bucket that kept the bias would wait for
-    the weight anyway."""
+    the weight anyway (with ``past`` the bias is already in the weight's bucket)."""
+    if past:
+        return _closed_past(offsets, cap, cap if first is None else min(cap, first))
     vectors = vectors or [False] * len(offsets)
     groups: list[list[int]] = []
     members: list[int] = []
@@ -63,6 +66,21 @@ def bucket_bounds(offsets: Sequence[tuple[int, int]], cap: int, vectors: Sequenc
                 groups.append(members[:keep])
             members = members[keep:]
         members.append(i)
+    if members:
+        groups.append(members)
+    return [(offsets[m[-1]][0], offsets[m[0]][1], m[::-1]) for m in groups]
+
+
+def _closed_past(offsets: Sequence[tuple[int, int]], cap: int, first: int) -> list[tuple[int, int, list[int]]]:
+    """DDP's buckets (``compute_bucket_assignment_by_size``): parameters added last first, a bucket
+    closed once it holds ``first`` values (the first one) or ``cap`` (the others)."""
+    groups: list[list[int]] = []
+    members: list[int] = []
+    for i in reversed(range(len(offsets))):
+        members.append(i)
+        if offsets[members[0]][1] - offsets[i][0] >= (cap if groups else first):
+            groups.append(members)
+            members = []
     if members:
         groups.append(members)
     return [(offsets[m[-1]][0], offsets[m[0]][1], m[::-1]) for m in groups]

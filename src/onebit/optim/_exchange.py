@@ -85,8 +85,10 @@ class Exchange:
         # group that would interleave them with the user's own collectives (a loss all-reduced
         # before step(), SyncBatchNorm) in another order on each rank.
         self.warm_group = warm_group
-        self.warm_bounds = None if warm_group is None else bucket_bounds(flat.offsets, cap, vectors,
-                                                                         first=FIRST_BUCKET)
+        # Closed as DDP closes its buckets: a first bucket that stops short of the last layer's
+        # weight leaves with a few biases, and the link idles until the next, much larger, one.
+        self.warm_bounds = None if warm_group is None else bucket_bounds(flat.offsets, cap, first=FIRST_BUCKET,
+                                                                         past=True)
         self._warm = comm.Pipeline()  # the warm-up's exact means, completed in step()
         self._flights = comm.Pipeline()  # the buckets' exchanges, a phase behind the next
         self._added: set[int] = set()  # buckets whose average is decoded where the step says
