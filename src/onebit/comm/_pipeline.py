@@ -43,12 +43,13 @@ class Pipeline:
     every exchange before it that ``lags`` and has not taken it yet: for the compressed
     all-reduce ``a2a(0), a2a(1), ag(0), a2a(2), ag(1), ...``, so that the link holds the next
     exchange's bytes while one computes between its collectives. An exchange that does not lag
-    takes its next stage in :meth:`finish` (an exact all-reduce, whose second stage only waits
-    for it; the DDP hooks' exchanges, which wait for nothing during backward). :meth:`finish`
+    takes its next stage in :meth:`completed` (an exact all-reduce, whose second stage only waits
+    for it; the DDP hooks' exchanges, which wait for nothing during backward). :meth:`completed`
     then moves every exchange one stage, in launch order, round after round: the next
     collectives of all of them leave before any is waited for twice. The order depends only on
     the order of the launches, so it is the same on every rank whatever its timing. ``bucket``:
-    the label its events carry in a trace, and what :meth:`finish` hands back with its result.
+    the label its events carry in a trace, and what :meth:`completed` hands back with its result;
+    :meth:`finish` runs them all and returns their results in launch order.
     """
 
     __slots__ = ("_exchanges",)
