@@ -153,7 +153,7 @@ class OnebitOptimizer(Optimizer):
         self._own_parameters: list[int] | None = None  # loaded beside a state saved between synchronisations
         self._exchange: Exchange | None = None
         self._buckets: Buckets | None = None  # the overlap's hooks
-        self._landing_now: Tensor | Callable[[int, int, Tensor], None] | None = None  # this step's, once asked
+        self._landing_now: Tensor | comm.Consume | None = None  # this step's, once asked
         self._grad: Tensor | None = None  # the averaged gradients, in a stage that averages them
         self._lay_out(self._stages.current)
         self._ddp_wrapped = check_ddp(self.flat.params, type(self).__name__, self.world_size, construction=True)
@@ -251,7 +251,7 @@ class OnebitOptimizer(Optimizer):
         must stay as it is."""
         raise NotImplementedError
 
-    def _landing(self, wire: Wire) -> Tensor | Callable[[int, int, Tensor], None]:
+    def _landing(self, wire: Wire) -> Tensor | comm.Consume:
         """Where this step's average lands: a flat fp32 buffer of the model's size, or
         ``consume(lo, hi, values)``, handed it chunk by chunk. Asked once per step, right before
         the buffer is first written."""
@@ -335,7 +335,7 @@ class OnebitOptimizer(Optimizer):
         """Switch off DDP's all-reduce on ``model`` (default: every DDP module holding these
         parameters) with :func:`onebit.optim.local_gradient_hook`; see :func:`onebit.optim.attach`."""
         found = attach_ddp(self.flat.params, type(self).__name__, model)
-        if found and self._buckets is not None:
+        if found:
             self._stop_warmup_in_backward_for_ddp()
         return found
 
@@ -557,7 +557,7 @@ class OnebitOptimizer(Optimizer):
             exchange.compressed(b, landing[start:end])
         return True
 
-    def _landing_of_step(self) -> Tensor | Callable[[int, int, Tensor], None]:
+    def _landing_of_step(self) -> Tensor | comm.Consume:
         """Where this step's average lands (:meth:`_landing`), asked once per step, right before it
         is first written."""
         if self._landing_now is None:

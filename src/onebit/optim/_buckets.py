@@ -52,13 +52,14 @@ def bucket_bounds(offsets: Sequence[tuple[int, int]], cap: int, vectors: Sequenc
     that opens a new bucket move into it with it: a layer registers its weight and then its
     bias, and backward produces both at once, so a bucket that kept the bias would wait for
     the weight anyway (with ``past`` the bias is already in the weight's bucket)."""
+    first = cap if first is None else min(cap, first)
     if past:
-        return _closed_past(offsets, cap, cap if first is None else min(cap, first))
+        return _closed_past(offsets, cap, first)
     vectors = vectors or [False] * len(offsets)
     groups: list[list[int]] = []
     members: list[int] = []
     for i in reversed(range(len(offsets))):
-        if members and offsets[members[0]][1] - offsets[i][0] > (cap if groups or first is None else min(cap, first)):
+        if members and offsets[members[0]][1] - offsets[i][0] > (cap if groups else first):
             keep = len(members)
             while keep and vectors[members[keep - 1]]:
                 keep -= 1
