@@ -50,7 +50,7 @@ from pathlib import Path
 from _records import added_up, compare_runs, compare_sources, refreshes_sent, same_losses
 
 from onebit.bench._analysis import mean_interval, ratio_interval, step_time, steps_to_loss
-from onebit.bench._convergence import _gap, _run
+from onebit.bench._matrix import _gap, _run
 
 # label as run on SETTINGS_DATE, by a run without its arguments -> (outer step, exchange)
 SETTINGS_DATE = "2026-11-26"

@@ -35,7 +35,8 @@ from typing import Any
 import torch
 
 from onebit.bench._analysis import mean_interval
-from onebit.bench._convergence import _VARIANTS, ConvergenceTask, measure_training
+from onebit.bench._convergence import ConvergenceTask, measure_training
+from onebit.bench._matrix import VARIANTS
 from onebit.launch import spawn
 
 from _records import append_row, provenance, provenance_note, read_rows
@@ -43,11 +44,11 @@ from onebit.optim import REGISTRY, make_optimizer
 
 # cell -> (registry name, arguments beyond its freeze): the convergence matrix's, and the two ablations
 CELLS: dict[str, tuple[str, dict[str, Any]]] = {
-    "adamw": _VARIANTS["adamw"],
-    "onebit_adam": _VARIANTS["onebit_adam"],
+    "adamw": VARIANTS["adamw"],
+    "onebit_adam": VARIANTS["onebit_adam"],
     "zero_one_adam_exact": ("zero_one_adam", {"compressor": "identity", "local_step_clipper": 1}),
     "zero_one_adam_no_local": ("zero_one_adam", {"local_step_clipper": 1}),
-    "zero_one_adam": _VARIANTS["zero_one_adam"],
+    "zero_one_adam": VARIANTS["zero_one_adam"],
 }
 
 

@@ -489,7 +489,7 @@ def test_bench_convergence_runs_tasks_side_by_side(tmp_path):
 
 
 def test_convergence_cells_leave_out_the_identity_controls_on_request():
-    from onebit.bench._convergence import convergence_cells
+    from onebit.bench._matrix import convergence_cells
 
     def labels(**kw):
         return [c.label for c in convergence_cells(("gpt",), ("adamw", "softsign_sgd"), **kw)]
@@ -507,7 +507,7 @@ def test_convergence_cells_leave_out_the_identity_controls_on_request():
 
 
 def test_a_seed_far_behind_misses_the_target_whatever_the_mean():
-    from onebit.bench._convergence import _verdict
+    from onebit.bench._matrix import _verdict
 
     assert _verdict(1.0, 1.0, 3.0, 0, worst=9.9) == "met"
     assert _verdict(1.0, 1.0, 3.0, 0, worst=10.5) == "missed"

@@ -328,7 +328,8 @@ def _names(text: str, known: tuple[str, ...], flag: str) -> tuple[str, ...]:
 
 def convergence(args: argparse.Namespace) -> int:
     from ._catalogue import BENCHMARKED
-    from ._convergence import _VARIANTS, CONVERGENCE_TASKS, FAMILIES, LEVELS, convergence_cells, run_convergence
+    from ._convergence import run_convergence
+    from ._matrix import CONVERGENCE_TASKS, FAMILIES, LEVELS, VARIANTS, convergence_cells
     from ._plot import plot_convergence
     from ._reports import provenance, report_files
 
@@ -339,13 +340,13 @@ def convergence(args: argparse.Namespace) -> int:
         tasks = _names(args.tasks, CONVERGENCE_TASKS, "--tasks")
         families = _names(args.families, tuple(FAMILIES), "--families")
         entries = tuple(n for n, b in BENCHMARKED.items() if b.matrix)
-        optimizers = None if args.optimizers is None else _names(args.optimizers, entries + tuple(_VARIANTS),
+        optimizers = None if args.optimizers is None else _names(args.optimizers, entries + tuple(VARIANTS),
                                                                  "--optimizers")
         levels = LEVELS if args.lr == "both" else (args.lr,)
         if optimizers is not None:
             made = {c.optimizer for c in convergence_cells(tasks, families, extended=args.extended,
                                                            controls=not args.no_controls, optimizers=optimizers)}
-            idle = [n for n in optimizers if not any(n in (m, _VARIANTS[m][0]) for m in made)]
+            idle = [n for n in optimizers if not any(n in (m, VARIANTS[m][0]) for m in made)]
             if idle:
                 raise SystemExit(f"onebit: --optimizers: {', '.join(idle)} would run nothing in --families "
                                  f"{','.join(families)} (a variant equal to the defaults runs as its entry; the "

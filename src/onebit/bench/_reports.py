@@ -47,7 +47,7 @@ def _cpu() -> str:
 
 
 def convergence_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
-    """``table.txt``'s rows: every column of :func:`~onebit.bench._convergence.aggregate`'s cells."""
+    """``table.txt``'s rows: every column of :func:`~onebit.bench._matrix.aggregate`'s cells."""
     out = [["task", "lr", "optimizer", "runs", "score (mean)", "paired gap", "95% ±", "worst (seed/perturbation)",
             "runs >10% behind", "target", "verdict", "steps to target"]]
     for r in rows:
@@ -140,7 +140,7 @@ def report_files(summary: dict[str, Any]) -> dict[str, str]:
     by the result's command, machine and date); ``{}`` for one run's summary (``onebit compare``,
     ``train``), whose table is what the run printed."""
     if is_convergence(summary):
-        from ._convergence import aggregate, markdown_table
+        from ._matrix import aggregate, markdown_table
 
         rows = aggregate(summary["runs"])
         tables = {"table.md": markdown_table(rows), "table.txt": text_table(convergence_rows(rows))}

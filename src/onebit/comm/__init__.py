@@ -1,12 +1,11 @@
 """Collectives: the only package that calls ``torch.distributed`` (and mpi4py, for ``group="mpi"``)."""
 
-from ._compressed import CompressedAllGather, CompressedAllReduce, Consume, chunk_bounds
+from ._allgather import CompressedAllGather
+from ._compressed import CompressedAllReduce, Consume, chunk_bounds
 from ._hierarchical import HierarchicalAllReduce, compressed_allreduce
 from ._dist import (
-    BACKENDS,
     DEFAULT_TIMEOUT,
     CollectiveError,
-    Group,
     Pending,
     Stages,
     all_gather_object_sizes,
@@ -14,17 +13,9 @@ from ._dist import (
     all_reduce_sum,
     all_reduce_mean,
     all_reduce_mean_stages,
-    backend_of,
     barrier,
     broadcast,
-    check_world_size,
-    concurrent,
-    device_of,
     duplicate,
-    get_rank,
-    get_world_size,
-    is_distributed,
-    resolve_group,
     run_stages,
     to_timedelta,
 )
@@ -33,6 +24,18 @@ from ._pipeline import Pipeline, run_pipelined
 from ._meter import Meter, measure, record
 from ._nonfinite import agree, nonfinite
 from ._trace import Trace, instant, labelled, link_bytes, span, trace
+from ._transport import (
+    BACKENDS,
+    Group,
+    backend_of,
+    check_world_size,
+    concurrent,
+    device_of,
+    get_rank,
+    get_world_size,
+    is_distributed,
+    resolve_group,
+)
 
 __all__ = [
     "BACKENDS",

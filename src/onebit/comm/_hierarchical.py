@@ -14,9 +14,8 @@ from torch import Tensor
 from ..compress import Compressor
 from ._compressed import CompressedAllReduce, _Sized, _check_segments, chunk_bounds, chunk_codecs
 from ._wire import read_payload
-from ._dist import (
-    Group, Stages, all_gather_bytes, get_rank, get_world_size, reduce_scatter_mean, run_stages, split, to_timedelta,
-)
+from ._dist import Stages, all_gather_bytes, reduce_scatter_mean, run_stages, split, to_timedelta
+from ._transport import Group, get_rank, get_world_size
 
 __all__ = ["HierarchicalAllReduce", "compressed_allreduce", "resolve_ranks_per_node"]
 

@@ -26,7 +26,8 @@ import torch
 from torch import Tensor
 
 from ..ops import max_abs
-from ._dist import Group, Pending, all_reduce_max
+from ._dist import Pending, all_reduce_max
+from ._transport import Group
 
 __all__ = ["agree", "nonfinite"]
 

@@ -8,12 +8,13 @@ from ._comp_ams import CompAMS, QAdam, comp_ams, qadam_direction
 from ._ddp import attach, local_gradient_hook
 from ._deepspeed import from_deepspeed_config
 from ._diloco import DiLoCo
-from ._freeze import FreezeSchedule
+from ._freeze import FreezeSchedule, ZeroOneSchedule
 from ._functional import adam_step_bound, clip_to_adam_step_
-from ._onebit_adam import OnebitAdam, OnebitAdamNaive, adam, onebit_adam, refresh_preconditioner
+from ._onebit_adam import OnebitAdam, adam, onebit_adam, refresh_preconditioner
+from ._onebit_adam_naive import OnebitAdamNaive
 from ._onebit_lamb import OnebitLamb, lamb, onebit_lamb
 from ._registry import REGISTRY, Spec, make_optimizer
-from ._zero_one_adam import ZeroOneAdam, ZeroOneSchedule, local_step, refresh_variance, synchronise
+from ._zero_one_adam import ZeroOneAdam, local_step, refresh_variance, synchronise
 
 __all__ = [
     "Birder",

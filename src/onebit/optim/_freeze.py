@@ -1,4 +1,5 @@
-"""When to end the warm-up (1-bit Adam section 3.3 / 7.1, docs/design.md, "The automatic freeze").
+"""When to end the warm-up (1-bit Adam section 3.3 / 7.1, docs/design.md, "The automatic freeze"), and
+0/1 Adam's schedule of variance refreshes and synchronisations (:class:`ZeroOneSchedule`).
 
 The criterion is the paper's (section 7.1): the variance is stable once
 ``||v_t||_1 / ||v_{t-D}||_1 >= threshold`` (0.96, ``D = 1 / (1 - beta2)``). The paper
@@ -31,6 +32,7 @@ decision on the same step without another collective.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import warnings
@@ -40,10 +42,11 @@ from typing import Any
 
 from torch import Tensor
 
-from .._checks import check_positive
+from .._checks import check_positive, check_positive_int
 from ..ops import zero_where_equal_
 
-__all__ = ["FreezeSchedule", "count_unused", "freeze_schedule", "mask_unused_", "warn_early_freeze"]
+__all__ = ["FreezeSchedule", "ZeroOneSchedule", "count_unused", "freeze_schedule", "mask_unused_",
+           "warn_early_freeze"]
 
 _log = logging.getLogger("onebit.optim")
 
@@ -121,6 +124,72 @@ class FreezeSchedule:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.history = deque((float(v) for v in state["history"]), maxlen=self.window + 1)
+
+
+class ZeroOneSchedule:
+    """The steps of 0/1 Adam's two policies, as DeepSpeed 0.19.6 counts them.
+
+    * ``T_v`` (variance refreshes), up to ``var_freeze_step``: every step while the interval
+      ``I`` is 1, then the steps ``t`` with ``(t + offset) % I == 0``; ``I`` doubles after every
+      ``var_update_scaler`` refreshes (the paper's kappa). After ``var_freeze_step`` the
+      variance is frozen.
+    * ``T_u`` (synchronisations): every step up to ``var_freeze_step``; after it, the steps with
+      ``(t + offset) % H == 0`` where ``H`` starts at 1 and doubles every ``local_step_scaler``
+      steps, at most ``local_step_clipper`` (the paper's H).
+
+    ``offset`` is 1 in DeepSpeed, whose step counter includes its first ``step()``, which
+    only allocates state; onebit counts from the first step that updates (``offset=0``).
+
+    Examples:
+        >>> s = onebit.optim.ZeroOneSchedule(var_freeze_step=40, var_update_scaler=4,
+        ...                                  local_step_scaler=8, local_step_clipper=4)
+        >>> [t for t in range(1, 41) if s.refreshes(t)]
+        [1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 28, 32, 40]
+        >>> [s.interval(t) for t in (40, 48, 49, 57, 90)]
+        [1, 1, 2, 4, 4]
+    """
+
+    def __init__(self, var_freeze_step: int, var_update_scaler: int, local_step_scaler: int,
+                 local_step_clipper: int, *, offset: int = 0) -> None:
+        self.var_freeze_step = check_positive_int("var_freeze_step", var_freeze_step)
+        self.var_update_scaler = check_positive_int("var_update_scaler", var_update_scaler)
+        self.local_step_scaler = check_positive_int("local_step_scaler", local_step_scaler)
+        self.local_step_clipper = check_positive_int("local_step_clipper", local_step_clipper)
+        self.offset = offset
+        # The refresh steps, one block of var_update_scaler per interval (a few hundred at most).
+        self._refresh_steps: list[int] = []
+        interval, count, counter = 1, 0, 1 + offset
+        while True:
+            counter = -(-counter // interval) * interval
+            if counter - offset > self.var_freeze_step:
+                break
+            self._refresh_steps.append(counter - offset)
+            counter += 1
+            count += 1
+            if count == self.var_update_scaler:
+                interval, count = 2 * interval, 0
+
+    def refreshes(self, step: int) -> bool:
+        """Whether the variance is refreshed at ``step`` (``T_v``)."""
+        i = bisect.bisect_left(self._refresh_steps, step)
+        return i < len(self._refresh_steps) and self._refresh_steps[i] == step
+
+    def refreshes_through(self, step: int) -> int:
+        """How many refreshes steps ``1 .. step`` hold (the variance's bias-correction exponent)."""
+        return bisect.bisect_right(self._refresh_steps, step)
+
+    def interval(self, step: int) -> int:
+        """The local-step interval ``H`` in force at ``step``."""
+        if step <= self.var_freeze_step:
+            return 1
+        doublings = (step - self.var_freeze_step - 1) // self.local_step_scaler
+        if doublings >= self.local_step_clipper.bit_length():
+            return self.local_step_clipper
+        return min(self.local_step_clipper, 1 << doublings)
+
+    def synchronises(self, step: int) -> bool:
+        """Whether ``step`` ends with a 1-bit synchronisation (``T_u``)."""
+        return (step + self.offset) % self.interval(step) == 0
 
 
 def freeze_schedule(freeze_step: int | str, beta2: float, *, threshold: float | None, window: int | None,

@@ -18,7 +18,8 @@ from ._base import OnebitOptimizer
 from ._birder import Birder, SoftSignSGD
 from ._comp_ams import CompAMS, QAdam
 from ._diloco import DiLoCo
-from ._onebit_adam import OnebitAdam, OnebitAdamNaive
+from ._onebit_adam import OnebitAdam
+from ._onebit_adam_naive import OnebitAdamNaive
 from ._onebit_lamb import OnebitLamb
 from ._zero_one_adam import ZeroOneAdam
 

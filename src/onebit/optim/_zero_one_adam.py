@@ -22,7 +22,6 @@ bias correction).
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -30,11 +29,11 @@ import torch
 from torch import Tensor
 
 from .. import comm
-from .._checks import check_adam_args, check_bool, check_optional_positive, check_positive_int
+from .._checks import check_adam_args, check_bool, check_optional_positive
 from ..ops import zero_where_equal_
 from ._base import OnebitOptimizer
 from ._stages import COMPRESSED_FORMED, COMPRESSED_GRADIENT, LOCAL, Sends, Stage, StepStages, Wire
-from ._freeze import count_unused, mask_unused_
+from ._freeze import ZeroOneSchedule, count_unused, mask_unused_
 from ._functional import adam_denominator, adam_denominators, apply_update_, clip_to_adam_step_, ema_
 
 if TYPE_CHECKING:
@@ -42,7 +41,7 @@ if TYPE_CHECKING:
 
     from .._checks import CommonOptions
 
-__all__ = ["ZeroOneAdam", "ZeroOneSchedule", "local_step", "refresh_variance", "synchronise"]
+__all__ = ["ZeroOneAdam", "local_step", "refresh_variance", "synchronise"]
 
 # A refresh step: the gradients' exact fp32 average (the variance needs it; so does nothing else).
 REFRESH = Wire("variance", Sends.GRADIENTS)
@@ -59,72 +58,6 @@ _MOMENTUM = Stage(COMPRESSED_FORMED, ("exp_avg", "frozen_denom"), renames={"exp_
 _INTERVALS = ("exp_avg", "frozen_denom", "anchor", "accum")
 _SYNCHRONISE = Stage(COMPRESSED_FORMED, _INTERVALS)
 _LOCAL = Stage(LOCAL, _INTERVALS)
-
-
-class ZeroOneSchedule:
-    """The steps of 0/1 Adam's two policies, as DeepSpeed 0.19.6 counts them.
-
-    * ``T_v`` (variance refreshes), up to ``var_freeze_step``: every step while the interval
-      ``I`` is 1, then the steps ``t`` with ``(t + offset) % I == 0``; ``I`` doubles after every
-      ``var_update_scaler`` refreshes (the paper's kappa). After ``var_freeze_step`` the
-      variance is frozen.
-    * ``T_u`` (synchronisations): every step up to ``var_freeze_step``; after it, the steps with
-      ``(t + offset) % H == 0`` where ``H`` starts at 1 and doubles every ``local_step_scaler``
-      steps, at most ``local_step_clipper`` (the paper's H).
-
-    ``offset`` is 1 in DeepSpeed, whose step counter includes its first ``step()``, which
-    only allocates state; onebit counts from the first step that updates (``offset=0``).
-
-    Examples:
-        >>> s = onebit.optim.ZeroOneSchedule(var_freeze_step=40, var_update_scaler=4,
-        ...                                  local_step_scaler=8, local_step_clipper=4)
-        >>> [t for t in range(1, 41) if s.refreshes(t)]
-        [1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 28, 32, 40]
-        >>> [s.interval(t) for t in (40, 48, 49, 57, 90)]
-        [1, 1, 2, 4, 4]
-    """
-
-    def __init__(self, var_freeze_step: int, var_update_scaler: int, local_step_scaler: int,
-                 local_step_clipper: int, *, offset: int = 0) -> None:
-        self.var_freeze_step = check_positive_int("var_freeze_step", var_freeze_step)
-        self.var_update_scaler = check_positive_int("var_update_scaler", var_update_scaler)
-        self.local_step_scaler = check_positive_int("local_step_scaler", local_step_scaler)
-        self.local_step_clipper = check_positive_int("local_step_clipper", local_step_clipper)
-        self.offset = offset
-        # The refresh steps, one block of var_update_scaler per interval (a few hundred at most).
-        self._refresh_steps: list[int] = []
-        interval, count, counter = 1, 0, 1 + offset
-        while True:
-            counter = -(-counter // interval) * interval
-            if counter - offset > self.var_freeze_step:
-                break
-            self._refresh_steps.append(counter - offset)
-            counter += 1
-            count += 1
-            if count == self.var_update_scaler:
-                interval, count = 2 * interval, 0
-
-    def refreshes(self, step: int) -> bool:
-        """Whether the variance is refreshed at ``step`` (``T_v``)."""
-        i = bisect.bisect_left(self._refresh_steps, step)
-        return i < len(self._refresh_steps) and self._refresh_steps[i] == step
-
-    def refreshes_through(self, step: int) -> int:
-        """How many refreshes steps ``1 .. step`` hold (the variance's bias-correction exponent)."""
-        return bisect.bisect_right(self._refresh_steps, step)
-
-    def interval(self, step: int) -> int:
-        """The local-step interval ``H`` in force at ``step``."""
-        if step <= self.var_freeze_step:
-            return 1
-        doublings = (step - self.var_freeze_step - 1) // self.local_step_scaler
-        if doublings >= self.local_step_clipper.bit_length():
-            return self.local_step_clipper
-        return min(self.local_step_clipper, 1 << doublings)
-
-    def synchronises(self, step: int) -> bool:
-        """Whether ``step`` ends with a 1-bit synchronisation (``T_u``)."""
-        return (step + self.offset) % self.interval(step) == 0
 
 
 def _stage_of(schedule: ZeroOneSchedule, step: int) -> Stage:
