@@ -275,9 +275,7 @@ class ZeroOneAdam(OnebitOptimizer):
                                   freeze_step=schedule.var_freeze_step)
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay}, group=group,
                          **options)
-        n = len(self.flat.params)
-        # The interval of local steps so far, per parameter: sum(lr), sum(lr / bc1), any step taken.
-        self._lr_sums, self._weight_sums, self._touched = [0.0] * n, [0.0] * n, [False] * n
+        self._restart_interval()
         self._unused: list[int] = []  # the parameters with values unused before the freeze
         self._drive(self._allreduce(compressor, hierarchical=hierarchical, ranks_per_node=ranks_per_node,
                                     overlap=overlap, scales=scales), overlap=overlap, bucket_cap_mb=bucket_cap_mb)
@@ -389,10 +387,17 @@ class ZeroOneAdam(OnebitOptimizer):
         self._protect(m, denom, moving, step)
         synchronise(self.flat.params, self.flat.offsets, moving=moving, exp_avg=m, anchor=b.get("anchor"),
                     denom=denom, weight_sums=weights, lr_sums=lr_sums, weight_decays=self._hyper("weight_decay"))
-        n = len(moving)
-        self._lr_sums, self._weight_sums, self._touched = [0.0] * n, [0.0] * n, [False] * n
-        if "accum" in b:
-            b["accum"].zero_()
+        self._restart_interval()
+
+    def _restart_interval(self) -> None:
+        """A new interval of local steps. Per parameter, the interval so far: ``sum(lr)``,
+        ``sum(lr / bc1)``, whether it took a step; and the momentum it accumulated."""
+        n = len(self.flat.params)
+        self._lr_sums: list[float] = [0.0] * n
+        self._weight_sums: list[float] = [0.0] * n
+        self._touched: list[bool] = [False] * n
+        if "accum" in self.flat.buffers:
+            self.flat.buffers["accum"].zero_()
 
     def _protect(self, m: Tensor, denom: Tensor, moving: Sequence[bool], step: int) -> None:
         """Before ``m`` moves the parameters: zero it where no refresh has seen a gradient (the
@@ -448,9 +453,7 @@ class ZeroOneAdam(OnebitOptimizer):
         if not any(self._touched):
             return
         if not own_state:  # another rank's interval: restart it from the anchor
-            n = len(self._touched)
-            self._lr_sums, self._weight_sums, self._touched = [0.0] * n, [0.0] * n, [False] * n
-            b["accum"].zero_()
+            self._restart_interval()
         # This rank's parameters inside the interval, from its anchor and accumulated momentum
         # (whichever rank's weights the model was loaded with).
         for p, (lo, hi), lr_sum, wd in zip(self.flat.params, self.flat.offsets, self._lr_sums,
