@@ -156,9 +156,9 @@ def onebit_lamb(
         if not active[i]:
             continue
         v, v_frozen = exp_avg_sq[lo:hi], frozen_exp_avg_sq[lo:hi]
+        denom = v_frozen.sqrt().add_(eps)
         if clip_update is not None:  # the warm-up's variance has no bias correction: frozen at step frozen_at
-            clip_to_adam_step_(m, v_frozen.sqrt().add_(eps), b1, b2, bias_correction2=1.0 - b2**frozen_at,
-                               factor=clip_update)
+            clip_to_adam_step_(m, denom, b1, b2, bias_correction2=1.0 - b2**frozen_at, factor=clip_update)
         # m_{t-1} is needed only to form g: g, then v_frozen / v, then the update take its place.
         work = last_exp_avg[lo:hi]
         g = work.mul_(-b1).add_(m).div_(1.0 - b1)  # (m_t - b1 m_{t-1}) / (1 - b1)
@@ -168,6 +168,8 @@ def onebit_lamb(
             norms[1, i] = v.sum(dtype=torch.float64)
         elif hi > lo:
             largest[i] = max_ratio(v_frozen, v, largest[i], work=work)
+        # The update's direction now, while the square root is at hand: the ratio only scales it.
+        torch.div(m, denom, out=work)
     if by_norm:
         if sum_per_param is not None:
             norms = sum_per_param(norms.view(-1)).view(2, -1)
@@ -185,7 +187,7 @@ def onebit_lamb(
             coeffs[i] = 0.0
             continue
         ratio[i] = r[i]
-        update = torch.div(exp_avg[lo:hi], frozen_exp_avg_sq[lo:hi].sqrt().add_(eps), out=last_exp_avg[lo:hi])
+        update = last_exp_avg[lo:hi]  # m / (sqrt(v_frozen) + eps), from the loop above
         if weight_decays[i]:
             update.add_(params[i].detach().reshape(-1).float(), alpha=weight_decays[i])
         apply_update_(params[i], update, None, lr=lrs[i], weight_decay=0.0, step_size=lrs[i] * coeffs[i])
