@@ -56,7 +56,6 @@ FREEZE_FRACTIONS = (0.1, 0.2, 0.4)
 LEVELS = ("low", "high")
 
 
-
 def _defaults(name: str) -> dict[str, Any]:
     """The arguments registry entry ``name`` builds its class with: the class's defaults (as they
     are today) and the entry's own."""
