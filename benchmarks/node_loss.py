@@ -12,6 +12,11 @@ killed with SIGKILL -- the node is gone -- at a chosen moment:
 * ``in-flight``: after a step that sent a DiLoCo fragment (streamed DiLoCo: 16 inner steps,
   4 fragments, each exchange in flight 2 steps), while it is in flight.
 
+* ``quorum``, ``quorum-in-flight``: no torchrun and no restart. Each node runs a replica of
+  ``examples/diloco_quorum.py`` (DiLoCo on a ``onebit.comm.Quorum`` over the dedicated store;
+  ``-in-flight``: streamed, a fragment's exchange in flight), and the survivors go on without the
+  killed one; the report gives the stall instead of a restart's phases.
+
 ``--rejoin STEP`` starts the lost node's agent again once the survivors pass ``STEP``. The
 agents run with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (a new store for the workers at each
 restart, as the docs say to); ``--shared-worker-store`` gives torchrun's default instead.
@@ -35,6 +40,7 @@ one to two minutes.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import re
@@ -60,6 +66,13 @@ SCENARIOS = {
 }
 CHECKPOINT_EVERY = 10
 PORT = 29400
+# Live recovery, no restart: each node runs a replica of examples/diloco_quorum.py directly (no
+# torchrun), on a onebit.comm.Quorum over the dedicated store
+QUORUM_EXAMPLE = EXAMPLE.parent / "diloco_quorum.py"
+QUORUM_SCENARIOS = {
+    "quorum": ["--sync-every", "16"],
+    "quorum-in-flight": ["--sync-every", "16", "--fragments", "4", "--delay", "2"],
+}
 
 
 def _descendants(pid: int) -> list[int]:
@@ -198,6 +211,100 @@ def trial(scenario: str, nodes: int, bandwidth: str, steps: int, kill_at: int, p
                 "dedicated_store": dedicated_store, "shared_store": shared_store, "logs": tails}
 
 
+def quorum_trial(scenario: str, nodes: int, bandwidth: str, steps: int, kill_at: int, pause: float, timeout: float,
+                 victim: int, rejoin: int | None = None, deadline_s: float = 600.0) -> dict:
+    """One run of DiLoCo on a quorum that loses node ``victim`` (and, with ``rejoin``, gets it back):
+    what happened, checked and timed from a survivor's record of its steps."""
+    with tempfile.TemporaryDirectory() as tmp, EmulatedCluster(ClusterSpec(nodes, parse_bandwidth(bandwidth))) as cl:
+        work = Path(tmp)
+        started: list[subprocess.Popen] = []
+
+        def replica(k: int, tag: str) -> subprocess.Popen:
+            cmd = ["ip", "netns", "exec", cl.node(k), sys.executable, str(QUORUM_EXAMPLE), "--store", f"{store}:{PORT}",
+                   "--replicas", str(nodes), "--replica-id", f"node{k}", "--steps", str(steps), "--pause", str(pause),
+                   "--timeout", str(timeout), "--record", str(work / f"node{k}.jsonl"), *QUORUM_SCENARIOS[scenario]]
+            env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+            proc = subprocess.Popen(cmd, cwd=QUORUM_EXAMPLE.parent, env=env, stdout=open(work / f"{tag}.log", "w"),
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+            started.append(proc)
+            return proc
+
+        watched = 1 if victim == 0 else 0  # a survivor's record
+        record = work / f"node{watched}.jsonl"
+        try:
+            store, server = _store(cl)
+            started.append(server)
+            time.sleep(2)
+            procs = [replica(k, f"node{k}") for k in range(nodes)]
+            deadline = time.monotonic() + deadline_s
+            while not (_rows(record) and _rows(record)[-1]["step"] >= kill_at):
+                if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                    raise RuntimeError(f"the run ended or stalled before the kill: {_tail(work)}")
+                time.sleep(0.002)
+            t_kill = time.time()
+            _kill_node(procs[victim])
+            survivors = [p for k, p in enumerate(procs) if k != victim]
+            if rejoin is not None:
+                while not (_rows(record) and _rows(record)[-1]["step"] >= rejoin):
+                    if time.monotonic() > deadline or survivors[0].poll() is not None:
+                        break
+                    time.sleep(0.05)
+                t_back = time.time()
+                survivors.append(replica(victim, "node-back"))
+            codes = []
+            for p in survivors:
+                try:
+                    codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
+                except subprocess.TimeoutExpired:
+                    codes.append(None)
+        finally:
+            for proc in started:
+                if proc.poll() is None:
+                    _kill_node(proc)
+        rows = _rows(record)
+        ends = []  # each finished replica's last line: its loss, its anchors' sum, its stats
+        for log in sorted(work.glob("node*.log")):
+            lines = [line for line in log.read_text().splitlines() if line.startswith("{")]
+            if lines:
+                ends.append(json.loads(lines[-1]))
+        found = _quorum_analyse(nodes, steps, rows, t_kill, codes, ends, rejoin,
+                                None if rejoin is None else t_back)
+        tails = {} if found["passed"] else {p.name: p.read_text()[-4000:] for p in sorted(work.glob("*.log"))}
+        return {**found, "scenario": scenario, "nodes": nodes, "victim": victim, "quorum": True, "logs": tails}
+
+
+def _quorum_analyse(nodes, steps, rows, t_kill, codes, ends, rejoin, t_back) -> dict:
+    """What a survivor's record says: every step once, the world after the kill (and the
+    rejoin), the stall where the survivors went on without the lost node."""
+    world = [r["world"] for r in rows]
+    gaps = [(b["time"] - a["time"], a, b) for a, b in zip(rows, rows[1:])]
+    before = [g for g, a, _ in gaps if a["time"] <= t_kill]
+    step_s = statistics.median(before) if before else None
+    left = next((i for i, r in enumerate(rows) if r["time"] > t_kill and r["world"] == nodes - 1), None)
+    checks = {
+        "survivors exit 0 (replicas checked at the end)": all(c == 0 for c in codes),
+        "every step ran once, none redone": [r["step"] for r in rows] == list(range(1, steps + 1)),
+        "the survivors went on without the node": left is not None,
+        "replicas identical at the end": len({e["anchors"] for e in ends}) == 1
+                                         and len(ends) == nodes - 1 + (rejoin is not None),
+        "losses finite": all(math.isfinite(r["loss"]) for r in rows),
+    }
+    back = None
+    if rejoin is not None:
+        back = next((i for i, r in enumerate(rows) if r["time"] > t_back and r["world"] == nodes), None)
+        checks["the node rejoined"] = back is not None
+    def stall(i):  # the step that took the change in, less a step's usual time
+        return None if i is None or step_s is None else rows[i]["time"] - rows[i - 1]["time"] - step_s
+    return {
+        "steps": steps, "reached": max((r["step"] for r in rows if r["time"] <= t_kill), default=0),
+        "left_at": None if left is None else rows[left]["step"], "lost_s": stall(left), "step_s": step_s,
+        "rejoined_at": None if back is None else rows[back]["step"], "rejoin_s": stall(back),
+        "worlds": sorted(set(world)), "exit_codes": codes, "checks": checks, "passed": all(checks.values()),
+        "redone": len(rows) - len({r["step"] for r in rows}),
+        "loss_end": rows[-1]["loss"] if rows else None,
+    }
+
+
 _STAMP = re.compile(r"^[IWE](\d{4} \d\d:\d\d:\d\d\.\d{6}) ")
 
 
@@ -275,6 +382,19 @@ def _analyse(scenario, nodes, steps, rows, t_kill, complete_at_kill, in_save, co
 
 def measure(args: argparse.Namespace) -> None:
     source = provenance()
+    if args.scenario in QUORUM_SCENARIOS:
+        for i in range(args.trials):
+            row = quorum_trial(args.scenario, args.nodes, args.bandwidth, args.steps, args.kill_at, args.pause,
+                               args.timeout, args.nodes - 1 if args.victim is None else args.victim, args.rejoin,
+                               args.deadline)
+            row.update(bandwidth=args.bandwidth, pause=args.pause, timeout=args.timeout, kill_at=args.kill_at,
+                       rejoin=args.rejoin, **source)
+            append_row(args.out, row)
+            failed = [k for k, ok in row["checks"].items() if not ok]
+            print(f"{args.scenario} trial {i + 1}: went on without the node at step {row['left_at']}, lost "
+                  f"{row['lost_s'] if row['lost_s'] is not None else float('nan'):.1f} s"
+                  + (f"; FAILED: {', '.join(failed)}" if failed else ""), flush=True)
+        return
     for i in range(args.trials):
         row = trial(args.scenario, args.nodes, args.bandwidth, args.steps, args.kill_at, args.pause, args.timeout,
                     args.rdzv_conf, args.nodes - 1 if args.victim is None else args.victim, args.dedicated_store,
@@ -299,8 +419,35 @@ def _setting(row: dict) -> str:
     return f"{row['scenario']} | {row['victim']} | {where} | {workers} | `{row['rdzv_conf']}`"
 
 
+def quorum_report(rows: list[dict]) -> None:
+    print("| scenario | node lost | trials | all checks passed | steps redone | went on at step | time lost, s | "
+          "rejoined at step | rejoin's pause, s | loss at the end |")
+    print("|---|---:|---:|---:|---|---|---|---|---|---|")
+    for setting in dict.fromkeys((r["scenario"], r["victim"], r["rejoin"] is not None) for r in rows):
+        some = [r for r in rows if (r["scenario"], r["victim"], r["rejoin"] is not None) == setting]
+        cells = []
+        for key, digits in (("redone", 0), ("left_at", 0), ("lost_s", 1), ("rejoined_at", 0), ("rejoin_s", 1),
+                            ("loss_end", 2)):
+            values = [r[key] for r in some if r.get(key) is not None]
+            cells.append(_spread(values, digits) if values else "-")
+        name = setting[0] + (", node back" if setting[2] else "")
+        print(f"| {name} | {setting[1]} | {len(some)} | {sum(r['passed'] for r in some)} | " + " | ".join(cells) + " |")
+    first = rows[0]
+    print(f"\nMedian (min-max) over trials; \"-\": not applicable. {first['nodes']} nodes of one replica at "
+          f"{first['bandwidth']} (`examples/diloco_quorum.py`, H = 16; `quorum-in-flight`: 4 fragments, each "
+          f"exchange in flight 2 steps), the store on a host of its own, a node killed (SIGKILL) after step "
+          f"{first['kill_at']} of {first['steps']}, a pause of {first['pause']:g} s after each step (a step took "
+          f"{_spread([r['step_s'] for r in rows if r['step_s']], 2)} s). Time lost: the step that went on without "
+          "the node, less a step's usual time (the survivors never stop otherwise); the rejoin's pause likewise, "
+          "at the step that took the node back in.")
+    print(f"\n{provenance_note(rows)}")
+
+
 def report(path: str) -> None:
     rows = read_rows(path)
+    if rows and rows[0].get("quorum"):
+        quorum_report(rows)
+        return
     print("| scenario | node lost | rendezvous on | workers' store | `--rdzv-conf` | trials | all checks passed | "
           "steps redone | restarts | detected, s | rendezvous, s | workers' start, s | time lost, s | "
           "loss: before, after, end |")
@@ -337,7 +484,7 @@ def report(path: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scenario", choices=SCENARIOS, default="between")
+    parser.add_argument("--scenario", choices=[*SCENARIOS, *QUORUM_SCENARIOS], default="between")
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--bandwidth", default="1gbit")
     parser.add_argument("--steps", type=int, default=100)

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from torch.distributed import TCPStore
 
 from onebit.bench._cluster import cluster_unavailable
 
@@ -152,15 +153,51 @@ def test_elastic_torchrun_goes_on_without_a_lost_node(tmp_path, optimizer):
     assert all(math.isfinite(r["loss"]) for r in rows) and after[-1]["loss"] < math.log(256)
 
 
+def test_diloco_quorum_goes_on_without_a_lost_replica_and_takes_it_back(tmp_path):
+    # examples/diloco_quorum.py as the page runs it: three replicas on a store of their own; the
+    # last is killed after step 30 of 320 and started again: the others never stop, every replica
+    # ends with the same anchors, and the survivors' records hold every step once.
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+    def replica(name, log):
+        cmd = [sys.executable, str(EXAMPLES / "diloco_quorum.py"), "--store", f"127.0.0.1:{store.port}",
+               "--replicas", "3", "--replica-id", name, "--steps", "320", "--sync-every", "16", "--pause", "0.05",
+               "--timeout", "20", "--record", str(tmp_path / f"{name}.jsonl")]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        return subprocess.Popen(cmd, cwd=EXAMPLES, env=env, stdout=open(tmp_path / log, "w"),
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+    procs = [replica(name, f"{name}.log") for name in ("a", "b", "c")]
+    record = tmp_path / "a.jsonl"
+    deadline = time.monotonic() + 180
+    while not (record.exists() and len(record.read_text().splitlines()) >= 30) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    procs[2].kill()
+    procs[2].wait()
+    procs[2] = replica("c", "c-back.log")
+    codes = [p.wait(timeout=240) for p in procs]
+    logs = {name: (tmp_path / name).read_text() for name in ("a.log", "b.log", "c-back.log")}
+    assert codes == [0, 0, 0], {k: v[-3000:] for k, v in logs.items()}
+    ends = [json.loads([line for line in log.splitlines() if line.startswith("{")][-1]) for log in logs.values()]
+    assert len({e["anchors"] for e in ends}) == 1 and all(e["stats"]["step"] == 320 for e in ends)
+    for name in ("a", "b"):
+        rows = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == list(range(1, 321))  # nothing redone, nothing skipped
+        worlds = [r["world"] for r in rows]
+        assert 2 in worlds and worlds[-1] == 3 and all(math.isfinite(r["loss"]) for r in rows)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(cluster_unavailable() is not None, reason=f"{cluster_unavailable()}")
-@pytest.mark.parametrize("scenario", ["between", "save", "in-flight"])
+@pytest.mark.parametrize("scenario", ["between", "save", "in-flight", "quorum", "quorum-in-flight"])
 def test_a_node_lost_on_the_emulated_cluster_and_back(tmp_path, scenario):
-    # benchmarks/node_loss.py: 4 namespaces, one torchrun agent each; the last is killed after step
-    # 46 (or in the save after it), the 3 others go on, and the node started again at step 60 joins.
+    # benchmarks/node_loss.py: 4 namespaces, one torchrun agent each (with a quorum: one replica
+    # each, no torchrun); the last is killed after step 46 (or in the save after it), the 3 others
+    # go on, and the node started again at step 60 (with a quorum: 50) joins.
     out = tmp_path / "trial.jsonl"
+    rejoin = "50" if scenario.startswith("quorum") else "60"
     cmd = [sys.executable, str(EXAMPLES.parent / "benchmarks" / "node_loss.py"), "--scenario", scenario,
-           "--steps", "160", "--rejoin", "60", "--out", str(out)]
+           "--steps", "160" if rejoin == "60" else "200", "--rejoin", rejoin, "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     row = json.loads(out.read_text())

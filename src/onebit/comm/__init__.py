@@ -21,6 +21,7 @@ from ._dist import (
 )
 from ._mpi import MPIGroup
 from ._pipeline import Pipeline, run_pipelined
+from ._quorum import Quorum
 from ._meter import Meter, measure, record
 from ._nonfinite import agree, nonfinite
 from ._trace import Trace, instant, labelled, link_bytes, span, trace
@@ -34,6 +35,7 @@ from ._transport import (
     get_rank,
     get_world_size,
     is_distributed,
+    reforms,
     resolve_group,
 )
 
@@ -50,6 +52,7 @@ __all__ = [
     "Meter",
     "Pending",
     "Pipeline",
+    "Quorum",
     "Stages",
     "Trace",
     "agree",
@@ -76,6 +79,7 @@ __all__ = [
     "measure",
     "nonfinite",
     "record",
+    "reforms",
     "resolve_group",
     "run_pipelined",
     "run_stages",

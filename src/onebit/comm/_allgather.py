@@ -45,6 +45,8 @@ class CompressedAllGather(_Sized):
         tensor([ 0., -4.,  0.,  0.,  3.,  0.,  0.,  0.])
     """
 
+    own_error = True  # each rank compresses its whole tensor: its error is its own in any group
+
     def __init__(
         self,
         compressor: str | Compressor = "topk",

@@ -85,6 +85,9 @@ class _Sized:
     group: Group
     # Capability: input_buffer() and stages(None, ...), the exchange without a model-sized input.
     reduces_added_input: bool = False
+    # Capability: its error is this rank's alone whatever the group (an all-gather's): it carries
+    # over to the same exchange on another group (see carry()).
+    own_error: bool = False
 
     def __init__(
         self,
@@ -167,6 +170,14 @@ class _Sized:
         decayed accumulator ``e <- beta e + x``, arXiv 2508.15706 Algorithm 1)."""
         if self.worker_error.error is not None:
             self.worker_error.error.mul_(factor)
+
+    def carry(self, other: _Sized) -> None:
+        """Go on from ``other``, the same exchange over the group before this one's (a quorum
+        re-formed): its compressor's state, and this rank's error where it is its own
+        (``own_error``); an error that belongs to the old group's chunks restarts at zero."""
+        self.compressor.load_state_dict(other.compressor.state_dict())
+        if self.own_error:
+            self.worker_error.load_state_dict(other.worker_error.state_dict())
 
     def _load_base_state(self, state: Mapping[str, Any]) -> bool:
         """Restore the common part; False (errors left as zeros, warning logged) on another world size."""

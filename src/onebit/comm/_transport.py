@@ -24,10 +24,13 @@ __all__ = [
     "backend_of",
     "check_world_size",
     "concurrent",
+    "connect_store",
     "device_of",
     "get_rank",
     "get_world_size",
+    "gloo_group",
     "is_distributed",
+    "reforms",
     "resolve_group",
     "transport",
 ]
@@ -152,6 +155,78 @@ class _TorchGroup:
                               use_local_synchronization=True)
 
 
+class _GlooGroup:
+    """The :class:`Transport` of a gloo process group made directly over a store, outside
+    ``torch.distributed``'s registry (a :class:`onebit.comm.Quorum`'s epoch): its collectives
+    are the backend's own methods, as torchft calls them, since the registry's functions look
+    the group up by its global ranks."""
+
+    backend = "torch"
+    concurrent = True  # gloo's groups are independent
+    worker_threads = True
+    sums_half = True
+    device = torch.device("cpu")
+    __slots__ = ("pg", "name")
+
+    def __init__(self, pg: Any, name: str) -> None:
+        self.pg, self.name = pg, name
+
+    def size(self) -> int:
+        return self.pg.size()
+
+    def rank(self) -> int:
+        return self.pg.rank()
+
+    def describe(self) -> str:
+        return f"group {self.name}"
+
+    def all_to_all(self, recv: Tensor, send: Tensor) -> Work:
+        return self.pg.alltoall_base(recv, send, [], [], dist.AllToAllOptions())
+
+    def all_gather(self, out: Tensor, slot: Tensor) -> Work:
+        return self.pg._allgather_base(out, slot)
+
+    def reduce_scatter_sum(self, out: Tensor, tensor: Tensor) -> Work:
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        return self.pg._reduce_scatter_base(out, tensor, opts)
+
+    def all_reduce(self, tensor: Tensor, op: str) -> Work:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+        return self.pg.allreduce([tensor], opts)
+
+    def broadcast(self, tensor: Tensor, src: int) -> Work:
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = src, 0
+        return self.pg.broadcast([tensor], opts)
+
+    def barrier(self) -> Work:
+        return self.pg.barrier(dist.BarrierOptions())
+
+    def split(self, partition: list[list[int]], timeout: timedelta) -> Any:
+        raise ValueError(f"{self.describe()} cannot be split into sub-groups (it is made over a store, outside "
+                         "torch.distributed's registry): hierarchical exchanges need init_process_group's groups")
+
+    def duplicate(self, timeout: timedelta) -> Any:
+        raise ValueError(f"{self.describe()} is duplicated by the Quorum that made it")
+
+
+def gloo_group(store: dist.Store, name: str, rank: int, size: int, timeout: timedelta) -> _GlooGroup:
+    """A gloo group of ``size`` ranks made over ``store``'s keys under ``name`` (every rank calls
+    it with the same name; it returns once all have connected, or raises ``RuntimeError`` after
+    ``timeout``)."""
+    return _GlooGroup(dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, size, timeout), name)
+
+
+def connect_store(address: str, timeout: timedelta) -> dist.Store:
+    """A client of the ``torch.distributed.TCPStore`` served at ``address`` (``"host:port"``)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"Invalid store value: {address!r} (expected 'host:port')")
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timeout, wait_for_workers=False)
+
+
 def resolve_group(group: Group) -> Any:
     """``group`` as given, or the group a backend name stands for (``"torch"``: ``None``)."""
     if isinstance(group, str):
@@ -190,6 +265,12 @@ def concurrent(group: Group) -> bool:
     the order of collectives over several communicators; MPI: only where the library was
     initialised with ``MPI_THREAD_MULTIPLE``)."""
     return bool(transport(group).concurrent)
+
+
+def reforms(group: Group) -> bool:
+    """Whether ``group``'s membership changes between collectives (an :class:`onebit.comm.Quorum`):
+    its users commit each exchange and follow it to the next epoch."""
+    return bool(getattr(transport(group), "reforms", False))
 
 
 def is_distributed(group: Group = None) -> bool:

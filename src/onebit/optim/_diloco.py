@@ -28,6 +28,7 @@ skipping a step, the replica check, the checks at construction -- are helpers th
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -42,7 +43,8 @@ from .._checks import check_bool, check_nonneg, check_positive, check_positive_i
 from ._agreement import parameter_sums, require_own_parameters, require_replicas, start_agreement
 from ._ddp import attach_ddp, check_ddp
 from ._flat import FlatState
-from ._fragments import Schedule, build_fragments, by_size, check_state, fragment_of, fragments_state, load_fragments
+from ._fragments import (Schedule, build_fragments, by_size, check_state, fragment_of, fragments_state, load_fragments,
+                         regroup_fragments)
 from ._setup import (broadcast_parameters, check_groups, check_params, check_same_parameters_everywhere, clip_,
                      closure_loss, common_options)
 from ._shards import Shards
@@ -141,7 +143,10 @@ class DiLoCo(Optimizer):
         scales: ``"tensor"`` (one scale per tensor piece, of each chunk with the all-reduce),
             ``"row"`` (one per slice along the first dimension of each 2-D or larger tensor) or
             ``"chunk"`` (one per chunk with the all-reduce, per contiguous piece with the all-gather).
-        group: the process group the workers average over (``None``: the default group).
+        group: the process group the workers average over (``None``: the default group), or a
+            :class:`onebit.comm.Quorum`, whose replicas may die or come during the run: each
+            synchronisation is committed by every replica, redone among the survivors where one
+            died, and a replica that comes is taken in after one, with a live peer's state.
         **options: ``timeout``, ``broadcast_parameters``, ``on_nonfinite``,
             ``check_replicas_every``, ``max_grad_norm`` (each rank clips its own gradients
             before its inner step) -- see :class:`onebit.optim.CommonOptions`.
@@ -207,6 +212,8 @@ class DiLoCo(Optimizer):
                              "without error_feedback=True: it decays the errors carried)")
         scales = check_scales(scales, row=True)  # (before anything is built: a bad value is the caller's)
         make_outer = outer_factory(outer, outer_lr, outer_momentum, nesterov)
+        if comm.reforms(group) and options.get("timeout") is None:  # a dead peer is the quorum's to time out
+            options["timeout"] = group.timeout
         options = common_options(options, type(self).__name__)
         self.max_grad_norm, self.on_nonfinite = options["max_grad_norm"], options["on_nonfinite"]
         self.check_replicas_every, self.timeout = options["check_replicas_every"], options["timeout"]
@@ -214,19 +221,29 @@ class DiLoCo(Optimizer):
         super().__init__(inner.param_groups, dict(inner.defaults))
         check_groups(self.param_groups, self.defaults, type(self))
         self.process_group = comm.resolve_group(group)
+        # A quorum (onebit.comm.Quorum): every synchronisation is committed, re-run among the
+        # survivors where a peer died, and the joiners are taken in after one lands.
+        self._live = comm.reforms(self.process_group)
+        if self._live and not self.process_group.member:
+            self.process_group.join()
         self.world_size = comm.get_world_size(self.process_group)
         self.rank = comm.get_rank(self.process_group)
         self._shards = Shards([p for g in self.param_groups for p in g["params"]], self.process_group,
                               type(self).__name__, self.timeout)
+        if self._live and self._shards.sharded:
+            raise ValueError("Invalid group for FSDP2-sharded parameters: a Quorum (its replicas are one process "
+                             "each); shard within a replica with torch.distributed's groups instead")
         if self._shards.sharded and self.max_grad_norm is not None:
             raise ValueError(f"Invalid max_grad_norm value with FSDP2-sharded parameters: {self.max_grad_norm!r} "
                              "(the norm spans every shard); call torch.nn.utils.clip_grad_norm_(model.parameters(), "
                              "max_norm) before step() instead")
         params = self._shards.tensors  # what is averaged: the parameters, or their FSDP2 shards
         check_params(params)
-        check_same_parameters_everywhere(params, self.process_group, self.timeout)
-        if options["broadcast_parameters"]:
-            broadcast_parameters(params, self.process_group, self.timeout)
+        joining = self._live and self.process_group.needs_state  # its state comes from a peer, below
+        if not joining:
+            check_same_parameters_everywhere(params, self.process_group, self.timeout)
+            if options["broadcast_parameters"]:
+                broadcast_parameters(params, self.process_group, self.timeout)
         self.flat = FlatState(params)
         anchors = self.flat.split(self.flat.new("anchor"))
         for anchor, p in zip(anchors, params):
@@ -236,10 +253,9 @@ class DiLoCo(Optimizer):
         self.outer = make_outer(anchors)
         self._anchors = anchors
         self._fragment_of = given or by_size(self.flat.offsets, self.fragments)
-        self._fragments = build_fragments(self.flat, self._fragment_of, compressor, collective=collective,
-                                          error_feedback=self.error_feedback, error_decay=self.error_decay,
-                                          scales=scales, delay=delay,
-                                          group=self.process_group, timeout=self.timeout)
+        self._scales = scales
+        self._fragments = self._build_fragments()
+        self._epoch = getattr(self.process_group, "epoch", 0)  # the quorum's epoch the collectives are built for
         self._step_count = self._skipped = self._bytes_last = self._bytes_total = 0
         self._last_stage: str | None = None
         # Per parameter: a gradient here since its fragment was last sent (on some rank, once the
@@ -249,6 +265,8 @@ class DiLoCo(Optimizer):
         self._own_parameters: list[int] | None = None  # loaded beside a state saved between synchronisations
         self._ddp_checked = False
         check_ddp(self.flat.params, "DiLoCo", self.world_size, construction=True)
+        if joining:
+            self._follow()
 
     # ------------------------------------------------------------------ the step
     # torch.amp.GradScaler then hands us ``grad_scale`` and ``found_inf`` as attributes and leaves
@@ -272,7 +290,15 @@ class DiLoCo(Optimizer):
         """
         loss = closure_loss(closure)
         comm.check_world_size(self.process_group, self.world_size, type(self).__name__)
-        self._check_loaded_parameters()
+        try:
+            self._step()
+        except _Healed:  # this replica left the quorum and came back with a peer's state: its step is over
+            pass
+        return loss
+
+    def _step(self) -> None:
+        if self._own_parameters is not None:  # (a commit on a quorum: only where there is something to check)
+            self._collective(self._check_loaded_parameters)
         if not self._ddp_checked:  # the model may have been wrapped after the optimizer was built
             check_ddp(self.flat.params, "DiLoCo", self.world_size, construction=False)
             self._ddp_checked = True
@@ -284,12 +310,15 @@ class DiLoCo(Optimizer):
                 fragment = None if sent is None else self._fragments[sent]
                 params = self.flat.params
                 present = [t or p.grad is not None for t, p in zip(self._touched, params)]
-                with comm.span("agree", "step"):  # 1
-                    nonfinite, active, _ = start_agreement(
+                def agree() -> tuple[bool, list[bool], bool]:
+                    return start_agreement(
                         params, present, self._shards.agreement_group if fragment else self._shards.shard_group,
                         self.timeout, step=step, rank=self.rank, on_nonfinite=self.on_nonfinite,
                         everywhere=fragment is not None, scale=getattr(self, "grad_scale", None),
                         found_inf=getattr(self, "found_inf", None))()
+
+                with comm.span("agree", "step"):  # 1
+                    nonfinite, active, _ = self._collective(agree) if fragment else agree()
                 if nonfinite:
                     self._skipped += 1
                 if not (nonfinite and fragment):  # a synchronisation is skipped everywhere, an inner step here
@@ -302,22 +331,108 @@ class DiLoCo(Optimizer):
                     if fragment is not None:
                         with comm.span("exchange", "step"):  # 3
                             fragment.send(self.flat.buffers["anchor"], params, self.flat.offsets, self._touched,
-                                          lands_at=step + self.delay, in_flight=self.delay > 0)
+                                          lands_at=step + self.delay, in_flight=self.delay > 0, live=self._live)
                         for i in fragment.members:  # what was touched is agreed now, the rest starts again
                             self._touched[i] = False
+                    landed = False
                     for f in self._fragments:  # 4
                         if f.flight is not None and f.flight.lands_at <= step:
+                            self._collective(f.flight.join, f.resend)
                             with comm.span("apply", "step"):
                                 self._late_bytes += f.land(self.outer, self._anchors, params, self.flat.offsets,
                                                            merge=self.merge, error_feedback=self.error_feedback)
+                            landed = True
                     if self.check_replicas_every and step % self.check_replicas_every == 0:
                         self.check_replicas()
+                    if landed and self._live and self.process_group.admit(step):
+                        self._follow()
         finally:
             self._shards.release_grads()
-        self._bytes_last = meter.bytes_sent + self._late_bytes
-        self._bytes_total += self._bytes_last
-        self._late_bytes = 0
-        return loss
+            self._bytes_last = meter.bytes_sent + self._late_bytes
+            self._bytes_total += self._bytes_last
+            self._late_bytes = 0
+
+    # ------------------------------------------------------------------ with a quorum
+    def _build_fragments(self) -> list[Any]:
+        return build_fragments(self.flat, self._fragment_of, self.compressor, collective=self.collective,
+                               error_feedback=self.error_feedback, error_decay=self.error_decay, scales=self._scales,
+                               delay=self.delay, group=self.process_group, timeout=self.timeout)
+
+    def _collective(self, first: Callable[[], Any], again: Callable[[], Any] | None = None) -> Any:
+        """``first()``, whose collectives only read this replica's state, committed on every member
+        of the quorum; where a member's failed, the quorum re-forms among the survivors and
+        ``again()`` (default ``first()``) runs on the new group, until one commits. Without a
+        quorum, ``first()``."""
+        if not self._live:
+            return first()
+        quorum, attempt = self.process_group, first
+        while True:
+            try:
+                out, ok = attempt(), True
+            except comm.CollectiveError as exc:
+                _log.warning("DiLoCo at step %d: %s; re-forming %s", self._step_count, exc, quorum.describe())
+                out, ok = None, False
+            if quorum.commit(ok):
+                return out
+            quorum.recover()
+            if self._follow():
+                raise _Healed
+            attempt = again or first
+
+    def _follow(self) -> bool:
+        """After the quorum entered an epoch: the collectives rebuilt over its group, the state sent
+        to its newcomers, committed (else on to the next epoch). This replica joins again where
+        it was left out. True where it received a peer's state."""
+        quorum, received = self.process_group, False
+        while True:
+            if not quorum.member:
+                quorum.join()
+            ok = True
+            try:
+                self._regroup()
+                if quorum.newcomers:
+                    received = self._send_state() or received
+            except comm.CollectiveError as exc:
+                _log.warning("DiLoCo: %s taking in replicas: %s", quorum.describe(), exc)
+                ok = False
+            if quorum.commit(ok):
+                quorum.healed()
+                return received
+            quorum.recover()
+
+    def _regroup(self) -> None:
+        """The collectives over the quorum's new epoch (once per epoch: every member builds the same
+        groups in the same order), each going on from the one it replaces."""
+        quorum = self.process_group
+        if quorum.epoch == self._epoch:
+            return
+        self.world_size, self.rank = quorum.size(), quorum.rank()
+        regroup_fragments(self._fragments, self._build_fragments())
+        self._epoch = quorum.epoch
+
+    def _send_state(self) -> bool:
+        """The state of the quorum's :attr:`~onebit.comm.Quorum.source` broadcast to every member
+        (its state dict and parameters, as bytes) and loaded by the newcomers; True here if loaded."""
+        quorum = self.process_group
+        payload = torch.empty(0, dtype=torch.uint8)
+        if quorum.rank() == quorum.source:
+            buffer = io.BytesIO()
+            torch.save({"state": self.state_dict(), "params": [p.detach() for p in self.flat.params]}, buffer)
+            payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+        size = comm.broadcast(torch.tensor([payload.numel()], dtype=torch.int64), quorum.source, quorum, self.timeout)
+        if quorum.rank() != quorum.source:
+            payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        comm.broadcast(payload, quorum.source, quorum, self.timeout)
+        if not quorum.needs_state:
+            return False
+        healed = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
+        self._load(healed["state"], warn=False)
+        with torch.no_grad():
+            for p, value in zip(self.flat.params, healed["params"]):
+                p.copy_(value)
+        _log.info("DiLoCo: replica %s took the state of step %d from rank %d of %s", quorum.replica_id,
+                  self._step_count, quorum.source, quorum.describe())
+        return True
 
     # ------------------------------------------------------------------ API
     @property
@@ -378,9 +493,14 @@ class DiLoCo(Optimizer):
         """Raise :class:`~onebit.optim.ReplicaDivergence` naming the first parameter that differs
         between ranks: the parameters where :attr:`synchronised`, else the anchors (the parameters
         of the last synchronisation, which every rank shares)."""
-        self._check_loaded_parameters()
-        require_replicas(self.flat.params, None if self.synchronised else self._anchors, self.process_group,
-                         self.timeout, step=self._step_count, param_groups=self.param_groups)
+        try:
+            if self._own_parameters is not None:
+                self._collective(self._check_loaded_parameters)
+            self._collective(lambda: require_replicas(
+                self.flat.params, None if self.synchronised else self._anchors, self.process_group, self.timeout,
+                step=self._step_count, param_groups=self.param_groups))
+        except _Healed:  # this replica holds a peer's state now: a replica of it
+            pass
 
     def _check_loaded_parameters(self) -> None:
         """Before the first step after :meth:`load_state_dict` of a state saved between
@@ -427,6 +547,9 @@ class DiLoCo(Optimizer):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` (also onebit 0.x's, whose outer momentum was a flat buffer);
         a state saved by another rank or on another world size restarts the errors (with a warning)."""
+        self._load(state_dict, warn=True)
+
+    def _load(self, state_dict: Mapping[str, Any], *, warn: bool) -> None:
         extra = check_state(state_dict, self.flat, fragments=self.fragments, delay=self.delay,
                             fragment_of=self._fragment_of, collective=self.collective, exact=self._fragments[0].exact,
                             error_feedback=self.error_feedback, error_decay=self.error_decay)
@@ -443,8 +566,12 @@ class DiLoCo(Optimizer):
         saved_rank = int(extra.get("rank", self.rank))  # checkpoints of earlier versions have no rank
         own_state = int(extra["world_size"]) == self.world_size and saved_rank == self.rank
         self._own_parameters = extra.get("own_parameters") if own_state else None
-        if not own_state:
+        if not own_state and warn:
             _log.warning("DiLoCo state saved on world size %d by rank %d, loaded on world size %d by rank %d: "
                          "the compression errors restart at zero; save and load one state_dict per rank to resume "
                          "exactly", extra["world_size"], saved_rank, self.world_size, self.rank)
         load_fragments(self._fragments, extra, own_state, self.flat.device)
+
+
+class _Healed(Exception):
+    """This replica was left out of the quorum and took a peer's state: the step it was in is over."""

@@ -25,7 +25,7 @@ from .._checks import check_positive_int
 from ._flat import FlatState, starts_inside
 
 __all__ = ["Flight", "Fragment", "Schedule", "build_fragments", "by_size", "check_state", "fragment_bounds",
-           "fragment_of", "fragments_state", "load_fragments", "runs"]
+           "fragment_of", "fragments_state", "load_fragments", "regroup_fragments", "runs"]
 
 _log = logging.getLogger("onebit.optim")
 
@@ -39,10 +39,11 @@ class Flight:
     step to come. Its collectives are the only ones on their group: the order of their issue is
     the same on every rank, their timing need not be."""
 
-    def __init__(self, lands_at: int, landing: dict[int, Tensor], exchanges: Sequence[comm.Stages] = ()) -> None:
+    def __init__(self, lands_at: int, landing: dict[int, Tensor], exchanges: Sequence[comm.Stages] = (),
+                 error: BaseException | None = None) -> None:
         self.lands_at, self.landing = lands_at, landing
         self.bytes_sent = 0
-        self._error: BaseException | None = None
+        self._error = error  # an exchange that failed at its launch raises where it is joined
         self._thread: threading.Thread | None = None
         if exchanges:
             self._thread = threading.Thread(target=self._run, args=(exchanges,), name="onebit-delayed-exchange",
@@ -128,7 +129,8 @@ class Fragment:
     synchronisation in flight: ``flight``, and ``sent``, which of its parameters had a gradient
     on some rank since its last synchronisation when it was sent (both None: nothing in flight)."""
 
-    __slots__ = ("index", "runs", "members", "collectives", "error_decay", "group", "timeout", "sent", "flight")
+    __slots__ = ("index", "runs", "members", "collectives", "error_decay", "group", "timeout", "sent", "flight",
+                 "retry")
 
     def __init__(self, index: int, runs: list[tuple[int, int, int, list[int]]], collectives: list[Any],
                  group: comm.Group, timeout: timedelta, error_decay: float = 1.0) -> None:
@@ -137,6 +139,8 @@ class Fragment:
         self.members = [i for *_, m in runs for i in m]
         self.sent: list[bool] | None = None
         self.flight: Flight | None = None
+        # With a quorum: the outer gradients and the collectives' states the flight left with
+        self.retry: tuple[dict[int, Tensor], list[Any]] | None = None
 
     @property
     def exact(self) -> bool:
@@ -144,30 +148,59 @@ class Fragment:
         return all(c is None for c in self.collectives)
 
     def send(self, anchor: Tensor, params: Sequence[Tensor], offsets: Sequence[tuple[int, int]], touched: list[bool],
-             *, lands_at: int, in_flight: bool) -> None:
+             *, lands_at: int, in_flight: bool, live: bool = False) -> None:
         """Form the outer gradients ``anchor - x`` (Algorithm 1 line 9) of each run into a buffer of
         its own, where its average lands, and exchange them: to the end here, or ``in_flight``,
         each run's first collective here and the rest on the flight's thread. ``touched[i]``:
-        parameter ``i`` had a gradient on some rank since its last synchronisation (agreed)."""
+        parameter ``i`` had a gradient on some rank since its last synchronisation (agreed).
+        ``live`` (a quorum): keep what :meth:`resend` needs, and leave a failed exchange to
+        raise where the flight is joined."""
         self.sent = [touched[i] for i in self.members]
         landing: dict[int, Tensor] = {}
-        exchanges: list[comm.Stages] = []
-        for (b, lo, hi, members), collective in zip(self.runs, self.collectives):
+        for b, lo, hi, members in self.runs:
             land = landing[b] = torch.empty(hi - lo, dtype=torch.float32, device=anchor.device)
             for i in members:
                 first, last = offsets[i]
                 torch.sub(anchor[first:last], params[i].detach().reshape(-1), out=land[first - lo:last - lo])
-            if collective is None:
-                stages = comm.all_reduce_mean_stages(land, self.group, self.timeout)
-            else:
-                if self.error_decay != 1:  # SparseLoCo: e <- beta e + delta, sent C(e), e <- e - C(e)
-                    collective.decay_error(self.error_decay)
-                stages = collective.stages(land, out=land)
-            next(stages)
-            exchanges.append(stages)
-        if not in_flight:
-            for stages in exchanges:
-                comm.run_stages(stages)
+        if live:
+            self.retry = ({b: t.clone() for b, t in landing.items()},
+                          [None if c is None else c.state_dict() for c in self.collectives])
+        self._exchange(landing, lands_at, in_flight, live)
+
+    def resend(self) -> None:
+        """The exchange of the flight that failed, again, over the collectives of the group the
+        quorum re-formed: from the outer gradients it left with, the errors restored to theirs
+        where they are this rank's own. Completed here."""
+        deltas, states = self.retry
+        for c, state in zip(self.collectives, states):
+            if c is not None:
+                c.compressor.load_state_dict(state["compressor"])
+                if c.own_error:
+                    c.worker_error.load_state_dict(state["worker_error"])
+        self._exchange({b: t.clone() for b, t in deltas.items()}, self.flight.lands_at, False, True)
+        self.flight.join()
+
+    def _exchange(self, landing: dict[int, Tensor], lands_at: int, in_flight: bool, live: bool) -> None:
+        exchanges: list[comm.Stages] = []
+        try:
+            for (b, *_), collective in zip(self.runs, self.collectives):
+                land = landing[b]
+                if collective is None:
+                    stages = comm.all_reduce_mean_stages(land, self.group, self.timeout)
+                else:
+                    if self.error_decay != 1:  # SparseLoCo: e <- beta e + delta, sent C(e), e <- e - C(e)
+                        collective.decay_error(self.error_decay)
+                    stages = collective.stages(land, out=land)
+                next(stages)
+                exchanges.append(stages)
+            if not in_flight:
+                for stages in exchanges:
+                    comm.run_stages(stages)
+        except comm.CollectiveError as exc:
+            if not live:
+                raise
+            self.flight = Flight(lands_at, landing, error=exc)
+            return
         self.flight = Flight(lands_at, landing, exchanges if in_flight else ())
 
     def land(self, outer: Optimizer, anchors: Sequence[Tensor], params: Sequence[Tensor],
@@ -178,7 +211,7 @@ class Fragment:
         parameter without a gradient on any rank during the whole interval is not updated (the
         library's rule for missing gradients): its outer gradient is zero, but the 1-bit
         exchange gives it its neighbours' scale and the outer momentum would move it."""
-        flight, self.flight = self.flight, None
+        flight, self.flight, self.retry = self.flight, None, None
         flight.join()
         touched, self.sent = dict(zip(self.members, self.sent)), None
         for b, lo, _, members in self.runs:
@@ -319,6 +352,17 @@ def build_fragments(flat: FlatState, owner: Sequence[int], compressor: Any, *, c
             c.warm_up(flat.device)  # kernels loaded now, not at the first synchronisation
         collectives[f].append(c)
     return [Fragment(f, pieces[f], collectives[f], group, timeout, error_decay) for f in pieces]
+
+
+def regroup_fragments(fragments: Sequence[Fragment], rebuilt: Sequence[Fragment]) -> None:
+    """Each fragment takes the collectives and group of its twin in ``rebuilt`` (the same
+    fragments built over a re-formed quorum), each collective going on from the one it replaces
+    (its compressor's state; this rank's error where it is its own)."""
+    for fragment, twin in zip(fragments, rebuilt):
+        for old, new in zip(fragment.collectives, twin.collectives):
+            if old is not None:
+                new.carry(old)
+        fragment.collectives, fragment.group = twin.collectives, twin.group
 
 
 def fragments_state(fragments: Sequence[Fragment]) -> dict[str, Any]:
