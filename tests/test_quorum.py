@@ -56,7 +56,7 @@ def _replica(replica: int, port: int, replicas: int, config: dict, die: tuple[in
     if go_at is not None and replica == replicas:  # a joiner: starts once the others are under way
         TCPStore("127.0.0.1", port, is_master=False).wait(["go"], timedelta(seconds=120))
     quorum = onebit.comm.Quorum(f"127.0.0.1:{port}", f"r{replica}", min_replicas=replicas, timeout=30,
-                                heartbeat=0.2, dead_after=1.0)
+                                heartbeat=0.2, dead_after=2.0)
     model = _model()
     opt = onebit.DiLoCo(model.parameters(), lr=1e-2, sync_every=SYNC, group=quorum, **config)
     joined = opt.stats["step"]
@@ -69,7 +69,7 @@ def _replica(replica: int, port: int, replicas: int, config: dict, die: tuple[in
         if go_at is not None and replica < replicas and step == go_at:  # the joiner starts; wait until it has come
             store = TCPStore("127.0.0.1", port, is_master=False)
             store.set("go", "1")
-            while store.add("onebit/joiners", 0) <= replicas:
+            while len(store.get("onebit/joiners").split()) <= replicas:  # the quorum's register of joiners
                 time.sleep(0.01)
         _train_step(model, opt, replica, step)
     torch.save({**_result(model, opt), "joined": joined}, out)
@@ -163,10 +163,11 @@ def test_a_joiner_takes_a_peers_state_and_trains_with_the_others(tmp_path: Path)
 
 @pytest.mark.parametrize(("kwargs", "error", "words"), [
     ({"store": "nohost"}, ValueError, "Invalid store value: 'nohost'"),
-    ({"store": 29400}, TypeError, "Invalid store value: a int"),
+    ({"store": 29400}, TypeError, "Invalid store value: 29400"),
     ({"min_replicas": 0}, ValueError, "min_replicas"),
     ({"heartbeat": 1.0, "dead_after": 2.0}, ValueError, "Invalid dead_after value: 2.0"),
     ({"replica_id": ""}, ValueError, "Invalid replica_id value: ''"),
+    ({"replica_id": "a\nb"}, ValueError, "Invalid replica_id value: 'a\\\\nb'"),
     ({"name": ""}, ValueError, "Invalid name value: ''"),
 ])
 def test_bad_arguments_are_refused_by_name(kwargs: dict, error: type, words: str) -> None:
@@ -174,3 +175,54 @@ def test_bad_arguments_are_refused_by_name(kwargs: dict, error: type, words: str
     kwargs = {"store": f"127.0.0.1:{store.port}", **kwargs}
     with pytest.raises(error, match=words):
         onebit.comm.Quorum(**kwargs)
+
+
+def _member(name: str, port: int, out: str) -> None:
+    """A bare quorum member: two commits, then ``c`` dies, ``b`` comes to the next epoch after
+    the others have decided it (left out), and joins again at ``a``'s next admission."""
+    torch.set_num_threads(1)
+    quorum = onebit.comm.Quorum(f"127.0.0.1:{port}", name, min_replicas=3, timeout=2, heartbeat=0.1, dead_after=0.6)
+    quorum.join()
+    seen = [(quorum.epoch, quorum.size())]
+    onebit.comm.all_reduce_sum(torch.ones(2), quorum, 5)
+    assert quorum.commit(True)
+    if name == "c":
+        os._exit(3)
+    try:
+        onebit.comm.all_reduce_sum(torch.ones(2), quorum, 5)
+        ok = True
+    except onebit.comm.CollectiveError:
+        ok = False
+    assert not quorum.commit(ok)
+    if name == "b":
+        time.sleep(6)  # past the others' deadline (twice the timeout): they decide without it
+    quorum.recover()
+    seen.append((quorum.epoch, quorum.size() if quorum.member else 0))
+    if name == "b":
+        assert not quorum.member
+        quorum.join()  # registered again; taken in by a's admission, its state to receive
+        seen.append((quorum.epoch, quorum.size(), quorum.needs_state, quorum.rank()))
+    else:
+        point = 1
+        while not quorum.admit(point):  # admission points until the joiner has registered
+            point += 1
+            time.sleep(0.2)
+        seen.append((quorum.epoch, quorum.size(), quorum.newcomers))
+    onebit.comm.all_reduce_sum(torch.ones(2), quorum, 5)
+    assert quorum.commit(True)
+    torch.save(seen, out)
+    quorum.close()
+
+
+def test_a_member_left_out_of_an_epoch_joins_again_and_takes_no_epoch_over(tmp_path: Path) -> None:
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = multiprocessing.get_context("spawn")
+    procs = {n: ctx.Process(target=_member, args=(n, store.port, str(tmp_path / f"{n}.pt"))) for n in "abc"}
+    for p in procs.values():
+        p.start()
+    for p in procs.values():
+        p.join(120)
+    assert [p.exitcode for p in procs.values()] == [0, 0, 3]
+    a, b = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt")
+    assert a == [(0, 3), (1, 1), (2, 2, [1])]  # alone in epoch 1; epoch 2 takes b back in, as rank 1
+    assert b == [(0, 3), (1, 0), (2, 2, True, 1)]

@@ -174,8 +174,8 @@ class Quorum:
             raise ValueError(f"Invalid name value: {name!r} (expected a non-empty str)")
         if replica_id is None:
             replica_id = f"{socket.gethostname()}-{os.getpid()}"
-        if not isinstance(replica_id, str) or not replica_id:
-            raise ValueError(f"Invalid replica_id value: {replica_id!r} (expected a non-empty str)")
+        if not isinstance(replica_id, str) or not replica_id or "\n" in replica_id:
+            raise ValueError(f"Invalid replica_id value: {replica_id!r} (expected a non-empty str on one line)")
         self.replica_id, self.name = replica_id, name
         self.token = f"{replica_id}#{uuid.uuid4().hex[:8]}"  # this incarnation: a restart is a new replica
         # Two clients: the heartbeat's thread never waits behind the main thread's requests.
@@ -186,8 +186,8 @@ class Quorum:
             self._store = torch.distributed.PrefixStore(name, store)
             beat_store = torch.distributed.PrefixStore(name, store.clone() if hasattr(store, "clone") else store)
         else:
-            raise TypeError(f"Invalid store value: a {type(store).__name__} (expected 'host:port' or a "
-                            "torch.distributed.Store)")
+            raise TypeError(f"Invalid store value: {store!r} (expected 'host:port' or a torch.distributed.Store)")
+        self._beat_store = beat_store  # also where the collectives' waits look for a member giving up
         self.epoch = -1
         self.plan: dict[str, Any] = {"members": [], "new": [], "joined": 0}
         self.member = False  # in the current epoch's plan, its group formed
@@ -208,38 +208,45 @@ class Quorum:
     def join(self) -> None:
         """Register, and wait until an epoch takes this replica in: the first one once
         ``min_replicas`` have registered, else the next admission of a running quorum (then
-        :attr:`needs_state`: a peer's state must be received and committed first)."""
+        :attr:`needs_state`: a peer's state must be received and committed first). Registers
+        again where the epoch that took it in could not form."""
         self._leave_group()
         self.member, self.needs_state = False, True
-        k = self._store.add("joiners", 1) - 1
-        self._store.set(f"joiner/{k}", self.token)
-        deadline, pause = time.monotonic() + self.join_timeout, _POLL
+        deadline = time.monotonic() + self.join_timeout
         while True:
-            if not self._store.check(["e0/plan"]):  # the job's first epoch
-                count = self._store.add("joiners", 0)
-                if count >= self.min_replicas:
-                    # ranks in the order of the replicas' names: a job's first ranks do not depend on who came first
-                    self._decide(0, {"members": sorted(self._joiners(0, count)), "new": [], "joined": count})
-            if self._store.check([f"admit/{self.token}"]):
-                epoch = int(self._store.get(f"admit/{self.token}"))
-                self._settle(epoch, self._read_plan(epoch))
-                if self.member:
-                    return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"replica {self.replica_id} was not taken into quorum {self.name!r} within "
-                                   f"join_timeout={self.join_timeout:g}s")
-            time.sleep(pause)
-            pause = min(2 * pause, _POLL_MAX)
+            self._store.append("joiners", self.token + "\n")  # one atomic write: a joiner half-registered is none
+            pause = _POLL
+            while True:
+                if not self._store.check(["e0/plan"]):  # the job's first epoch
+                    tokens = self._registered()
+                    if len(tokens) >= self.min_replicas:
+                        # ranks in the order of the replicas' names: the first ranks do not depend on who came first
+                        self._decide(0, {"members": sorted(set(tokens)), "new": [], "joined": len(tokens)})
+                if self._store.check([f"admit/{self.token}"]):
+                    epoch = int(self._store.get(f"admit/{self.token}"))
+                    if epoch > self._tried:  # (not an admission this replica has already tried)
+                        self._settle(epoch, self._read_plan(epoch))
+                        if self.member:
+                            return
+                        break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"replica {self.replica_id} was not taken into quorum {self.name!r} within "
+                                       f"join_timeout={self.join_timeout:g}s")
+                time.sleep(pause)
+                pause = min(2 * pause, _POLL_MAX)
 
     def admit(self, step: int) -> bool:
         """At an admission point of every member (the same ``step``): take in the joiners
-        registered so far; True where a new epoch was entered (see :attr:`member`)."""
+        registered so far whose heartbeat moves; True where a new epoch was entered (see
+        :attr:`member`)."""
         self._check_member()
-        count = self._store.add("joiners", 0)
+        count = len(self._registered())
         agreed = int(self._store.compare_set(f"e{self.epoch}/admit@{step}", "", str(count)))
         if agreed <= self.plan["joined"]:
             return False
-        tokens = [t for t in self._joiners(self.plan["joined"], agreed) if self._alive(t)]
+        registered = self._registered()  # at least ``agreed`` now: a member saw that many
+        tokens = [t for t in dict.fromkeys(registered[self.plan["joined"]:agreed]) if t not in self.plan["members"]]
+        tokens = self._moving(tokens)
         epoch = self._tried + 1
         self._decide(epoch, {"members": self.plan["members"] + tokens, "new": tokens, "joined": agreed})
         self._settle(epoch, self._read_plan(epoch))
@@ -264,7 +271,7 @@ class Quorum:
             looked = start
             while not self._store.check([f"{base}/d"]):
                 if self._store.check(keys):
-                    if all(v == b"1" for v in self._store.multi_get(keys)):
+                    if all(vote == b"1" for vote in self._store.multi_get(keys)):
                         proposal = "commit"
                     break
                 now = time.monotonic()
@@ -373,12 +380,25 @@ class Quorum:
         self._current()
 
     def _given_up(self, epoch: int) -> bool:
-        return self._store.check([f"e{epoch}/down"])
+        # On the heartbeat's client: the main one may be held by a group's formation, which waits
+        return self._beat_store.check([f"e{epoch}/down"])
 
-    def _joiners(self, lo: int, hi: int) -> list[str]:
-        keys = [f"joiner/{k}" for k in range(lo, hi)]
-        self._store.wait(keys, self.timeout)  # a joiner counts itself before it writes its name
-        return [v.decode() for v in self._store.multi_get(keys)] if keys else []
+    def _registered(self) -> list[str]:
+        """The joiners registered so far, in order (a replica registered again appears again)."""
+        if not self._store.check(["joiners"]):
+            return []
+        return [t for t in self._store.get("joiners").decode().split("\n") if t]
+
+    def _moving(self, tokens: list[str]) -> list[str]:
+        """Those of ``tokens`` whose heartbeat moves within ``dead_after`` seconds: a joiner that
+        died before it was taken in would hold its epoch's group up for the whole ``timeout``."""
+        first = {t: self._store.add(f"hb/{t}", 0) for t in tokens}
+        moving: set[str] = set()
+        deadline = time.monotonic() + self.dead_after
+        while len(moving) < len(tokens) and time.monotonic() < deadline:
+            time.sleep(self.heartbeat / 4)
+            moving.update(t for t in tokens if t not in moving and self._store.add(f"hb/{t}", 0) != first[t])
+        return [t for t in tokens if t in moving]
 
     def _decide(self, epoch: int, plan: dict[str, Any]) -> None:
         """Propose ``plan`` for ``epoch`` (the first proposal stands) and admit its newcomers."""
@@ -393,6 +413,7 @@ class Quorum:
     def _settle(self, epoch: int, plan: dict[str, Any]) -> None:
         """Enter ``epoch``; where its group cannot form (a member died meanwhile), the next one
         among the live, until one forms or this replica is left out."""
+        first = self._tried < 0  # the job's first epoch, entered by its first replicas: nothing to receive
         while True:
             self._leave_group()
             self.epoch, self.plan, self._votes = epoch, plan, 0
@@ -401,7 +422,7 @@ class Quorum:
             if self.token not in plan["members"]:
                 self.member = False
                 return
-            if self.token not in plan["new"] and epoch == 0:
+            if epoch == 0 and first:
                 self.needs_state = False
             rank, size = plan["members"].index(self.token), len(plan["members"])
             try:
@@ -423,10 +444,11 @@ class Quorum:
         one that holds the state has arrived or stopped beating."""
         epoch = self._tried + 1
         self._tried = epoch
-        k = self._store.add(f"e{epoch}/arrive", 1) - 1
-        self._store.set(f"e{epoch}/arrival/{k}", self.token)
+        self._store.append(f"e{epoch}/arrivals", self.token + "\n")
         expected = [t for t in self.plan["members"] if t not in self._unhealed]
-        deadline, pause = time.monotonic() + self.timeout.total_seconds(), _POLL
+        # A live member may come up to a group formation's timeout later than the first (its own
+        # formation still waiting when another's had failed): twice that, for those still beating
+        deadline, pause = time.monotonic() + 2 * self.timeout.total_seconds(), _POLL
         while not self._store.check([f"e{epoch}/plan"]):
             arrived = set(self._arrivals(epoch))
             waiting = [t for t in expected if t not in arrived and self._alive(t)]
@@ -439,10 +461,8 @@ class Quorum:
         return epoch, self._read_plan(epoch)
 
     def _arrivals(self, epoch: int) -> list[str]:
-        n = self._store.add(f"e{epoch}/arrive", 0)
-        keys = [f"e{epoch}/arrival/{k}" for k in range(n)]
-        present = [k for k in keys if self._store.check([k])]
-        return [v.decode() for v in self._store.multi_get(present)] if present else []
+        key = f"e{epoch}/arrivals"
+        return [t for t in self._store.get(key).decode().split("\n") if t] if self._store.check([key]) else []
 
     def _alive(self, token: str) -> bool:
         """Whether ``token``'s heartbeat has moved within ``dead_after`` seconds of this replica's

@@ -310,12 +310,16 @@ class DiLoCo(Optimizer):
                 fragment = None if sent is None else self._fragments[sent]
                 params = self.flat.params
                 present = [t or p.grad is not None for t, p in zip(self._touched, params)]
+                scale = getattr(self, "grad_scale", None)
+
                 def agree() -> tuple[bool, list[bool], bool]:
-                    return start_agreement(
+                    nonlocal scale
+                    launched = start_agreement(
                         params, present, self._shards.agreement_group if fragment else self._shards.shard_group,
                         self.timeout, step=step, rank=self.rank, on_nonfinite=self.on_nonfinite,
-                        everywhere=fragment is not None, scale=getattr(self, "grad_scale", None),
-                        found_inf=getattr(self, "found_inf", None))()
+                        everywhere=fragment is not None, scale=scale, found_inf=getattr(self, "found_inf", None))
+                    scale = None  # the gradients are unscaled in place: an agreement run again finds them so
+                    return launched()
 
                 with comm.span("agree", "step"):  # 1
                     nonfinite, active, _ = self._collective(agree) if fragment else agree()
@@ -343,7 +347,7 @@ class DiLoCo(Optimizer):
                                                            merge=self.merge, error_feedback=self.error_feedback)
                             landed = True
                     if self.check_replicas_every and step % self.check_replicas_every == 0:
-                        self.check_replicas()
+                        self._check_replicas()
                     if landed and self._live and self.process_group.admit(step):
                         self._follow()
         finally:
@@ -425,6 +429,8 @@ class DiLoCo(Optimizer):
         comm.broadcast(payload, quorum.source, quorum, self.timeout)
         if not quorum.needs_state:
             return False
+        for f in self._fragments:  # what this replica had in flight is the state it gives up
+            f.flight = f.retry = None
         healed = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
         self._load(healed["state"], warn=False)
         with torch.no_grad():
@@ -494,21 +500,28 @@ class DiLoCo(Optimizer):
         between ranks: the parameters where :attr:`synchronised`, else the anchors (the parameters
         of the last synchronisation, which every rank shares)."""
         try:
-            if self._own_parameters is not None:
-                self._collective(self._check_loaded_parameters)
-            self._collective(lambda: require_replicas(
-                self.flat.params, None if self.synchronised else self._anchors, self.process_group, self.timeout,
-                step=self._step_count, param_groups=self.param_groups))
+            self._check_replicas()
         except _Healed:  # this replica holds a peer's state now: a replica of it
             pass
+
+    def _check_replicas(self) -> None:
+        if self._own_parameters is not None:
+            self._collective(self._check_loaded_parameters)
+        self._collective(lambda: require_replicas(
+            self.flat.params, None if self.synchronised else self._anchors, self.process_group, self.timeout,
+            step=self._step_count, param_groups=self.param_groups))
 
     def _check_loaded_parameters(self) -> None:
         """Before the first step after :meth:`load_state_dict` of a state saved between
         synchronisations: raise :class:`~onebit.optim.ReplicaDivergence` unless every rank holds
         the parameters it saved beside it."""
         saved, self._own_parameters = self._own_parameters, None
-        require_own_parameters(self.flat.params, saved, self.process_group, self.timeout, step=self._step_count,
-                               owner=type(self).__name__, param_groups=self.param_groups)
+        try:
+            require_own_parameters(self.flat.params, saved, self.process_group, self.timeout, step=self._step_count,
+                                   owner=type(self).__name__, param_groups=self.param_groups)
+        except comm.CollectiveError:
+            self._own_parameters = saved  # not checked: again on the group a quorum re-forms
+            raise
 
     def attach_ddp(self, model: DistributedDataParallel | None = None) -> list[DistributedDataParallel]:
         """Switch off DDP's all-reduce on ``model`` (default: every DDP module holding these
