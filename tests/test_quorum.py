@@ -181,7 +181,8 @@ def _member(name: str, port: int, out: str) -> None:
     """A bare quorum member: two commits, then ``c`` dies, ``b`` comes to the next epoch after
     the others have decided it (left out), and joins again at ``a``'s next admission."""
     torch.set_num_threads(1)
-    quorum = onebit.comm.Quorum(f"127.0.0.1:{port}", name, min_replicas=3, timeout=2, heartbeat=0.1, dead_after=0.6)
+    quorum = onebit.comm.Quorum(f"127.0.0.1:{port}", name, min_replicas=3, timeout=2, heartbeat=0.2,
+                                dead_after=1.5)
     quorum.join()
     seen = [(quorum.epoch, quorum.size())]
     onebit.comm.all_reduce_sum(torch.ones(2), quorum, 5)
