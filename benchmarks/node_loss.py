@@ -420,9 +420,9 @@ def _setting(row: dict) -> str:
 
 
 def quorum_report(rows: list[dict]) -> None:
-    print("| scenario | node lost | trials | all checks passed | steps redone | went on at step | time lost, s | "
-          "rejoined at step | rejoin's pause, s | loss at the end |")
-    print("|---|---:|---:|---:|---|---|---|---|---|---|")
+    print("| scenario | checks passed | steps redone | went on at step | time lost, s | back at step | "
+          "its pause, s | loss at the end |")
+    print("|---|---:|---|---|---|---|---|---|")
     for setting in dict.fromkeys((r["scenario"], r["victim"], r["rejoin"] is not None) for r in rows):
         some = [r for r in rows if (r["scenario"], r["victim"], r["rejoin"] is not None) == setting]
         cells = []
@@ -430,16 +430,17 @@ def quorum_report(rows: list[dict]) -> None:
                             ("loss_end", 2)):
             values = [r[key] for r in some if r.get(key) is not None]
             cells.append(_spread(values, digits) if values else "-")
-        name = setting[0] + (", node back" if setting[2] else "")
-        print(f"| {name} | {setting[1]} | {len(some)} | {sum(r['passed'] for r in some)} | " + " | ".join(cells) + " |")
+        name = f"{setting[0]}, node {setting[1]} lost" + (" and back" if setting[2] else "")
+        print(f"| {name} | {sum(r['passed'] for r in some)} of {len(some)} | " + " | ".join(cells) + " |")
     first = rows[0]
     print(f"\nMedian (min-max) over trials; \"-\": not applicable. {first['nodes']} nodes of one replica at "
           f"{first['bandwidth']} (`examples/diloco_quorum.py`, H = 16; `quorum-in-flight`: 4 fragments, each "
           f"exchange in flight 2 steps), the store on a host of its own, a node killed (SIGKILL) after step "
-          f"{first['kill_at']} of {first['steps']}, a pause of {first['pause']:g} s after each step (a step took "
+          f"{first['kill_at']} of {first['steps']} and started again at step {first['rejoin']} (back at step: the "
+          f"step that took it in; its pause: that step's, less a step's usual time), a pause of "
+          f"{first['pause']:g} s after each step (a step took "
           f"{_spread([r['step_s'] for r in rows if r['step_s']], 2)} s). Time lost: the step that went on without "
-          "the node, less a step's usual time (the survivors never stop otherwise); the rejoin's pause likewise, "
-          "at the step that took the node back in.")
+          "the node, less a step's usual time (the survivors never stop otherwise).")
     print(f"\n{provenance_note(rows)}")
 
 
