@@ -155,8 +155,8 @@ def test_elastic_torchrun_goes_on_without_a_lost_node(tmp_path, optimizer):
 
 def test_diloco_quorum_goes_on_without_a_lost_replica_and_takes_it_back(tmp_path):
     # examples/diloco_quorum.py as the page runs it: three replicas on a store of their own; the
-    # last is killed after step 30 of 320 and started again: the others never stop, every replica
-    # ends with the same anchors, and the survivors' records hold every step once.
+    # last is killed after step 30 of 320 and started again once the others went on without it: they
+    # never stop, every replica ends with the same anchors, and the survivors' records hold every step once.
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
     def replica(name, log):
@@ -167,13 +167,21 @@ def test_diloco_quorum_goes_on_without_a_lost_replica_and_takes_it_back(tmp_path
         return subprocess.Popen(cmd, cwd=EXAMPLES, env=env, stdout=open(tmp_path / log, "w"),
                                 stderr=subprocess.STDOUT, start_new_session=True)
 
+    def written(path, key):  # the rows written so far, a row still being written left out
+        lines = path.read_text().split("\n")[:-1] if path.exists() else []
+        return [json.loads(line)[key] for line in lines]
+
     procs = [replica(name, f"{name}.log") for name in ("a", "b", "c")]
     record = tmp_path / "a.jsonl"
     deadline = time.monotonic() + 180
-    while not (record.exists() and len(record.read_text().splitlines()) >= 30) and time.monotonic() < deadline:
+    while len(written(record, "step")) < 30 and time.monotonic() < deadline:
         time.sleep(0.05)
     procs[2].kill()
     procs[2].wait()
+    # Started again only once the survivors went on without it: a replica back before they notice
+    # the loss is taken into the epoch they re-form, and the run never shows the world of 2.
+    while 2 not in written(record, "world") and time.monotonic() < deadline:
+        time.sleep(0.05)
     procs[2] = replica("c", "c-back.log")
     codes = [p.wait(timeout=240) for p in procs]
     logs = {name: (tmp_path / name).read_text() for name in ("a.log", "b.log", "c-back.log")}
