@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+from torch.distributed import TCPStore
 
 import onebit
 from _harness import run_ranks
@@ -118,6 +119,14 @@ def test_one_process_and_an_empty_directory(tmp_path):
 def test_bad_arguments_are_named(kwargs, error, match):
     with pytest.raises(error, match=match):
         onebit.Checkpoints(**kwargs)
+
+
+def test_a_quorum_is_refused_as_the_group(tmp_path):
+    # its barrier would stop the others when a replica is lost during a save: one replica saves
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    with onebit.comm.Quorum(f"127.0.0.1:{store.port}", "a", min_replicas=1) as quorum:
+        with pytest.raises(ValueError, match="Invalid group for Checkpoints: a onebit.comm.Quorum"):
+            onebit.Checkpoints(tmp_path, group=quorum)
 
 
 @pytest.mark.parametrize("step", [-1, 2.0, True])

@@ -161,6 +161,88 @@ def test_a_joiner_takes_a_peers_state_and_trains_with_the_others(tmp_path: Path)
         _assert_same(live[r], reference[r])
 
 
+def _checkpointed(replica: int, port: int, config: dict, directory: str, cut: int | None, out: str,
+                  replicas: int = 2, dies_at: int | None = None) -> None:
+    """A replica of a quorum that checkpoints as the page says: the replica of rank 0 saves
+    (``onebit.Checkpoints`` with no group) at step ``cut`` and the job ends there; started again
+    (``cut=None``), every replica loads that checkpoint and trains to STEPS (the last replica
+    dies at step ``dies_at``, as a flight lands)."""
+    torch.set_num_threads(1)
+    quorum = onebit.comm.Quorum(f"127.0.0.1:{port}", f"r{replica}", min_replicas=replicas, timeout=30,
+                                heartbeat=0.2, dead_after=2.0)
+    model = _model()
+    opt = onebit.DiLoCo(model.parameters(), lr=1e-2, sync_every=SYNC, group=quorum, **config)
+    checkpoints = onebit.Checkpoints(directory)
+    if opt.stats["step"] == 0 and (found := checkpoints.load()) is not None:
+        model.load_state_dict(found[1]["model"])
+        opt.load_state_dict(found[1]["opt"])
+    while opt.stats["step"] < (cut or STEPS):
+        step = opt.stats["step"] + 1
+        if step == dies_at and replica == replicas - 1:  # as the flight lands: after the step's checks
+            _fragments.Flight.join = lambda *a, **k: os._exit(3)
+        _train_step(model, opt, replica, step)
+        if step == cut and quorum.rank() == 0:
+            checkpoints.save(step, model=model.state_dict(), opt=opt.state_dict())
+    opt.wait()
+    torch.save(_result(model, opt), out)
+    quorum.close()
+
+
+@pytest.mark.parametrize(("config", "cut"), [
+    ({}, 10),  # between synchronisations: each replica's parameters its own, rank 0's taken by all
+    ({"fragments": 2, "delay": 1, "collective": "allreduce"}, 9),  # a flight launched at 9, in the checkpoint
+])
+def test_a_quorum_started_again_from_one_replicas_checkpoint_goes_on_as_a_restarted_job(
+        tmp_path: Path, config: dict, cut: int) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    directory = tmp_path / "checkpoints"
+    live = {}
+    for phase, until in (("first", cut), ("again", None)):  # a new store: the whole job started again
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        procs = [ctx.Process(target=_checkpointed, args=(r, store.port, config, str(directory), until,
+                                                          str(tmp_path / f"{phase}{r}.pt"))) for r in (0, 1)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(240)
+        assert [p.exitcode for p in procs] == [0, 0]
+        live[phase] = {r: torch.load(tmp_path / f"{phase}{r}.pt") for r in (0, 1)}
+    # The reference: the plain DiLoCo, ranks ordered as the quorum's were, every rank of the
+    # restarted job loading the state and parameters rank 0 had at the cut.
+    save_a, save_b = tmp_path / "a", tmp_path / "b"
+    save_a.mkdir()
+    save_b.mkdir()
+    before = sorted((0, 1), key=lambda r: live["first"][r]["rank"])
+    after = sorted((0, 1), key=lambda r: live["again"][r]["rank"])
+    run_ranks(_phase, 2, config, before, 1, cut, None, str(save_a))
+    reference = run_ranks(_phase, 2, config, after, cut + 1, STEPS, [str(save_a / "rank0.pt")] * 2, str(save_b))
+    for rank, replica in enumerate(after):
+        _assert_same(live["again"][replica], reference[rank])
+
+
+def test_a_replica_lost_as_the_checkpoints_flight_lands_leaves_the_others_going_on(tmp_path: Path) -> None:
+    # Started again from a checkpoint that holds a flight (launched at 7, landing at 8), a replica
+    # dies at step 8 as it lands: the survivors' commit of the landing fails, and they land the
+    # loaded flight on the group they re-form (it has nothing to send again).
+    ctx = multiprocessing.get_context("spawn")
+    config = {"delay": 1}
+    codes = {}
+    for phase, until, dies_at in (("first", 7, None), ("again", None, 8)):
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        procs = [ctx.Process(target=_checkpointed, args=(r, store.port, config, str(tmp_path / "checkpoints"), until,
+                                                          str(tmp_path / f"{phase}{r}.pt"), 3, dies_at))
+                 for r in range(3)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(240)
+        codes[phase] = [p.exitcode for p in procs]
+    assert codes == {"first": [0, 0, 0], "again": [0, 0, 3]}
+    a, b = (torch.load(tmp_path / f"again{r}.pt") for r in (0, 1))
+    assert a["world"] == b["world"] == 2 and a["step"] == b["step"] == STEPS
+    assert all(torch.equal(x, y) for x, y in zip(a["anchors"], b["anchors"]))
+
+
 @pytest.mark.parametrize(("kwargs", "error", "words"), [
     ({"store": "nohost"}, ValueError, "Invalid store value: 'nohost'"),
     ({"store": 29400}, TypeError, "Invalid store value: 29400"),

@@ -200,6 +200,34 @@ def test_resume_inside_an_interval_is_bit_exact_on_every_rank(weights_from_elsew
     assert straight[0]["digests"][18] != straight[1]["digests"][18]  # step 19 is local: ranks differ
 
 
+def _rank0_everywhere(rank, world):
+    """Saved after local step 19 on rank 0 alone (the DDP habit), its state and parameters loaded on
+    every rank: each rank beside the parameters saved with its state, so it trains on."""
+    kw = dict(lr=0.02, weight_decay=0.01, **SCHEDULE)
+    params = [p.clone().requires_grad_() for p in _params()]
+    opt = onebit.ZeroOneAdam(params, **kw)
+    digests = []
+    for step in range(1, STEPS + 1):
+        if step == 20:
+            saved = [None] * world
+            torch.distributed.all_gather_object(saved, {"opt": opt.state_dict(), "params": params})
+            params = [p.detach().clone().requires_grad_() for p in saved[0]["params"]]
+            opt = onebit.ZeroOneAdam(params, **kw, broadcast_parameters=False)
+            opt.load_state_dict(saved[0]["opt"])
+        for p, g in zip(params, _grads([p.detach() for p in params], rank, step)):
+            p.grad = g
+        opt.step()
+        digests.append((opt.stats["stage"], digest(params)))
+    return digests
+
+
+def test_rank0s_state_and_parameters_loaded_on_every_rank_inside_an_interval_train_on():
+    res = run_ranks(_rank0_everywhere, 2)
+    assert res[0][18][0] == "local"  # saved inside an interval
+    synced = [t for t in range(19, STEPS) if res[0][t][0] != "local"]
+    assert synced and all(res[0][t] == res[1][t] for t in synced)
+
+
 def _missing(rank, world):
     """A frozen tensor, one unused everywhere, one with a gradient on rank 0 only, through local steps."""
     torch.manual_seed(0)

@@ -64,6 +64,10 @@ class Checkpoints:
             raise TypeError(f"Invalid directory: {directory!r} (expected a path)")
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"Invalid keep value: {keep!r} (expected an int >= 1)")
+        if comm.reforms(group):
+            raise ValueError("Invalid group for Checkpoints: a onebit.comm.Quorum (its barrier would stop the "
+                             "others when a replica is lost during a save); save the state of the quorum's rank 0 "
+                             "with no group, as docs/node-loss.md shows")
         self.directory, self.keep, self.group = Path(directory), keep, group
         self.timeout = comm.to_timedelta(timeout)
         _warn_if_store_shared_across_restarts()

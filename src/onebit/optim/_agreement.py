@@ -16,7 +16,8 @@ from torch import Tensor
 
 from .. import comm
 
-__all__ = ["ReplicaDivergence", "parameter_sums", "require_own_parameters", "require_replicas", "start_agreement"]
+__all__ = ["ReplicaDivergence", "loaded_fingerprint", "parameter_sums", "require_own_parameters", "require_replicas",
+           "start_agreement"]
 
 _log = logging.getLogger("onebit.optim")
 
@@ -107,11 +108,22 @@ def require_replicas(params: Sequence[Tensor], anchors: Sequence[Tensor] | None,
                             f"differs from rank 0{inside}")
 
 
+def loaded_fingerprint(state: Mapping[str, Any], own_state: bool) -> list[int] | None:
+    """What :func:`require_own_parameters` checks after ``state`` (a checkpoint's ``"onebit"``
+    entry) was loaded: the fingerprint it holds where it is this rank's own, ``[]`` where it is
+    another rank's, None where it holds none. Every rank takes part in the check where the state
+    holds one (the ranks' states come from one step: all or none hold one; a rank alone would
+    run its collective alone)."""
+    fingerprint = state.get("own_parameters")
+    return fingerprint if fingerprint is None or own_state else []
+
+
 def require_own_parameters(params: Sequence[Tensor], saved: Sequence[int] | None, group: comm.Group,
                            timeout: timedelta, *, step: int, owner: str,
                            param_groups: Sequence[Mapping[str, Any]]) -> None:
     """Where a state saved between synchronisations was loaded beside ``params`` (``saved``: the
-    :func:`parameter_sums` of those it was saved beside; None: nothing to check), raise
+    :func:`parameter_sums` of those it was saved beside; None: nothing to check; ``[]``: another
+    rank's state, nothing to compare here, but the collective is every rank's), raise
     :class:`ReplicaDivergence` on every rank unless every rank holds the parameters it saved; one
     all-reduce over ``group``, so that every rank raises alike. Between synchronisations each
     rank holds its own parameters (DiLoCo's inner steps, fragments or merge; 0/1 Adam's local

@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from .. import comm
-from ._agreement import parameter_sums, require_own_parameters, require_replicas, start_agreement
+from ._agreement import loaded_fingerprint, parameter_sums, require_own_parameters, require_replicas, start_agreement
 from ._ddp import attach_ddp, check_ddp
 from ._buckets import Buckets
 from ._exchange import Exchange, allreduce_factory
@@ -666,7 +666,7 @@ class OnebitOptimizer(Optimizer):
         # Worker/server errors (and Birder's random state) belong to the rank that saved them.
         saved_rank = int(extra.get("rank", self.rank))  # checkpoints of earlier versions have no rank
         own_state = int(extra["world_size"]) == self.world_size and saved_rank == self.rank
-        self._own_parameters = extra.get("own_parameters") if own_state else None
+        self._own_parameters = loaded_fingerprint(extra, own_state)
         if not own_state:
             _log.warning(
                 "%s state saved on world size %d by rank %d, loaded on world size %d by rank %d: per-rank "

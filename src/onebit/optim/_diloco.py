@@ -40,7 +40,7 @@ from torch.optim import Optimizer
 
 from .. import comm, compress
 from .._checks import check_bool, check_nonneg, check_positive, check_positive_int, check_scales
-from ._agreement import parameter_sums, require_own_parameters, require_replicas, start_agreement
+from ._agreement import loaded_fingerprint, parameter_sums, require_own_parameters, require_replicas, start_agreement
 from ._ddp import attach_ddp, check_ddp
 from ._flat import FlatState
 from ._fragments import (Schedule, build_fragments, by_size, check_state, fragment_of, fragments_state, load_fragments,
@@ -433,6 +433,7 @@ class DiLoCo(Optimizer):
             f.flight = f.retry = None
         healed = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
         self._load(healed["state"], warn=False)
+        self._own_parameters = None  # the parameters are the source's, below: nothing to check
         with torch.no_grad():
             for p, value in zip(self.flat.params, healed["params"]):
                 p.copy_(value)
@@ -578,8 +579,11 @@ class DiLoCo(Optimizer):
         self._touched = [bool(t) for t in extra["touched"]]
         saved_rank = int(extra.get("rank", self.rank))  # checkpoints of earlier versions have no rank
         own_state = int(extra["world_size"]) == self.world_size and saved_rank == self.rank
-        self._own_parameters = extra.get("own_parameters") if own_state else None
-        if not own_state and warn:
+        self._own_parameters = loaded_fingerprint(extra, own_state)
+        if not own_state and warn and self._live:  # a quorum's checkpoint: one replica's state, as a newcomer's
+            _log.info("DiLoCo: rank %d of %d took the state of rank %d of %d; its compression errors restart at zero",
+                      self.rank, self.world_size, saved_rank, extra["world_size"])
+        elif not own_state and warn:
             _log.warning("DiLoCo state saved on world size %d by rank %d, loaded on world size %d by rank %d: "
                          "the compression errors restart at zero; save and load one state_dict per rank to resume "
                          "exactly", extra["world_size"], saved_rank, self.world_size, self.rank)

@@ -170,7 +170,10 @@ class Fragment:
     def resend(self) -> None:
         """The exchange of the flight that failed, again, over the collectives of the group the
         quorum re-formed: from the outer gradients it left with, the errors restored to theirs
-        where they are this rank's own. Completed here."""
+        where they are this rank's own. Completed here. A flight loaded from a checkpoint holds
+        its average already, the same on every member: nothing to send again."""
+        if self.retry is None:
+            return
         deltas, states = self.retry
         for c, state in zip(self.collectives, states):
             if c is not None:

@@ -452,10 +452,11 @@ class ZeroOneAdam(OnebitOptimizer):
         self._touched = [bool(x) for x in interval["touched"]]
         if not any(self._touched):
             return
-        if not own_state:  # another rank's interval: restart it from the anchor
-            self._restart_interval()
-        # This rank's parameters inside the interval, from its anchor and accumulated momentum
-        # (whichever rank's weights the model was loaded with).
+        # The parameters inside the interval, from its anchor and accumulated momentum (whichever
+        # rank's weights the model was loaded with). Another rank's interval is taken whole: this
+        # rank goes on as a copy of that one. (Restarting it from the anchor, where a rank that
+        # loaded its own goes on, would give the ranks other sums at the synchronisation: other
+        # parameters after it, for good.)
         for p, (lo, hi), lr_sum, wd in zip(self.flat.params, self.flat.offsets, self._lr_sums,
                                            self._hyper("weight_decay")):
             _from_anchor(p, b["anchor"][lo:hi], b["accum"][lo:hi], b["frozen_denom"][lo:hi], lr=lr_sum,
