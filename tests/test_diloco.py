@@ -687,12 +687,12 @@ def _loads(rank, world, which):
 @pytest.mark.parametrize("which", ["own", "rank0", "anchored", "rank0-both"])
 def test_a_rank_that_resumes_beside_parameters_not_its_own_is_stopped_on_every_rank(world, which):
     messages = run_ranks(_loads, world, which)
-    if which in ("own", "rank0-both"):  # its own state beside its own parameters, or another's: nothing to check
+    if which in ("own", "rank0-both"):  # each rank beside the parameters saved with the state it loaded
         assert messages == [None] * world
         return
     ranks = list(range(1, world)) if which == "rank0" else list(range(world))
     for rank, message in enumerate(messages):  # every rank stops, each saying where its own differ
-        assert message.startswith(f"the parameters of ranks {ranks} are not those each saved with its DiLoCo state "
-                                  f"at step {H + 1}")
-        assert "each rank must load the model state it saved itself" in message
+        assert message.startswith(f"the parameters of ranks {ranks} are not those saved with the DiLoCo state "
+                                  f"each loaded, at step {H + 1}")
+        assert "each rank must load the model state saved beside the optimizer state it loads" in message
         assert ("here, parameter 0 (shape (8, 6)) first" in message) == (rank in ranks)

@@ -16,8 +16,7 @@ from torch import Tensor
 
 from .. import comm
 
-__all__ = ["ReplicaDivergence", "loaded_fingerprint", "parameter_sums", "require_own_parameters", "require_replicas",
-           "start_agreement"]
+__all__ = ["ReplicaDivergence", "parameter_sums", "require_own_parameters", "require_replicas", "start_agreement"]
 
 _log = logging.getLogger("onebit.optim")
 
@@ -108,28 +107,18 @@ def require_replicas(params: Sequence[Tensor], anchors: Sequence[Tensor] | None,
                             f"differs from rank 0{inside}")
 
 
-def loaded_fingerprint(state: Mapping[str, Any], own_state: bool) -> list[int] | None:
-    """What :func:`require_own_parameters` checks after ``state`` (a checkpoint's ``"onebit"``
-    entry) was loaded: the fingerprint it holds where it is this rank's own, ``[]`` where it is
-    another rank's, None where it holds none. Every rank takes part in the check where the state
-    holds one (the ranks' states come from one step: all or none hold one; a rank alone would
-    run its collective alone)."""
-    fingerprint = state.get("own_parameters")
-    return fingerprint if fingerprint is None or own_state else []
-
-
 def require_own_parameters(params: Sequence[Tensor], saved: Sequence[int] | None, group: comm.Group,
                            timeout: timedelta, *, step: int, owner: str,
                            param_groups: Sequence[Mapping[str, Any]]) -> None:
     """Where a state saved between synchronisations was loaded beside ``params`` (``saved``: the
-    :func:`parameter_sums` of those it was saved beside; None: nothing to check; ``[]``: another
-    rank's state, nothing to compare here, but the collective is every rank's), raise
-    :class:`ReplicaDivergence` on every rank unless every rank holds the parameters it saved; one
-    all-reduce over ``group``, so that every rank raises alike. Between synchronisations each
-    rank holds its own parameters (DiLoCo's inner steps, fragments or merge; 0/1 Adam's local
-    steps) and its optimizer state is only right beside them: rank 0's model, or the one
-    :meth:`~onebit.DiLoCo.anchored` gives, loaded on every rank resumes another run without a
-    word from the replica check, whose anchors agree."""
+    :func:`parameter_sums` of those it was saved beside; None: nothing to check), raise
+    :class:`ReplicaDivergence` on every rank unless every rank holds the parameters saved with
+    the state it loaded; one all-reduce over ``group``, so that every rank raises alike. Between
+    synchronisations each rank holds its own parameters (DiLoCo's inner steps, fragments or
+    merge; 0/1 Adam's local steps) and its optimizer state is only right beside them: rank 0's
+    model, or the one :meth:`~onebit.DiLoCo.anchored` gives, loaded beside each rank's own state
+    resumes another run without a word from the replica check, whose anchors agree. (Rank 0's
+    model beside rank 0's state, on every rank, is consistent: each rank goes on as its copy.)"""
     if saved is None:
         return
     differs = [i for i, (now, then) in enumerate(zip(parameter_sums(params), saved)) if now != then]
@@ -139,9 +128,10 @@ def require_own_parameters(params: Sequence[Tensor], saved: Sequence[int] | None
     if ranks:
         here = f" (here, {_name(param_groups, differs[0], params)} first)" if differs else ""
         raise ReplicaDivergence(
-            f"the parameters of ranks {ranks} are not those each saved with its {owner} state at step {step}{here}: "
-            "between synchronisations every rank holds its own, so each rank must load the model state it saved "
-            "itself (not rank 0's, nor the one taken inside anchored())")
+            f"the parameters of ranks {ranks} are not those saved with the {owner} state each loaded, at step "
+            f"{step}{here}: between synchronisations every rank holds its own, so each rank must load the model "
+            "state saved beside the optimizer state it loads (its own: not rank 0's model, nor the one taken inside "
+            "anchored())")
 
 
 def _name(param_groups: Sequence[Mapping[str, Any]], i: int, params: Sequence[Tensor]) -> str:

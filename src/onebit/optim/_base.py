@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from .. import comm
-from ._agreement import loaded_fingerprint, parameter_sums, require_own_parameters, require_replicas, start_agreement
+from ._agreement import parameter_sums, require_own_parameters, require_replicas, start_agreement
 from ._ddp import attach_ddp, check_ddp
 from ._buckets import Buckets
 from ._exchange import Exchange, allreduce_factory
@@ -592,7 +592,7 @@ class OnebitOptimizer(Optimizer):
     def _check_loaded_parameters(self) -> None:
         """Before the first step after :meth:`load_state_dict` of a state saved between
         synchronisations: raise :class:`~onebit.optim.ReplicaDivergence` unless every rank holds the parameters
-        it saved beside it (:func:`onebit.optim._agreement.require_own_parameters`)."""
+        saved with the state it loaded (:func:`onebit.optim._agreement.require_own_parameters`)."""
         saved, self._own_parameters = self._own_parameters, None
         require_own_parameters(self.flat.params, saved, self.process_group, self.timeout, step=self._step_count,
                                owner=type(self).__name__, param_groups=self.param_groups)
@@ -666,7 +666,9 @@ class OnebitOptimizer(Optimizer):
         # Worker/server errors (and Birder's random state) belong to the rank that saved them.
         saved_rank = int(extra.get("rank", self.rank))  # checkpoints of earlier versions have no rank
         own_state = int(extra["world_size"]) == self.world_size and saved_rank == self.rank
-        self._own_parameters = loaded_fingerprint(extra, own_state)
+        # Checked on every rank where the state holds one (the ranks' states come from one step: all
+        # or none do), whoever saved it: a rank that took another's state must hold its parameters.
+        self._own_parameters = extra.get("own_parameters")
         if not own_state:
             _log.warning(
                 "%s state saved on world size %d by rank %d, loaded on world size %d by rank %d: per-rank "

@@ -40,7 +40,8 @@ from torch.optim import Optimizer
 
 from .. import comm, compress
 from .._checks import check_bool, check_nonneg, check_positive, check_positive_int, check_scales
-from ._agreement import loaded_fingerprint, parameter_sums, require_own_parameters, require_replicas, start_agreement
+from ._agreement import (ReplicaDivergence, parameter_sums, require_own_parameters, require_replicas,
+                         start_agreement)
 from ._ddp import attach_ddp, check_ddp
 from ._flat import FlatState
 from ._fragments import (Schedule, build_fragments, by_size, check_state, fragment_of, fragments_state, load_fragments,
@@ -298,7 +299,7 @@ class DiLoCo(Optimizer):
 
     def _step(self) -> None:
         if self._own_parameters is not None:  # (a commit on a quorum: only where there is something to check)
-            self._collective(self._check_loaded_parameters)
+            self._check_loaded_parameters()
         if not self._ddp_checked:  # the model may have been wrapped after the optimizer was built
             check_ddp(self.flat.params, "DiLoCo", self.world_size, construction=False)
             self._ddp_checked = True
@@ -507,7 +508,7 @@ class DiLoCo(Optimizer):
 
     def _check_replicas(self) -> None:
         if self._own_parameters is not None:
-            self._collective(self._check_loaded_parameters)
+            self._check_loaded_parameters()
         self._collective(lambda: require_replicas(
             self.flat.params, None if self.synchronised else self._anchors, self.process_group, self.timeout,
             step=self._step_count, param_groups=self.param_groups))
@@ -515,14 +516,17 @@ class DiLoCo(Optimizer):
     def _check_loaded_parameters(self) -> None:
         """Before the first step after :meth:`load_state_dict` of a state saved between
         synchronisations: raise :class:`~onebit.optim.ReplicaDivergence` unless every rank holds
-        the parameters it saved beside it."""
-        saved, self._own_parameters = self._own_parameters, None
+        the parameters saved with the state it loaded. The fingerprint is kept until every rank
+        has committed the check: on a quorum, a replica whose collective completed where another's
+        failed runs it again with the others on the group they re-form."""
         try:
-            require_own_parameters(self.flat.params, saved, self.process_group, self.timeout, step=self._step_count,
-                                   owner=type(self).__name__, param_groups=self.param_groups)
-        except comm.CollectiveError:
-            self._own_parameters = saved  # not checked: again on the group a quorum re-forms
+            self._collective(lambda: require_own_parameters(
+                self.flat.params, self._own_parameters, self.process_group, self.timeout, step=self._step_count,
+                owner=type(self).__name__, param_groups=self.param_groups))
+        except ReplicaDivergence:
+            self._own_parameters = None  # checked: every rank raises alike
             raise
+        self._own_parameters = None  # (kept where a dead peer's error left it unchecked, without a quorum)
 
     def attach_ddp(self, model: DistributedDataParallel | None = None) -> list[DistributedDataParallel]:
         """Switch off DDP's all-reduce on ``model`` (default: every DDP module holding these
@@ -579,7 +583,9 @@ class DiLoCo(Optimizer):
         self._touched = [bool(t) for t in extra["touched"]]
         saved_rank = int(extra.get("rank", self.rank))  # checkpoints of earlier versions have no rank
         own_state = int(extra["world_size"]) == self.world_size and saved_rank == self.rank
-        self._own_parameters = loaded_fingerprint(extra, own_state)
+        # Checked on every rank where the state holds one (the ranks' states come from one step: all
+        # or none do), whoever saved it: a rank that took another's state must hold its parameters.
+        self._own_parameters = extra.get("own_parameters")
         if not own_state and warn and self._live:  # a quorum's checkpoint: one replica's state, as a newcomer's
             _log.info("DiLoCo: rank %d of %d took the state of rank %d of %d; its compression errors restart at zero",
                       self.rank, self.world_size, saved_rank, extra["world_size"])

@@ -399,7 +399,7 @@ def load_fragments(fragments: Sequence[Fragment], state: Mapping[str, Any], own_
     owner = {b: f.index for f in fragments for b, *_ in f.runs}  # each run's fragment
     for f, sent in zip(fragments, state.get("sent", [None] * len(fragments))):
         f.sent = None if sent is None else [bool(t) for t in sent]
-        f.flight = None
+        f.flight = f.retry = None
     for arrival in state.get("arrivals", ()):
         index = arrival["fragment"] if "fragment" in arrival else owner[(arrival["wire"]["buckets"] or [0])[0]]
         landing = {int(b): t.to(device, torch.float32).clone() for b, t in arrival["average"].items()}
