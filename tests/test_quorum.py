@@ -22,7 +22,7 @@ from _harness import run_ranks
 from torch.distributed import TCPStore
 
 import onebit
-from onebit.optim import _fragments
+from onebit.optim import _flight, _fragments
 
 STEPS = 24
 SYNC = 4
@@ -187,7 +187,7 @@ def _checkpointed(replica: int, port: int, config: dict, directory: str, cut: in
     while opt.stats["step"] < (cut or STEPS):
         step = opt.stats["step"] + 1
         if step == dies_at and replica == replicas - 1:  # as the flight lands: after the step's checks
-            _fragments.Flight.join = lambda *a, **k: os._exit(3)
+            _flight.Flight.join = lambda *a, **k: os._exit(3)
         _train_step(model, opt, replica, step)
         if step == cut and quorum.rank() == 0:
             try:

@@ -9,6 +9,7 @@ import sys
 
 from . import __version__
 from .bench import _commands as commands
+from .bench import _model_command
 
 __all__ = ["build_parser", "main"]
 
@@ -321,9 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="each node's outgoing link, e.g. 100mbit or 10gbit; comma-separated for a sweep")
     model.add_argument("--latency", type=_latency, default="0ms", help="per message")
     model.add_argument("--compute-ms", type=float, default=0.0, help="forward+backward+update time per step")
-    model.add_argument("--device", choices=tuple(commands.KERNEL_GBPS), default="cpu",
+    model.add_argument("--device", choices=tuple(_model_command.KERNEL_GBPS), default="cpu",
                        help="where the compression runs: its kernels' measured speed ("
-                            + ", ".join(f"{k} {v:g} GB/s" for k, v in commands.KERNEL_GBPS.items()) + ")")
+                            + ", ".join(f"{k} {v:g} GB/s" for k, v in _model_command.KERNEL_GBPS.items()) + ")")
     model.add_argument("--kernel-gbps", type=_positive_float, default=None,
                        help="the compression kernels' GB/s of fp32 values, instead of --device's")
     model.add_argument("--warmup-fraction", type=float, default=0.15, help="1-bit Adam/LAMB warm-up share")
@@ -344,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--topk-ratio", type=_positive_float, default=0.01, help="Comp-AMS Top-k: share of values sent")
     model.add_argument("--value-bytes", type=int, choices=(2, 4), default=4,
                        help="bytes per uncompressed gradient value: 4 (fp32) or 2 (fp16 training, the papers')")
-    model.set_defaults(func=commands.model)
+    model.set_defaults(func=_model_command.model)
     return parser
 
 

@@ -11,8 +11,8 @@ from typing import Any
 from ._model import ModelInput, predict
 from ._runs import NO_COMMUNICATION
 
-__all__ = ["compare_rows", "cores_busy", "demo_verdict", "fmt", "mean_interval", "ms", "round_rows", "step_time",
-           "steps_to_loss", "text_table", "time_to_loss"]
+__all__ = ["compare_rows", "cores_busy", "demo_verdict", "fmt", "mean_interval", "ms", "names_from", "round_rows",
+           "step_time", "steps_to_loss", "text_table", "time_to_loss"]
 
 # Student's t at 97.5% by degrees of freedom (two-sided 95% intervals); between entries the
 # smaller df's, a slightly wider interval.
@@ -234,3 +234,12 @@ def round_rows(rounds: dict[str, Any]) -> list[list[str]]:
                      f"{statistics.median(ratios):.3f}x", f"{min(ratios):.3f}-{max(ratios):.3f}x", interval,
                      fmt(statistics.median(busy) if busy else None, ".0%")])
     return rows
+
+
+def names_from(text: str, known: tuple[str, ...], flag: str) -> tuple[str, ...]:
+    """The names of a comma-separated ``flag`` value, each one of ``known`` (else the command exits saying so)."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise SystemExit(f"onebit: {flag}: unknown {unknown or names}; available: {', '.join(known)}")
+    return names

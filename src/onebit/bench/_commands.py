@@ -1,6 +1,6 @@
 """What the ``onebit`` commands do, each handed its parsed arguments (``onebit.cli`` only parses
 and dispatches): the training runs (demo, train, compare), the benchmarks (kernels, comm,
-convergence, memory), the emulated cluster and the cost model."""
+convergence, memory) and the emulated cluster; the cost model's is ``_model_command.py``."""
 
 from __future__ import annotations
 
@@ -9,15 +9,16 @@ import contextlib
 import json
 import shlex
 import sys
-import textwrap
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ._analysis import compare_rows, cores_busy, demo_verdict, fmt, step_time, text_table as _table
+from ._analysis import compare_rows, cores_busy, demo_verdict, fmt, names_from, step_time
+from ._analysis import text_table as _table
+from ._model_command import refresh_every
 
-__all__ = ["cluster", "comm_bench", "compare", "convergence", "demo", "kernels", "memory", "model", "train_command"]
+__all__ = ["cluster", "comm_bench", "compare", "convergence", "demo", "kernels", "memory", "train_command"]
 
 
 def _report(summaries: dict[str, dict], baseline: str | None = "adam") -> str:
@@ -200,7 +201,7 @@ def compare(args: argparse.Namespace) -> int:
     from ._reports import provenance, report_files
     from ._train import OPTIMIZERS
 
-    names = list(dict.fromkeys(_names(args.optimizers, OPTIMIZERS, "--optimizers")))
+    names = list(dict.fromkeys(names_from(args.optimizers, OPTIMIZERS, "--optimizers")))
     if args.baseline not in names:
         names.insert(0, args.baseline)
     out = Path(args.out)
@@ -250,7 +251,7 @@ def _compare_round(args: argparse.Namespace, names: list[str], summaries: dict[s
         model = ModelInput(params=summaries[args.baseline]["parameters"], world_size=args.world_size,
                            nodes=args.nodes, bandwidth=args.bandwidth, latency=args.latency, compute=0.0,
                            warmup_fraction=min(1.0, warm), topk_ratio=min(args.topk_ratio, 1.0),
-                           **({} if args.refresh_every is None else {"refresh_every": _refresh_every(args)}),
+                           **({} if args.refresh_every is None else {"refresh_every": refresh_every(args)}),
                            **{k: getattr(args, k) for k in ("sync_every", "fragments", "delay")
                               if getattr(args, k) is not None})
     rows, note = compare_rows(summaries, runs, args.baseline, model, hierarchical=args.hierarchical)
@@ -318,14 +319,6 @@ def comm_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _names(text: str, known: tuple[str, ...], flag: str) -> tuple[str, ...]:
-    names = tuple(n.strip() for n in text.split(",") if n.strip())
-    unknown = [n for n in names if n not in known]
-    if unknown or not names:
-        raise SystemExit(f"onebit: {flag}: unknown {unknown or names}; available: {', '.join(known)}")
-    return names
-
-
 def convergence(args: argparse.Namespace) -> int:
     from ._catalogue import BENCHMARKED
     from ._convergence import run_convergence
@@ -337,10 +330,10 @@ def convergence(args: argparse.Namespace) -> int:
     if args.report_only:
         summary = json.loads((out / "summary.json").read_text())
     else:
-        tasks = _names(args.tasks, CONVERGENCE_TASKS, "--tasks")
-        families = _names(args.families, tuple(FAMILIES), "--families")
+        tasks = names_from(args.tasks, CONVERGENCE_TASKS, "--tasks")
+        families = names_from(args.families, tuple(FAMILIES), "--families")
         entries = tuple(n for n, b in BENCHMARKED.items() if b.matrix)
-        optimizers = None if args.optimizers is None else _names(args.optimizers, entries + tuple(VARIANTS),
+        optimizers = None if args.optimizers is None else names_from(args.optimizers, entries + tuple(VARIANTS),
                                                                  "--optimizers")
         levels = LEVELS if args.lr == "both" else (args.lr,)
         if optimizers is not None:
@@ -378,7 +371,7 @@ def memory(args: argparse.Namespace) -> int:
 
     from ._memory import FOOTPRINTS, WIRE_ALLOWANCE, bench_memory
 
-    names = _names(args.optimizers or ",".join(FOOTPRINTS), tuple(FOOTPRINTS), "--optimizers")
+    names = names_from(args.optimizers or ",".join(FOOTPRINTS), tuple(FOOTPRINTS), "--optimizers")
     worlds = args.world_sizes
     print(f"onebit bench memory: nn.Linear({args.size}, {args.size}) on {args.device}, world sizes "
           f"{','.join(map(str, worlds))}, {args.steps} steps (1-bit Adam/LAMB freeze after step 2); "
@@ -416,72 +409,3 @@ def cluster(args: argparse.Namespace) -> int:
     left = existing_namespaces(tag)
     print(f"removed namespaces of {tag}: {'ok' if not left else 'LEFT BEHIND: ' + ', '.join(left)}")
     return 0 if not left else 1
-
-
-# The compression kernels' speed by device, in GB/s of fp32 values through compress, the server's
-# average and decode together (1-bit Adam's per step), from `onebit bench kernels` of 10.5M values:
-# cpu, one thread of a 2-core Xeon VM (numba: 13.6 + 10.6 + 4.0 ms; benchmarks/results/kernels);
-# gpu, Triton on an H100 and an H200 (0.41 and 0.46 ms; benchmarks/results/kernels-h1*-10500000).
-KERNEL_GBPS = {"cpu": 4.5, "gpu": 290.0}
-MODEL_WIDTH = 80  # the model's output fits a page's code box
-_MODEL_COLUMNS = (
-    "MB/exch: megabytes out of the busiest node in one exchange (DiLoCo: one synchronisation); "
-    "MB/step: the same averaged over every step of the run; step ms: a step that exchanges (compute "
-    "+ communication + compression); stage: its speedup over adam's step; fp32: the share of "
-    "steps that send fp32 (1-bit Adam and LAMB's warm-up, 0/1 Adam's refreshes; 1-bit Adam's bf16 refreshes "
-    "count half); overall: "
-    "the speedup over the whole run, counting those and the steps that send nothing (0/1 Adam's local steps, "
-    "DiLoCo's inner steps); volume: adam's bytes over this optimizer's, summed over the run and every "
-    "link, those inside a node too (birder_hierarchical's fp32 reduce-scatter inside each node).")
-
-
-def _refresh_every(args: argparse.Namespace) -> int | None:
-    """``--refresh-every`` as 1-bit Adam takes it (``"never"``: ``None``)."""
-    return None if args.refresh_every == "never" else args.refresh_every
-
-
-def model(args: argparse.Namespace) -> int:
-    from ._model import ModelInput, predict
-
-    gbps = args.kernel_gbps or KERNEL_GBPS[args.device]
-    for bandwidth in args.bandwidth:
-        m = ModelInput(params=args.params, world_size=args.world_size, nodes=args.nodes, bandwidth=bandwidth,
-                       latency=args.latency, compute=args.compute_ms / 1e3, kernel_gbps=gbps,
-                       warmup_fraction=args.warmup_fraction, refresh_fraction=args.refresh_fraction,
-                       refresh_every=_refresh_every(args),
-                       local_fraction=args.local_fraction, sync_every=args.sync_every, fragments=args.fragments,
-                       delay=args.delay, topk_ratio=args.topk_ratio,
-                       value_bytes=args.value_bytes)
-        print(f"onebit model: {m.params / 1e6:g}M parameters, {m.world_size} ranks on {m.nodes} nodes, "
-              f"{bandwidth / 1e9:g} Gbit/s out of each node,")
-        print(f"  {m.latency * 1e3:g} ms latency, {args.compute_ms:g} ms of compute per step, compression at "
-              f"{gbps:g} GB/s" + ("" if args.kernel_gbps else f" ({args.device})"))
-        predictions = predict(m)
-        if args.optimizers is not None:
-            names = _names(args.optimizers, tuple(p.optimizer for p in predictions), "--optimizers")
-            predictions = [p for p in predictions if p.optimizer in names]
-        rows = [["optimizer", "MB/exch", "MB/step", "step ms", "stage", "fp32", "overall", "volume"]]
-        rows += [[p.optimizer, f"{p.bytes_per_node / 1e6:.2f}", _amount(p.mean_bytes_per_node / 1e6),
-                  f"{p.step_seconds * 1e3:.1f}", f"{p.stage_speedup:.2f}x",
-                  f"{p.warmup_fraction:.0%}", f"{p.end_to_end_speedup:.2f}x",
-                  _amount(p.volume_reduction) + "x"]
-                 for p in predictions]
-        print(_table(rows))
-    exchanges: dict[str, list[str]] = {}
-    for p in predictions:
-        exchanges.setdefault(p.collective, []).append(p.optimizer)
-    print("exchanges:")
-    for collective, names in exchanges.items():
-        print(_wrap(f"{collective}: {', '.join(names)}", indent="  "))
-    print(_wrap(_MODEL_COLUMNS))
-    return 0
-
-
-def _amount(value: float) -> str:
-    """Three significant digits below 100, whole numbers with thousands separators above."""
-    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}" if value >= 1e-3 else f"{value:.4f}"
-
-
-def _wrap(text: str, indent: str = "") -> str:
-    return textwrap.fill(text, MODEL_WIDTH, initial_indent=indent, subsequent_indent=indent + "  ",
-                         break_on_hyphens=False)

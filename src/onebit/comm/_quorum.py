@@ -38,88 +38,13 @@ import torch
 from torch import Tensor
 
 from ._dist import CollectiveError, to_timedelta
-from ._transport import Work, _GlooGroup, connect_store, gloo_group
+from ._epoch import POLL_MAX, EpochGroup
+from ._transport import Work, connect_store, gloo_group
 
 __all__ = ["Quorum"]
 
 _log = logging.getLogger("onebit.comm")
-_POLL = 0.002  # seconds between two looks at the store, doubled up to _POLL_MAX while waiting
-_POLL_MAX = 0.05
-
-
-class _Watched:
-    """A collective of an epoch's group, waited for while the store is asked, every few hundredths
-    of a second, whether a member has given the epoch up: a member waiting on a live peer that has
-    left the collective (after its own failed) would otherwise wait for the whole timeout."""
-
-    __slots__ = ("work", "quorum", "epoch")
-
-    def __init__(self, work: Work, quorum: Quorum, epoch: int) -> None:
-        self.work, self.quorum, self.epoch = work, quorum, epoch
-
-    def wait(self, timeout: timedelta) -> bool:
-        # Polled, not waited for in slices: gloo may fail a collective whose wait timed out.
-        start = time.monotonic()
-        looked, pause = start, 0.0002
-        while not self.work.is_completed():
-            now = time.monotonic()
-            if now - looked > _POLL_MAX:
-                looked = now
-                if self.quorum._given_up(self.epoch):
-                    raise RuntimeError(f"a member of {self.quorum.describe()} gave the epoch up (a peer died or "
-                                       "failed)")
-            if now - start > timeout.total_seconds():
-                return False
-            time.sleep(pause)
-            pause = min(2 * pause, 0.01)
-        return self.work.wait(timeout)  # its result, or what failed it
-
-
-class _EpochGroup:
-    """The :class:`Transport` of one of an epoch's gloo groups: its collectives watched (:class:`_Watched`)."""
-
-    backend = "torch"
-    concurrent = True
-    worker_threads = True
-    sums_half = True
-    device = torch.device("cpu")
-    __slots__ = ("group", "quorum", "epoch")
-
-    def __init__(self, group: _GlooGroup, quorum: Quorum, epoch: int) -> None:
-        self.group, self.quorum, self.epoch = group, quorum, epoch
-
-    def size(self) -> int:
-        return self.group.size()
-
-    def rank(self) -> int:
-        return self.group.rank()
-
-    def describe(self) -> str:
-        return f"{self.quorum.describe()} ({self.group.describe()})"
-
-    def all_to_all(self, recv: Tensor, send: Tensor) -> Work:
-        return _Watched(self.group.all_to_all(recv, send), self.quorum, self.epoch)
-
-    def all_gather(self, out: Tensor, slot: Tensor) -> Work:
-        return _Watched(self.group.all_gather(out, slot), self.quorum, self.epoch)
-
-    def reduce_scatter_sum(self, out: Tensor, tensor: Tensor) -> Work:
-        return _Watched(self.group.reduce_scatter_sum(out, tensor), self.quorum, self.epoch)
-
-    def all_reduce(self, tensor: Tensor, op: str) -> Work:
-        return _Watched(self.group.all_reduce(tensor, op), self.quorum, self.epoch)
-
-    def broadcast(self, tensor: Tensor, src: int) -> Work:
-        return _Watched(self.group.broadcast(tensor, src), self.quorum, self.epoch)
-
-    def barrier(self) -> Work:
-        return _Watched(self.group.barrier(), self.quorum, self.epoch)
-
-    def split(self, partition: list[list[int]], timeout: timedelta) -> Any:
-        return self.group.split(partition, timeout)
-
-    def duplicate(self, timeout: timedelta) -> Any:
-        return self.quorum.duplicate(timeout)
+_POLL = 0.002  # seconds between two looks at the store, doubled up to POLL_MAX while waiting
 
 
 class Quorum:
@@ -193,8 +118,8 @@ class Quorum:
         self.member = False  # in the current epoch's plan, its group formed
         self.needs_state = True  # until a peer's state has been committed here (or the first epoch)
         self.reformed = 0  # epochs entered after a failure
-        self._group: _EpochGroup | None = None
-        self._duplicates: list[_EpochGroup] = []
+        self._group: EpochGroup | None = None
+        self._duplicates: list[EpochGroup] = []
         self._votes = 0
         self._tried = -1  # the highest epoch this replica has entered or tried to
         self._unhealed: list[str] = []  # this epoch's newcomers until their state is committed
@@ -233,7 +158,7 @@ class Quorum:
                     raise TimeoutError(f"replica {self.replica_id} was not taken into quorum {self.name!r} within "
                                        f"join_timeout={self.join_timeout:g}s")
                 time.sleep(pause)
-                pause = min(2 * pause, _POLL_MAX)
+                pause = min(2 * pause, POLL_MAX)
 
     def admit(self, step: int) -> bool:
         """At an admission point of every member (the same ``step``): take in the joiners
@@ -282,7 +207,7 @@ class Quorum:
                     if not all(map(self._alive, self.plan["members"])):
                         break
                 time.sleep(pause)
-                pause = min(2 * pause, _POLL_MAX)
+                pause = min(2 * pause, POLL_MAX)
         return self._store.compare_set(f"{base}/d", "", proposal) == b"commit"
 
     def healed(self) -> None:
@@ -359,19 +284,19 @@ class Quorum:
     def split(self, partition: list[list[int]], timeout: timedelta) -> Any:
         return self._current().split(partition, timeout)
 
-    def duplicate(self, timeout: timedelta) -> _EpochGroup:
+    def duplicate(self, timeout: timedelta) -> EpochGroup:
         """A second group of this epoch's members (every member calls it, in the same order)."""
         group = self._current()
         name = f"e{self.epoch}/dup{len(self._duplicates)}"
         try:
-            made = _EpochGroup(gloo_group(self._store, name, group.rank(), group.size(), timeout), self, self.epoch)
+            made = EpochGroup(gloo_group(self._store, name, group.rank(), group.size(), timeout), self, self.epoch)
         except RuntimeError as exc:
             raise CollectiveError(f"forming {self.describe()}'s group {name} failed: {exc}") from exc
         self._duplicates.append(made)
         return made
 
     # ------------------------------------------------------------------ internals
-    def _current(self) -> _EpochGroup:
+    def _current(self) -> EpochGroup:
         if self._group is None:
             raise RuntimeError(f"replica {self.replica_id} is not a member of {self.describe()}: join() first")
         return self._group
@@ -426,7 +351,7 @@ class Quorum:
                 self.needs_state = False
             rank, size = plan["members"].index(self.token), len(plan["members"])
             try:
-                self._group = _EpochGroup(gloo_group(self._store, f"e{epoch}/pg", rank, size, self.timeout), self,
+                self._group = EpochGroup(gloo_group(self._store, f"e{epoch}/pg", rank, size, self.timeout), self,
                                           epoch)
                 self.member = True
                 _log.info("replica %s: epoch %d, rank %d of %d", self.replica_id, epoch, rank, size)
@@ -457,7 +382,7 @@ class Quorum:
                 self._decide(epoch, {"members": members, "new": [], "joined": self.plan["joined"]})
                 break
             time.sleep(pause)
-            pause = min(2 * pause, _POLL_MAX)
+            pause = min(2 * pause, POLL_MAX)
         return epoch, self._read_plan(epoch)
 
     def _arrivals(self, epoch: int) -> list[str]:
@@ -495,7 +420,7 @@ class Quorum:
 # The groups of past epochs, kept to the end of the process (a few per failure or admission): the
 # thread that dropped the last reference to one would run its destructor, which waits for the
 # collectives a dead peer left on it. At exit they are left to the OS, as onebit.comm's _HELD.
-_RETIRED: list[_EpochGroup] = []
+_RETIRED: list[EpochGroup] = []
 
 
 @atexit.register

@@ -1,26 +1,8 @@
-"""The base of every onebit optimizer: the contract an algorithm fills in, and the step around it.
-
-An algorithm is one contract in three phases; ``step()`` runs them in order, handing what is
-formed to the exchange (``_exchange.py``: one-shot, or bucketed and overlapped with backward,
-``_buckets.py``) and applying what lands:
-
-1. ``_form(i, lo, hi, grad, live, group, step, scratch, out, agreed)``: what goes on the wire
-   for the flat values ``[lo, hi)`` of parameter ``i``, from its gradient and the state as it
-   was; the state is not touched where the step is not yet ``agreed`` (a bucket formed during
-   backward, before the ranks agreed that the step is taken). Only stages whose
-   :class:`~onebit.optim._stages.Wire` is ``formed`` have one; the others send the gradients.
-2. The exchange: the exact fp32 mean, or the collectives made by the ``collective`` factory
-   handed to :meth:`OnebitOptimizer._drive`.
-3. ``_landing(wire)``: where the average lands -- a flat buffer, or a callable that takes it
-   chunk by chunk -- and ``_apply(wire, average, members=None)``: the step, where the state
-   moves (of parameters ``members`` alone, as each bucket lands, where the optimizer
-   ``applies_by_bucket``).
-
-The stages are declared (``_stages``, ``_stages.py``): each stage's wire and flat buffers
-(``_flat.py``), and the policy that moves between them; the base lays the state out at a
-stage change and calls ``_enter(stage)`` for the math of it. The math of each algorithm is a
-set of plain functions in its file, with the paper's equation numbers; the class validates
-arguments, owns the state and calls them.
+"""The base of every onebit optimizer of the 1-bit family: the step around the contract an algorithm
+fills in (``_contract.py``). ``step()`` runs the contract's phases in order, handing what is formed
+to the exchange (``_exchange.py``: one-shot, or bucketed and overlapped with backward,
+``_buckets.py``) and applying what lands; the base lays the declared stages' state out
+(``_stages.py``, ``_flat.py``), agrees on skipping, clips, and saves and loads checkpoints.
 """
 
 from __future__ import annotations
@@ -33,18 +15,27 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
-from torch.optim import Optimizer
 
 from .. import comm
-from ._agreement import parameter_sums, require_own_parameters, require_replicas, start_agreement
-from ._ddp import attach_ddp, check_ddp
+from ._agreement import require_own_parameters, require_replicas, start_agreement
 from ._buckets import Buckets
+from ._checkpoint import check_buffers, onebit_entry, own_state, saved_entry
+from ._contract import Algorithm
+from ._ddp import attach_ddp, check_ddp
 from ._exchange import Exchange, allreduce_factory
 from ._flat import FlatState
-from ._setup import (broadcast_parameters, check_groups, check_params, check_same_parameters_everywhere, clip_,
-                     clip_coef, closure_loss, common_options)
+from ._setup import (
+    broadcast_parameters,
+    check_groups,
+    check_params,
+    check_same_parameters_everywhere,
+    clip_,
+    clip_coef,
+    closure_loss,
+    common_options,
+)
 from ._shards import Shards
-from ._stages import OneStage, Stage, StepStages, TwoStages, Wire
+from ._stages import Stage, Wire
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -60,7 +51,7 @@ _log = logging.getLogger("onebit.optim")
 _FORM_BLOCK = 1 << 16
 
 
-class OnebitOptimizer(Optimizer):
+class OnebitOptimizer(Algorithm):
     """Base of the onebit optimizers: process group, flat state, the step protocol, checkpoints.
 
     Options every optimizer takes (keyword-only, :class:`onebit.optim.CommonOptions`):
@@ -71,35 +62,17 @@ class OnebitOptimizer(Optimizer):
     ``check_replicas_every`` (K > 0: :meth:`check_replicas` after every K-th step) and
     ``max_grad_norm``.
 
-    ``max_grad_norm`` (gradient clipping, DeepSpeed's ``gradient_clipping``): where the
-    optimizer forms the averaged gradient -- the warm-up of 1-bit Adam (and its refreshes) and 1-bit LAMB,
-    SoftSignSGD, Comp-AMS's average of compressed gradients, OnebitAdamNaive's compressed
-    average, 0/1 Adam's steps up to ``var_freeze_step`` -- that gradient is scaled by
-    ``min(1, max_grad_norm / (norm + 1e-6))`` over all parameters, exactly what
-    ``torch.nn.utils.clip_grad_norm_`` does on one process. Where it never exists -- the
-    compression stage of 1-bit Adam and 1-bit LAMB, 0/1 Adam's after ``var_freeze_step``,
-    Birder, QAdam, which exchange momentum or updates or take local steps -- each rank clips
-    its own local gradient the same way, in place in ``p.grad`` as ``clip_grad_norm_`` would,
-    before it enters its moments (DeepSpeed 0.19.6's engine clipped it there too, by the mean
-    of the ranks' norms, one coefficient for all). Calling
-    ``clip_grad_norm_`` yourself before ``step()`` clips the *local* gradient of each rank
-    (never the average, which does not exist yet), at every stage.
+    ``max_grad_norm`` (gradient clipping, DeepSpeed's ``gradient_clipping``) clips the averaged
+    gradient as ``torch.nn.utils.clip_grad_norm_`` on one process would, where the optimizer
+    forms it (the warm-ups, Comp-AMS, 0/1 Adam up to ``var_freeze_step``), and each rank's own
+    gradient, in place in ``p.grad``, where it never exists (the compression stages, Birder):
+    the Clipping page of the docs says which is which.
 
-    FSDP2 parameters (HSDP: shard inside each node, replicate across nodes): shard with
-    ``fully_shard(module, mesh=mesh["shard"])`` and pass ``group=mesh["replicate"].get_group()``
-    of the 2-D mesh. FSDP's reduce-scatter inside the node stays exact; the optimizer runs on
-    each rank's local shards (its state is the shard's) and exchanges them with the ranks
-    holding the same shard on the other nodes; every rank of the job agrees on skipping a
-    step. What is a function of a whole parameter (1-bit LAMB's layer-wise norms and ratios) is
-    reduced over the ranks sharing it. Without ``overlap`` and ``max_grad_norm`` (call
-    ``torch.nn.utils.clip_grad_norm_`` on the model, which spans the shards, before ``step()``)::
-
-        mesh = init_device_mesh("cuda", (nodes, gpus_per_node),
-                                mesh_dim_names=("replicate", "shard"))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh["shard"])
-        fully_shard(model, mesh=mesh["shard"])
-        opt = onebit.OnebitAdam(model.parameters(), group=mesh["replicate"].get_group())
+    FSDP2 parameters (HSDP: shard inside each node with ``fully_shard(module,
+    mesh=mesh["shard"])``, and pass ``group=mesh["replicate"].get_group()`` of the 2-D mesh): the
+    optimizer runs on each rank's local shards and exchanges them with the ranks holding the
+    same shard on the other nodes; what is a function of a whole parameter (1-bit LAMB's norms)
+    is reduced over the ranks sharing it (the Integrations page of the docs).
 
     Missing gradients, one rule for every optimizer: a parameter whose ``.grad`` is ``None``
     on every rank (frozen, or unused this step) is not updated -- no step, no weight decay,
@@ -109,7 +82,6 @@ class OnebitOptimizer(Optimizer):
     per parameter in its all-reduce), so every rank takes the same decision.
     """
 
-    _stages: OneStage | TwoStages | StepStages  # set by the subclass before this constructor runs
     # Declared capability: _apply(..., members) steps some parameters alone, bit for bit as the
     # step of all steps them; each bucket is then applied as it lands, under the buckets after it.
     applies_by_bucket: bool = False
@@ -237,33 +209,6 @@ class OnebitOptimizer(Optimizer):
         return self._stages.schedule
 
     # ------------------------------------------------------------------ the contract
-    def _form(self, i: int, lo: int, hi: int, grad: Tensor | None, live: bool, group: dict[str, Any], step: int,
-              scratch: Tensor, out: Tensor, agreed: bool) -> None:
-        """Write into ``out`` the values ``[lo, hi)`` (flat offsets, inside parameter ``i``) of what
-        this rank sends at step ``step``. ``grad``: that block of the parameter's gradient in
-        logical order (None where it has none here); ``live``: the parameter takes its gradient
-        this step, else its state enters as it is; ``group``: its param group; ``scratch``: two
-        rows of ``hi - lo`` fp32 values. ``out`` is ``scratch[0]``, or (the one-shot exchange)
-        the block of the landing buffer itself, which may be the state the average replaces:
-        write it last, element by element. ``agreed``: every rank agreed to take this step (the
-        one-shot exchange, launched in ``step()``); the state may then move here, once, where
-        ``_apply`` would only repeat the work -- otherwise (a bucket formed during backward) it
-        must stay as it is."""
-        raise NotImplementedError
-
-    def _landing(self, wire: Wire) -> Tensor | comm.Consume:
-        """Where this step's average lands: a flat fp32 buffer of the model's size, or
-        ``consume(lo, hi, values)``, handed it chunk by chunk. Asked once per step, right before
-        the buffer is first written."""
-        raise NotImplementedError
-
-    def _apply(self, wire: Wire, average: Tensor | None, members: Sequence[int] | None = None) -> None:
-        """The step, on the landed ``average`` (None where it was consumed chunk by chunk, or where
-        the wire is not ``exchanged``). ``members``: where :attr:`applies_by_bucket`, the step of
-        these parameters alone, ``average`` landed for them (and perhaps not yet elsewhere), as
-        each bucket lands; every parameter's part, in any order, is the step of all (None)."""
-        raise NotImplementedError
-
     def _write(self, wire: Wire, step: int, out: Tensor, base: int, members: Sequence[int], live: Sequence[bool],
                agreed: bool, add: bool) -> None:
         """What parameters ``members`` send at ``step``, written (``add``: added) into ``out`` from
@@ -294,10 +239,6 @@ class OnebitOptimizer(Optimizer):
     def _present(self) -> list[bool]:
         """Per parameter: it has a gradient here, for the step's agreement."""
         return [p.grad is not None for p in self.flat.params]
-
-    def _enter(self, stage: Stage) -> None:
-        """The math of entering ``stage``, its buffers already laid out (e.g. the variance made the
-        frozen preconditioner); called once, right after the step that ended the previous stage."""
 
     # ------------------------------------------------------------------ stages
     def _advance(self) -> None:
@@ -598,31 +539,14 @@ class OnebitOptimizer(Optimizer):
                                owner=type(self).__name__, param_groups=self.param_groups)
 
     # ------------------------------------------------------------------ checkpoints
-    def _extra_state(self) -> dict[str, Any]:
-        """What the subclass checkpoints beyond the flat buffers, stages and collectives."""
-        return {}
-
-    def _load_extra_state(self, state: Mapping[str, Any], own_state: bool) -> None:
-        """Restore :meth:`_extra_state`; ``own_state`` is False when the state was saved by another
-        rank or on another world size (the per-rank buffers then restart)."""
-
-    def _check_extra_state(self, state: Mapping[str, Any]) -> None:
-        """Refuse (``ValueError``) a state this optimizer cannot resume from, before anything is
-        loaded: saved with arguments that shape the exchange or its schedule differently."""
-
     def state_dict(self) -> dict[str, Any]:
         """Param groups plus everything needed to resume bit-exactly (loads with ``weights_only=True``)."""
         sd = super().state_dict()
         sd["state"] = {}  # the per-parameter views are saved once, as the flat buffers below
         sd["onebit"] = {
-            "world_size": self.world_size,
-            "rank": self.rank,
-            "step": self._step_count,
-            "bytes_sent_total": self._bytes_total,
-            "flat": {name: buf.clone() for name, buf in self.flat.buffers.items()},
-            # Between synchronisations the state belongs beside this rank's own parameters: their
-            # fingerprint, checked before the first step after a load.
-            **({} if self.synchronised else {"own_parameters": parameter_sums(self.flat.params)}),
+            **saved_entry(world_size=self.world_size, rank=self.rank, step=self._step_count,
+                          bytes_sent_total=self._bytes_total, buffers=self.flat.buffers, params=self.flat.params,
+                          synchronised=self.synchronised),
             **self._stages.state_dict(),
             **self._extra_state(),
             **({} if self._buckets is None else self._buckets.state_dict()),
@@ -633,30 +557,13 @@ class OnebitOptimizer(Optimizer):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`; a state saved by another rank or on another world size
         restarts the per-rank error buffers and random state (with a warning)."""
-        if not isinstance(state_dict, Mapping) or "onebit" not in state_dict:
-            raise ValueError(
-                f"not a {type(self).__name__} state_dict: missing the 'onebit' entry "
-                f"(keys: {sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__})"
-            )
-        extra = state_dict["onebit"]
-        missing = {"world_size", "step", "bytes_sent_total", "flat"} - set(extra)
-        if missing or "param_groups" not in state_dict:
-            raise ValueError(
-                f"incomplete {type(self).__name__} state_dict: missing {sorted(missing) or ['param_groups']} "
-                "(truncated, or saved by another version)"
-            )
+        extra = onebit_entry(state_dict, type(self).__name__)
         self._check_extra_state(extra)
         flat = extra["flat"]
         saved = [s for s in self._stages.stages if set(s.buffers) == set(flat)]
         if saved:  # the saved stage's layout (its values are loaded below)
             self._lay_out(saved[0])
-        if set(flat) != set(self.flat.buffers):
-            raise ValueError(f"state_dict holds buffers {sorted(flat)}, expected {sorted(self.flat.buffers)}")
-        for name, buf in flat.items():
-            if buf.numel() != self.flat.numel:
-                raise ValueError(
-                    f"state_dict buffer {name!r} has {buf.numel()} values, the parameters have {self.flat.numel}"
-                )
+        check_buffers(flat, self.flat.buffers, self.flat.numel)
         super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
         for name, buf in flat.items():
             self.flat.buffers[name].copy_(buf)
@@ -664,24 +571,16 @@ class OnebitOptimizer(Optimizer):
         self._step_count = int(extra["step"])
         self._bytes_total = int(extra["bytes_sent_total"])
         # Worker/server errors (and Birder's random state) belong to the rank that saved them.
-        saved_rank = int(extra.get("rank", self.rank))  # checkpoints of earlier versions have no rank
-        own_state = int(extra["world_size"]) == self.world_size and saved_rank == self.rank
-        # Checked on every rank where the state holds one (the ranks' states come from one step: all
-        # or none do), whoever saved it: a rank that took another's state must hold its parameters.
-        self._own_parameters = extra.get("own_parameters")
-        if not own_state:
-            _log.warning(
-                "%s state saved on world size %d by rank %d, loaded on world size %d by rank %d: per-rank "
-                "error-feedback buffers re-created as zeros, random state reseeded for this rank; save and "
-                "load one state_dict per rank to resume exactly",
-                type(self).__name__, extra["world_size"], saved_rank, self.world_size, self.rank,
-            )
+        own = own_state(extra, self.world_size, self.rank, owner=type(self).__name__,
+                        restarts="per-rank error-feedback buffers re-created as zeros, random state reseeded for "
+                                 "this rank")
+        self._own_parameters = extra.get("own_parameters")  # checked on every rank, whoever saved it
         try:
             self._stages.load_state_dict(extra)
             if self._stages.current.averages != (self._grad is not None):  # stages alike but for that
                 self._lay_out(self._stages.current)
-            self._load_extra_state(extra, own_state)
-            self._exchange.load_state_dict(extra, own_state)
+            self._load_extra_state(extra, own)
+            self._exchange.load_state_dict(extra, own)
             if self._buckets is not None:
                 self._buckets.load_state_dict(extra)
                 self._buckets.plan(self._stages.current.wire.all_reduced)

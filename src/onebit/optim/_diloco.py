@@ -39,15 +39,41 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from .. import comm, compress
-from .._checks import check_bool, check_nonneg, check_positive, check_positive_int, check_scales
-from ._agreement import (ReplicaDivergence, parameter_sums, require_own_parameters, require_replicas,
-                         start_agreement)
+from .._checks import (
+    check_bool,
+    check_nonneg,
+    check_positive,
+    check_positive_int,
+    check_scales,
+)
+from ._agreement import (
+    ReplicaDivergence,
+    require_own_parameters,
+    require_replicas,
+    start_agreement,
+)
+from ._checkpoint import own_state, saved_entry
 from ._ddp import attach_ddp, check_ddp
 from ._flat import FlatState
-from ._fragments import (Schedule, build_fragments, by_size, check_state, fragment_of, fragments_state, load_fragments,
-                         regroup_fragments)
-from ._setup import (broadcast_parameters, check_groups, check_params, check_same_parameters_everywhere, clip_,
-                     closure_loss, common_options)
+from ._fragments import (
+    Schedule,
+    build_fragments,
+    by_size,
+    check_state,
+    fragment_of,
+    fragments_state,
+    load_fragments,
+    regroup_fragments,
+)
+from ._setup import (
+    broadcast_parameters,
+    check_groups,
+    check_params,
+    check_same_parameters_everywhere,
+    clip_,
+    closure_loss,
+    common_options,
+)
 from ._shards import Shards
 from ._wrapped import inner_optimizer, load_flat_momentum, outer_factory
 
@@ -550,11 +576,9 @@ class DiLoCo(Optimizer):
         sd = super().state_dict()
         sd["state"] = {}  # the anchors are saved once, as the flat buffer below
         sd["onebit"] = {
-            "world_size": self.world_size, "rank": self.rank, "step": self._step_count,
-            "bytes_sent_total": self._bytes_total, "flat": {"anchor": self.flat.buffers["anchor"].clone()},
-            # Between synchronisations the state belongs beside this rank's own parameters: their
-            # fingerprint, checked before the first step after a load.
-            **({} if self.synchronised else {"own_parameters": parameter_sums(self.flat.params)}),
+            **saved_entry(world_size=self.world_size, rank=self.rank, step=self._step_count,
+                          bytes_sent_total=self._bytes_total, buffers={"anchor": self.flat.buffers["anchor"]},
+                          params=self.flat.params, synchronised=self.synchronised),
             "inner": self.inner.state_dict(), "outer": self.outer.state_dict(), "touched": list(self._touched),
             "streaming": [self.fragments, self.delay], "fragment_of": self._fragment_of, "collective": self.collective,
             "error_feedback": [self.error_feedback, self.error_decay],
@@ -581,19 +605,13 @@ class DiLoCo(Optimizer):
             load_flat_momentum(self.outer, self._anchors, self.flat.split(extra["flat"]["outer_momentum"]))
         self._step_count, self._bytes_total = int(extra["step"]), int(extra["bytes_sent_total"])
         self._touched = [bool(t) for t in extra["touched"]]
-        saved_rank = int(extra.get("rank", self.rank))  # checkpoints of earlier versions have no rank
-        own_state = int(extra["world_size"]) == self.world_size and saved_rank == self.rank
-        # Checked on every rank where the state holds one (the ranks' states come from one step: all
-        # or none do), whoever saved it: a rank that took another's state must hold its parameters.
-        self._own_parameters = extra.get("own_parameters")
-        if not own_state and warn and self._live:  # a quorum's checkpoint: one replica's state, as a newcomer's
-            _log.info("DiLoCo: rank %d of %d took the state of rank %d of %d; its compression errors restart at zero",
-                      self.rank, self.world_size, saved_rank, extra["world_size"])
-        elif not own_state and warn:
-            _log.warning("DiLoCo state saved on world size %d by rank %d, loaded on world size %d by rank %d: "
-                         "the compression errors restart at zero; save and load one state_dict per rank to resume "
-                         "exactly", extra["world_size"], saved_rank, self.world_size, self.rank)
-        load_fragments(self._fragments, extra, own_state, self.flat.device)
+        own = own_state(extra, self.world_size, self.rank, owner="DiLoCo", restarts="the compression errors restart "
+                        "at zero", warn=warn and not self._live)
+        self._own_parameters = extra.get("own_parameters")  # checked on every rank, whoever saved it
+        if not own and warn and self._live:  # a quorum's checkpoint: one replica's state, as a newcomer's
+            _log.info("DiLoCo: rank %d of %d took the state of rank %s of %d; its compression errors restart at zero",
+                      self.rank, self.world_size, extra.get("rank"), extra["world_size"])
+        load_fragments(self._fragments, extra, own, self.flat.device)
 
 
 class _Healed(Exception):
