@@ -1,5 +1,6 @@
 """The ``onebit`` command: demo, train, compare, bench, cluster, model. This module parses and
-dispatches; what each command does is in :mod:`onebit.bench._commands`."""
+dispatches; what each command does is in :mod:`onebit.bench._commands` (``onebit model``:
+:mod:`onebit.bench._model_command`)."""
 
 from __future__ import annotations
 

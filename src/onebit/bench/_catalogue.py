@@ -145,7 +145,11 @@ BENCHMARKED: dict[str, Benchmarked] = {
                                     "sparseloco": Variant({**_SPARSELOCO, "compressor": "chunk_topk"}, extended=True),
                                     "sparseloco_sign": Variant({**_SPARSELOCO, "compressor": "sign"}, extended=True),
                                     "sparseloco_allreduce": Variant({**_SPARSELOCO, "compressor": "chunk_topk",
-                                                                     "collective": "allreduce"}, extended=True)},
+                                                                     "collective": "allreduce"}, extended=True),
+                                    # the same accumulator with the sign, through the compressed all-reduce,
+                                    # whose bytes per worker do not grow with the workers
+                                    "sparseloco_sign_allreduce": Variant({**_SPARSELOCO, "compressor": "sign",
+                                                                          "collective": "allreduce"}, extended=True)},
                           costs={"diloco": Cost("allgather_sign", "all-gather of signs+scales", exact="sync"),
                                  "diloco_allreduce": Cost("onebit", _ONEBIT, exact="sync"),
                                  "diloco_fp32": Cost("allreduce_fp32", "ring all-reduce fp32", kernels=0.0,

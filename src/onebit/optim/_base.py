@@ -8,7 +8,6 @@ to the exchange (``_exchange.py``: one-shot, or bucketed and overlapped with bac
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -44,7 +43,6 @@ if TYPE_CHECKING:
 
 __all__ = ["OnebitOptimizer"]
 
-_log = logging.getLogger("onebit.optim")
 # Values per block of what a step forms: the passes over a block (the moments' EMA, then its add
 # into the exchange's buffer) find it in the core's cache (256 KB per fp32 buffer) instead of
 # memory: a third less time than 1M-value blocks for a formed bucket on CPU, the same bits.
@@ -52,7 +50,8 @@ _FORM_BLOCK = 1 << 16
 
 
 class OnebitOptimizer(Algorithm):
-    """Base of the onebit optimizers: process group, flat state, the step protocol, checkpoints.
+    """Base of the onebit optimizers (a ``torch.optim.Optimizer``): process group, flat state, the
+    step protocol, checkpoints.
 
     Options every optimizer takes (keyword-only, :class:`onebit.optim.CommonOptions`):
     ``timeout`` (per collective, seconds; default 300), ``broadcast_parameters`` (rank 0's
@@ -64,9 +63,10 @@ class OnebitOptimizer(Algorithm):
 
     ``max_grad_norm`` (gradient clipping, DeepSpeed's ``gradient_clipping``) clips the averaged
     gradient as ``torch.nn.utils.clip_grad_norm_`` on one process would, where the optimizer
-    forms it (the warm-ups, Comp-AMS, 0/1 Adam up to ``var_freeze_step``), and each rank's own
-    gradient, in place in ``p.grad``, where it never exists (the compression stages, Birder):
-    the Clipping page of the docs says which is which.
+    forms it -- the warm-up of 1-bit Adam (and its refreshes) and 1-bit LAMB, SoftSignSGD,
+    Comp-AMS, OnebitAdamNaive, 0/1 Adam up to ``var_freeze_step`` -- and each rank's own
+    gradient, in place in ``p.grad``, where it never exists: the compression stages of 1-bit
+    Adam, 1-bit LAMB and 0/1 Adam, Birder, QAdam (the Clipping page of the docs).
 
     FSDP2 parameters (HSDP: shard inside each node with ``fully_shard(module,
     mesh=mesh["shard"])``, and pass ``group=mesh["replicate"].get_group()`` of the 2-D mesh): the

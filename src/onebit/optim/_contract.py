@@ -7,7 +7,7 @@
    backward, before the ranks agreed that the step is taken). Only stages whose
    :class:`~onebit.optim._stages.Wire` is ``formed`` have one; the others send the gradients.
 2. The exchange: the exact fp32 mean, or the collectives made by the ``collective`` factory
-   handed to :meth:`OnebitOptimizer._drive`.
+   handed to :meth:`~onebit.optim._base.OnebitOptimizer._drive`.
 3. ``_landing(wire)``: where the average lands -- a flat buffer, or a callable that takes it
    chunk by chunk -- and ``_apply(wire, average, members=None)``: the step, where the state
    moves (of parameters ``members`` alone, as each bucket lands, where the optimizer
@@ -39,7 +39,7 @@ class Algorithm(Optimizer):
     """The declarations and methods a 1-bit-family optimizer writes; it subclasses
     :class:`~onebit.optim._base.OnebitOptimizer`, which calls them."""
 
-    _stages: OneStage | TwoStages | StepStages  # set by the subclass before this constructor runs
+    _stages: OneStage | TwoStages | StepStages  # set by the subclass before OnebitOptimizer.__init__ runs
 
     def _form(self, i: int, lo: int, hi: int, grad: Tensor | None, live: bool, group: dict[str, Any], step: int,
               scratch: Tensor, out: Tensor, agreed: bool) -> None:
@@ -63,7 +63,7 @@ class Algorithm(Optimizer):
 
     def _apply(self, wire: Wire, average: Tensor | None, members: Sequence[int] | None = None) -> None:
         """The step, on the landed ``average`` (None where it was consumed chunk by chunk, or where
-        the wire is not ``exchanged``). ``members``: where :attr:`applies_by_bucket`, the step of
+        the wire is not ``exchanged``). ``members``: where :attr:`~onebit.optim._base.OnebitOptimizer.applies_by_bucket`, the step of
         these parameters alone, ``average`` landed for them (and perhaps not yet elsewhere), as
         each bucket lands; every parameter's part, in any order, is the step of all (None)."""
         raise NotImplementedError

@@ -609,8 +609,8 @@ class DiLoCo(Optimizer):
                         "at zero", warn=warn and not self._live)
         self._own_parameters = extra.get("own_parameters")  # checked on every rank, whoever saved it
         if not own and warn and self._live:  # a quorum's checkpoint: one replica's state, as a newcomer's
-            _log.info("DiLoCo: rank %d of %d took the state of rank %s of %d; its compression errors restart at zero",
-                      self.rank, self.world_size, extra.get("rank"), extra["world_size"])
+            _log.info("DiLoCo: rank %d of %d took the state of rank %d of %d; its compression errors restart at zero",
+                      self.rank, self.world_size, int(extra.get("rank", self.rank)), extra["world_size"])
         load_fragments(self._fragments, extra, own, self.flat.device)
 
 
