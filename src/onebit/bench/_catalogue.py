@@ -149,7 +149,10 @@ BENCHMARKED: dict[str, Benchmarked] = {
                                     # the same accumulator with the sign, through the compressed all-reduce,
                                     # whose bytes per worker do not grow with the workers
                                     "sparseloco_sign_allreduce": Variant({**_SPARSELOCO, "compressor": "sign",
-                                                                          "collective": "allreduce"}, extended=True)},
+                                                                          "collective": "allreduce"}, extended=True),
+                                    # and with a scale per row (rarely looked-up embedding rows)
+                                    "sparseloco_sign_rows": Variant({**_SPARSELOCO, "compressor": "sign",
+                                                                     "scales": "row"}, extended=True)},
                           costs={"diloco": Cost("allgather_sign", "all-gather of signs+scales", exact="sync"),
                                  "diloco_allreduce": Cost("onebit", _ONEBIT, exact="sync"),
                                  "diloco_fp32": Cost("allreduce_fp32", "ring all-reduce fp32", kernels=0.0,

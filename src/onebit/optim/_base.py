@@ -561,10 +561,11 @@ class OnebitOptimizer(Algorithm):
         self._check_extra_state(extra)
         flat = extra["flat"]
         saved = [s for s in self._stages.stages if set(s.buffers) == set(flat)]
+        # Checked before anything changes: a state refused leaves the optimizer as it was
+        check_buffers(flat, saved[0].buffers if saved else self.flat.buffers, self.flat.numel)
+        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
         if saved:  # the saved stage's layout (its values are loaded below)
             self._lay_out(saved[0])
-        check_buffers(flat, self.flat.buffers, self.flat.numel)
-        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
         for name, buf in flat.items():
             self.flat.buffers[name].copy_(buf)
         self._link_state()
