@@ -2,8 +2,8 @@
 optimizer floor reads across its seam.
 
 Traced (``sys.setprofile``, one process, world size 1, which runs the same code as more ranks):
-one compressed 1-bit Adam step (after the freeze, the one-shot exchange) and one local step of
-0/1 Adam. For each: the distinct functions of ``onebit`` entered, the files they live in, the
+one compressed 1-bit Adam step (after the freeze, the one-shot exchange), one local step of
+0/1 Adam and one DiLoCo synchronisation (its inner step, the 1-bit all-gather, the outer step). For each: the distinct functions of ``onebit`` entered, the files they live in, the
 file switches (consecutive function entries in different files) and how often each file is
 re-entered -- inside ``onebit/optim`` and end to end -- and how often the walk alternates between
 the optimizer's base and its exchange (``optim/_base.py`` and ``optim/_exchange.py``). Then the
@@ -114,7 +114,9 @@ def main() -> None:
     adam = _traced(lambda p: onebit.OnebitAdam(p, lr=1e-3, freeze_step=2), 3, "compressed")
     local = _traced(lambda p: onebit.ZeroOneAdam(p, lr=1e-3, var_freeze_step=2, var_update_scaler=1,
                                                  local_step_scaler=1, local_step_clipper=4), 4, "local")
-    for label, calls in (("compressed 1-bit Adam step", adam), ("0/1 Adam local step", local)):
+    diloco = _traced(lambda p: onebit.DiLoCo(p, lr=1e-3, sync_every=2), 1, "outer")
+    for label, calls in (("compressed 1-bit Adam step", adam), ("0/1 Adam local step", local),
+                         ("DiLoCo synchronisation", diloco)):
         print(f"{label}: optim/ {_summary(calls, 'optim')}")
         print(f"{' ' * len(label)}  end to end {_summary(calls, '')}")
     for line in _seam():
