@@ -219,12 +219,9 @@ class OnebitLamb(OnebitOptimizer):
     ``||v_frozen||_1 / ||v||_1`` (the quantity of the paper's own freeze criterion): how much
     the layer's variance as a whole has moved since the freeze.
 
-    Where this differs from DeepSpeed 0.19.6's ``OnebitLamb`` (the documentation's "Coming from
-    DeepSpeed" compares the two): the ratio (DeepSpeed: the largest of ``(sqrt(v_frozen) + eps)
-    / (sqrt(v) + eps)``), clipped to the previous ratio's band and then to ``[r_min, r_max]`` as
-    lines 18-19 (DeepSpeed: the other order); values without a fresh variance are left out
-    (DeepSpeed: ``eps`` makes them ``r_max``); no weight-decay blend of the ratio (not in the
-    paper).
+    Where this differs from DeepSpeed 0.19.6's ``OnebitLamb`` -- the ratio, the order of its clips
+    (lines 18-19), values without a fresh variance, no weight-decay blend -- and why: the table of
+    the documentation's "Coming from DeepSpeed".
 
     Args:
         params: parameters or param groups (options ``lr``, ``betas``, ``weight_decay``).
@@ -441,11 +438,8 @@ class OnebitLamb(OnebitOptimizer):
                                    self.flat.offsets)
 
     def _extra_state(self) -> dict[str, Any]:
-        return {
-            "coeff_avg": self.coeff_avg.clone(),
-            "ratio": self.ratio.clone(),
-            "momentum_scale": self.momentum_scale.clone(),
-        }
+        return {"coeff_avg": self.coeff_avg.clone(), "ratio": self.ratio.clone(),
+                "momentum_scale": self.momentum_scale.clone()}
 
     def _load_extra_state(self, state: Mapping[str, Any], own_state: bool) -> None:
         self._frozen_sums = None
