@@ -23,16 +23,8 @@ from ._contract import Algorithm
 from ._ddp import attach_ddp, check_ddp
 from ._exchange import Exchange, allreduce_factory
 from ._flat import FlatState
-from ._setup import (
-    broadcast_parameters,
-    check_groups,
-    check_params,
-    check_same_parameters_everywhere,
-    clip_,
-    clip_coef,
-    closure_loss,
-    common_options,
-)
+from ._setup import (broadcast_parameters, check_groups, check_params, check_same_parameters_everywhere, clip_,
+                     clip_coef, closure_loss, common_options)
 from ._shards import Shards
 from ._stages import Stage, Wire
 

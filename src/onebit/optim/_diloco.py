@@ -39,41 +39,15 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from .. import comm, compress
-from .._checks import (
-    check_bool,
-    check_nonneg,
-    check_positive,
-    check_positive_int,
-    check_scales,
-)
-from ._agreement import (
-    ReplicaDivergence,
-    require_own_parameters,
-    require_replicas,
-    start_agreement,
-)
+from .._checks import check_bool, check_nonneg, check_positive, check_positive_int, check_scales
+from ._agreement import ReplicaDivergence, require_own_parameters, require_replicas, start_agreement
 from ._checkpoint import own_state, saved_entry
 from ._ddp import attach_ddp, check_ddp
 from ._flat import FlatState
-from ._fragments import (
-    Schedule,
-    build_fragments,
-    by_size,
-    check_state,
-    fragment_of,
-    fragments_state,
-    load_fragments,
-    regroup_fragments,
-)
-from ._setup import (
-    broadcast_parameters,
-    check_groups,
-    check_params,
-    check_same_parameters_everywhere,
-    clip_,
-    closure_loss,
-    common_options,
-)
+from ._fragments import (Schedule, build_fragments, by_size, check_state, fragment_of, fragments_state, load_fragments,
+                         regroup_fragments)
+from ._setup import (broadcast_parameters, check_groups, check_params, check_same_parameters_everywhere, clip_,
+                     closure_loss, common_options)
 from ._shards import Shards
 from ._wrapped import inner_optimizer, load_flat_momentum, outer_factory
 
