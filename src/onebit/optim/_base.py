@@ -200,7 +200,7 @@ class OnebitOptimizer(Algorithm):
         :class:`onebit.optim.ZeroOneSchedule`, or None without one."""
         return self._stages.schedule
 
-    # ------------------------------------------------------------------ the contract
+    # ------------------------------------------------------------------ what a step sends (the contract: _contract.py)
     def _write(self, wire: Wire, step: int, out: Tensor, base: int, members: Sequence[int], live: Sequence[bool],
                agreed: bool, add: bool) -> None:
         """What parameters ``members`` send at ``step``, written (``add``: added) into ``out`` from
