@@ -3,7 +3,8 @@ optimizer floor reads across its seam.
 
 Traced (``sys.setprofile``, one process, world size 1, which runs the same code as more ranks):
 one compressed 1-bit Adam step (after the freeze, the one-shot exchange), one local step of
-0/1 Adam and one DiLoCo synchronisation (its inner step, the 1-bit all-gather, the outer step). For each: the distinct functions of ``onebit`` entered, the files they live in, the
+0/1 Adam and one DiLoCo synchronisation (its inner step, the 1-bit all-gather, the outer step).
+For each: the distinct functions of ``onebit`` entered, the files they live in, the
 file switches (consecutive function entries in different files) and how often each file is
 re-entered -- inside ``onebit/optim`` and end to end -- and how often the walk alternates between
 the optimizer's base and its exchange (``optim/_base.py`` and ``optim/_exchange.py``). Then the

@@ -183,13 +183,17 @@ def test_checkpoints_resume_exactly_and_across_world_sizes(name, kwargs, caplog)
         opt.load_state_dict(torch.optim.SGD(params, lr=0.1).state_dict())
     # Another model's state (its buffers a value short) is refused before anything changes: a
     # fresh optimizer keeps its own stage's buffers, bit for bit, and still steps.
-    fresh = optimizer_class(name)([p.clone().requires_grad_() for p in initial_params()], **kwargs)
-    before = fresh.state_dict()["onebit"]
+    fresh_params = [p.clone().requires_grad_() for p in initial_params()]
+    fresh = optimizer_class(name)(fresh_params, **kwargs)
+    before, stage = fresh.state_dict()["onebit"], fresh.stats["stage"]
     short = {**state, "onebit": {**state["onebit"], "flat": {k: v[:-1] for k, v in state["onebit"]["flat"].items()}}}
     with pytest.raises(ValueError, match=r"state_dict buffer .* has \d+ values, the parameters have \d+"):
         fresh.load_state_dict(short)
     after = fresh.state_dict()["onebit"]
     assert sorted(after["flat"]) == sorted(before["flat"])
     assert all(torch.equal(after["flat"][k], before["flat"][k]) for k in before["flat"])
-    assert fresh.stats["step"] == 0 and fresh.stats["stage"] == optimizer_class(name)(
-        [p.clone().requires_grad_() for p in initial_params()], **kwargs).stats["stage"]
+    assert fresh.stats["step"] == 0 and fresh.stats["stage"] == stage
+    for p, g in zip(fresh_params, grads([p.detach() for p in fresh_params], 0, 1)):
+        p.grad = g
+    fresh.step()
+    assert all(bool(torch.isfinite(p).all()) for p in fresh_params) and fresh.stats["step"] == 1

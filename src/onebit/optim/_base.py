@@ -556,11 +556,11 @@ class OnebitOptimizer(Algorithm):
         # Checked before anything changes: a state refused leaves the optimizer as it was
         check_buffers(flat, saved[0].buffers if saved else self.flat.buffers, self.flat.numel)
         super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
-        if saved:  # the saved stage's layout (its values are loaded below)
-            self._lay_out(saved[0])
+        # The saved stage's layout, its state's views linked again (loading the groups dropped
+        # them); the buffers' names matched one stage's, or were refused above
+        self._lay_out(saved[0])
         for name, buf in flat.items():
             self.flat.buffers[name].copy_(buf)
-        self._link_state()
         self._step_count = int(extra["step"])
         self._bytes_total = int(extra["bytes_sent_total"])
         # Worker/server errors (and Birder's random state) belong to the rank that saved them.

@@ -298,8 +298,7 @@ class DiLoCo(Optimizer):
         return loss
 
     def _step(self) -> None:
-        if self._own_parameters is not None:  # (a commit on a quorum: only where there is something to check)
-            self._check_loaded_parameters()
+        self._check_loaded_parameters()
         if not self._ddp_checked:  # the model may have been wrapped after the optimizer was built
             check_ddp(self.flat.params, "DiLoCo", self.world_size, construction=False)
             self._ddp_checked = True
@@ -507,8 +506,7 @@ class DiLoCo(Optimizer):
             pass
 
     def _check_replicas(self) -> None:
-        if self._own_parameters is not None:
-            self._check_loaded_parameters()
+        self._check_loaded_parameters()
         self._collective(lambda: require_replicas(
             self.flat.params, None if self.synchronised else self._anchors, self.process_group, self.timeout,
             step=self._step_count, param_groups=self.param_groups))
@@ -519,6 +517,8 @@ class DiLoCo(Optimizer):
         the parameters saved with the state it loaded. The fingerprint is kept until every rank
         has committed the check: on a quorum, a replica whose collective completed where another's
         failed runs it again with the others on the group they re-form."""
+        if self._own_parameters is None:  # nothing to check (on a quorum, nothing to commit)
+            return
         try:
             self._collective(lambda: require_own_parameters(
                 self.flat.params, self._own_parameters, self.process_group, self.timeout, step=self._step_count,
