@@ -166,7 +166,17 @@ def _setting(name: str, config: dict) -> str:
         # None: today's default, the all-gather
         collective = COLLECTIVES[config.get("collective", "allreduce") or "allgather"]
         return f"H = {config['sync_every']}{streamed}, {collective}"
-    return {"onebit_adam": "compressed steps", "local_adam": "no communication"}.get(name, "")
+    return {"onebit_adam": "compressed steps", "local_adam": "no communication",
+            "zero_one_adam": "1-bit steps, fp32 variance refreshes"}.get(name, "")
+
+
+def _refreshes(name: str, records: list[dict]) -> str:
+    """0/1 Adam's refreshes as run: how many, and how far apart the last two (its schedule, which
+    the run's config does not record)."""
+    steps = [r["step"] for r in records if r["stage"] == "variance"]
+    if name != "zero_one_adam" or len(steps) < 2:
+        return ""
+    return f": {len(steps)}, the last two {steps[-1] - steps[-2]} steps apart"
 
 
 def cluster_report(dirs: list[Path]) -> str:
@@ -225,7 +235,8 @@ def curves_report(dirs: list[Path], windows: list[int], width: int = 25) -> str:
             if windows[-1] > len(records):
                 raise SystemExit(f"{d}: {name} ran {len(records)} steps, fewer than {windows[-1]}")
             means = [statistics.fmean(r["loss"] for r in records[w - width: w]) for w in windows]
-            lines.append(f"| {name} | {_curve_setting(name, summary)} | {summary['config']['seed']} "
+            setting = _curve_setting(name, summary) + _refreshes(name, records)
+            lines.append(f"| {name} | {setting} | {summary['config']['seed']} "
                          f"| {summary['eval_loss']:.3f} | {summary['skipped_steps'] or 0} | "
                          + " | ".join(f"{m:.3f}" for m in means) + " |")
     return "\n".join(lines) + f"\n\n{compare_sources(dirs)}\n"

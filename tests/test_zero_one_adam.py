@@ -25,9 +25,9 @@ def _train(rank, world, steps, kw, resume_at=None):
 
 
 # ---------------------------------------------------------------- the schedules, written out
-def _refresh_steps(freeze, kappa):
-    """T_v: every step while the interval is 1; the interval doubles after every kappa refreshes,
-    and a refresh falls on the next multiple of it."""
+def _refresh_steps(freeze, kappa, cap=None):
+    """T_v: every step while the interval is 1; the interval doubles after every kappa refreshes
+    (never beyond `cap`), and a refresh falls on the next multiple of it."""
     steps, interval, t = [], 1, 1
     while True:
         t = math.ceil(t / interval) * interval
@@ -36,7 +36,7 @@ def _refresh_steps(freeze, kappa):
         steps.append(t)
         t += 1
         if len(steps) % kappa == 0:
-            interval *= 2
+            interval = interval * 2 if cap is None else min(cap, interval * 2)
 
 
 def _synchronises(t, freeze, scaler, clipper):
@@ -48,13 +48,16 @@ def _synchronises(t, freeze, scaler, clipper):
     return t % h == 0
 
 
-def _zero_one_adam(world, steps, lr, b1, b2, eps, wd, schedule, bias_correction, clip, per_tensor=False):
+def _zero_one_adam(world, steps, lr, b1, b2, eps, wd, schedule, bias_correction, clip, per_tensor=False,
+                   cap=None, by_steps=False):
     """Algorithm 1 of 0/1 Adam with n simulated workers, one process, plain loops: each worker its
     own x and m between synchronisations, u its step-weighted momentum sum, one x everywhere after.
     Before the freeze a synchronisation sends the gradients (DeepSpeed's form); the errors of the
-    1-bit exchange restart at the freeze. `per_tensor`: one scale per tensor piece of a chunk."""
+    1-bit exchange restart at the freeze. `per_tensor`: one scale per tensor piece of a chunk.
+    onebit's refreshes: `cap` bounds their interval; `by_steps`: v takes g^2 as if every step since
+    the last refresh had seen it, and is bias-corrected by the last refresh's step, not their count."""
     freeze = schedule["var_freeze_step"]
-    refreshes = _refresh_steps(freeze, schedule["var_update_scaler"])
+    refreshes = _refresh_steps(freeze, schedule["var_update_scaler"], cap)
     sizes = [p.numel() for p in _params()]
     x0 = torch.cat(_params())
     xs = [x0.clone() for _ in range(world)]
@@ -72,9 +75,10 @@ def _zero_one_adam(world, steps, lr, b1, b2, eps, wd, schedule, bias_correction,
         bc1 = 1 - b1**t if bias_correction else 1.0
         if t in refreshes:  # the exact average refreshes v and m; x takes an Adam step
             g = sum(gs) / world
-            k += 1
+            decay = b2 ** (t - k) if by_steps else b2
+            k = t if by_steps else k + 1
             ms = [b1 * ms[0] + (1 - b1) * g] * world
-            v = b2 * v + (1 - b2) * g * g
+            v = decay * v + (1 - decay) * g * g
             d = (v / (1 - b2**k if bias_correction else 1.0)).sqrt() + eps
             xs = [anchor * (1 - lr * wd) - lr / bc1 * ms[0] / d] * world
             anchor = xs[0]
@@ -117,18 +121,21 @@ def _zero_one_adam(world, steps, lr, b1, b2, eps, wd, schedule, bias_correction,
 @pytest.mark.parametrize("world,defaults", [(2, False), (3, True)])
 def test_matches_algorithm_1_with_local_steps(world, defaults):
     kw = dict(lr=0.02, betas=(0.9, 0.99), eps=1e-8)
-    # onebit's form (bias correction, weight decay, a clip tight enough to bind), or DeepSpeed's
-    ours = dict(clip_update=0.3, weight_decay=0.05) if defaults else \
-        dict(bias_correction=False, clip_update=None, weight_decay=0.0, scales="chunk")
+    # onebit's form (bias correction, weight decay, a clip tight enough to bind, refreshes at
+    # least every 2nd step weighted by their span), or DeepSpeed's
+    ours = dict(clip_update=0.3, weight_decay=0.05, max_refresh_interval=2) if defaults else \
+        dict(bias_correction=False, clip_update=None, weight_decay=0.0, scales="chunk", max_refresh_interval=None,
+             refresh_weight="refresh")
     res = run_ranks(_train, world, STEPS, dict(kw, **SCHEDULE, **ours))
     expect = _zero_one_adam(world, STEPS, 0.02, 0.9, 0.99, 1e-8, ours["weight_decay"], SCHEDULE,
-                            bias_correction=defaults, clip=ours["clip_update"], per_tensor=defaults)
+                            bias_correction=defaults, clip=ours["clip_update"], per_tensor=defaults,
+                            cap=ours["max_refresh_interval"], by_steps=defaults)
     for r, want in zip(res, expect):
         for got, w in zip(r["params"], want):
             assert torch.allclose(got, w, rtol=1e-4, atol=1e-6), (got - w).abs().max()
     stages = [s["stage"] for s in res[0]["stats"]]
-    refresh = {1, 2, 4, 6, 8}
-    sync = {3, 5, 7, 9, 10, 11, 12, 13, 14, 16, 18, 20, 24, 28}
+    refresh = {1, 2, 4, 6, 8, 10} if defaults else {1, 2, 4, 6, 8}
+    sync = {3, 5, 7, 9, 10, 11, 12, 13, 14, 16, 18, 20, 24, 28} - refresh
     assert stages == ["variance" if t in refresh else "compressed" if t in sync else "local"
                       for t in range(1, STEPS + 1)]
     assert res[0]["stats"][-1]["freeze_step"] == 10
@@ -285,6 +292,9 @@ def test_schedule_matches_its_definition():
     assert all(s.synchronises(t) == _synchronises(t, 1000, 7, 16) for t in range(1, 1300))
     assert s.refreshes_through(1000) == len(_refresh_steps(1000, 3))
     assert s.interval(10**12) == 16
+    capped = onebit.optim.ZeroOneSchedule(1000, 3, 7, 16, max_refresh_interval=8)
+    assert [t for t in range(1, 1001) if capped.refreshes(t)] == _refresh_steps(1000, 3, 8)
+    assert capped.last_refresh(1000) == 1000 and capped.last_refresh(999) == 992 and capped.last_refresh(0) == 0
 
 
 @pytest.mark.parametrize("kwargs,error,words", [
@@ -292,6 +302,8 @@ def test_schedule_matches_its_definition():
     (dict(var_update_scaler=1.5), TypeError, "var_update_scaler"),
     (dict(local_step_scaler=True), TypeError, "local_step_scaler"),
     (dict(local_step_clipper=-2), ValueError, "local_step_clipper"),
+    (dict(max_refresh_interval=0), ValueError, "max_refresh_interval"),
+    (dict(refresh_weight="step"), ValueError, "refresh_weight"),
     (dict(clip_update=0.0), ValueError, "clip_update"),
     (dict(bias_correction=1), TypeError, "bias_correction"),
     (dict(betas=(1.0, 0.999)), ValueError, "beta"),

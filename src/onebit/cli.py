@@ -331,8 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--warmup-fraction", type=float, default=0.15, help="1-bit Adam/LAMB warm-up share")
     model.add_argument("--refresh-every", type=_refresh, default=8,
                        help="1-bit Adam: a bf16 refresh every K steps after the warm-up, or 'never' (default 8)")
-    model.add_argument("--refresh-fraction", type=float, default=0.01,
-                       help="0/1 Adam: share of steps that refresh the variance (fp32)")
+    model.add_argument("--refresh-fraction", type=float, default=0.125,
+                       help="0/1 Adam: share of steps that refresh the variance (fp32; default 1/8, its "
+                            "max_refresh_interval's on a long run; its schedule without the bound: ~0.002)")
     model.add_argument("--local-fraction", type=float, default=0.5,
                        help="0/1 Adam: share of local steps, which send nothing")
     model.add_argument("--sync-every", type=_positive_int, default=500,

@@ -72,7 +72,8 @@ def from_deepspeed_config(
       :class:`ZeroOneAdam` get ``bias_correction=False`` whatever the config says -- the same
       training.
     * :class:`OnebitAdam` gets ``refresh_every=None``: DeepSpeed's variance stays frozen after
-      ``freeze_step``, Algorithm 1's.
+      ``freeze_step``, Algorithm 1's. :class:`ZeroOneAdam` gets ``max_refresh_interval=None``
+      and ``refresh_weight="refresh"``: DeepSpeed's refreshes, Algorithm 1's.
     * ``gradient_clipping`` (top level) becomes ``max_grad_norm``; the optimizer block's own
       ``max_grad_norm``, which DeepSpeed stored and never used, is refused when positive. A
       config without ``gradient_clipping`` clips at 1.0, as DeepSpeed 0.19.3 to 0.19.6 did, with
@@ -142,6 +143,8 @@ def from_deepspeed_config(
         kwargs["bias_correction"] = False
     if cls is OnebitAdam:  # DeepSpeed's variance stays frozen from freeze_step on
         kwargs["refresh_every"] = None
+    if cls is ZeroOneAdam:  # DeepSpeed's refreshes thin out without bound, each one step's weight
+        kwargs.update(max_refresh_interval=None, refresh_weight="refresh")
     kwargs["group"] = "mpi" if backend == "mpi" else None
     clipping = cfg.get("gradient_clipping", _CLIPPING_DEFAULT)
     if "gradient_clipping" not in cfg and "max_grad_norm" not in overrides:

@@ -131,8 +131,9 @@ class ZeroOneSchedule:
 
     * ``T_v`` (variance refreshes), up to ``var_freeze_step``: every step while the interval
       ``I`` is 1, then the steps ``t`` with ``(t + offset) % I == 0``; ``I`` doubles after every
-      ``var_update_scaler`` refreshes (the paper's kappa). After ``var_freeze_step`` the
-      variance is frozen.
+      ``var_update_scaler`` refreshes (the paper's kappa), up to ``max_refresh_interval`` (not in
+      the paper or DeepSpeed; ``None``: no bound). After ``var_freeze_step`` the variance is
+      frozen.
     * ``T_u`` (synchronisations): every step up to ``var_freeze_step``; after it, the steps with
       ``(t + offset) % H == 0`` where ``H`` starts at 1 and doubles every ``local_step_scaler``
       steps, at most ``local_step_clipper`` (the paper's H).
@@ -147,16 +148,22 @@ class ZeroOneSchedule:
         [1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 28, 32, 40]
         >>> [s.interval(t) for t in (40, 48, 49, 57, 90)]
         [1, 1, 2, 4, 4]
+        >>> capped = onebit.optim.ZeroOneSchedule(20, 4, 8, 4, max_refresh_interval=2)
+        >>> [t for t in range(1, 21) if capped.refreshes(t)]
+        [1, 2, 3, 4, 6, 8, 10, 12, 14, 16, 18, 20]
     """
 
     def __init__(self, var_freeze_step: int, var_update_scaler: int, local_step_scaler: int,
-                 local_step_clipper: int, *, offset: int = 0) -> None:
+                 local_step_clipper: int, *, max_refresh_interval: int | None = None, offset: int = 0) -> None:
         self.var_freeze_step = check_positive_int("var_freeze_step", var_freeze_step)
         self.var_update_scaler = check_positive_int("var_update_scaler", var_update_scaler)
         self.local_step_scaler = check_positive_int("local_step_scaler", local_step_scaler)
         self.local_step_clipper = check_positive_int("local_step_clipper", local_step_clipper)
+        self.max_refresh_interval = None if max_refresh_interval is None else check_positive_int(
+            "max_refresh_interval", max_refresh_interval)
         self.offset = offset
-        # The refresh steps, one block of var_update_scaler per interval (a few hundred at most).
+        # The refresh steps, one block of var_update_scaler per interval (a few hundred without a
+        # bound on the interval; var_freeze_step / max_refresh_interval with one).
         self._refresh_steps: list[int] = []
         interval, count, counter = 1, 0, 1 + offset
         while True:
@@ -168,6 +175,8 @@ class ZeroOneSchedule:
             count += 1
             if count == self.var_update_scaler:
                 interval, count = 2 * interval, 0
+                if self.max_refresh_interval is not None:
+                    interval = min(interval, self.max_refresh_interval)
 
     def refreshes(self, step: int) -> bool:
         """Whether the variance is refreshed at ``step`` (``T_v``)."""
@@ -177,6 +186,11 @@ class ZeroOneSchedule:
     def refreshes_through(self, step: int) -> int:
         """How many refreshes steps ``1 .. step`` hold (the variance's bias-correction exponent)."""
         return bisect.bisect_right(self._refresh_steps, step)
+
+    def last_refresh(self, step: int) -> int:
+        """The last refresh step up to ``step`` (0 before the first)."""
+        i = bisect.bisect_right(self._refresh_steps, step)
+        return self._refresh_steps[i - 1] if i else 0
 
     def interval(self, step: int) -> int:
         """The local-step interval ``H`` in force at ``step``."""

@@ -6,7 +6,8 @@ says whether it has a gradient on some rank):
 
 * :func:`refresh_variance` -- a step of ``T_v``: the gradients' exact average ``g`` updates
   both moments, ``m <- beta1 m + (1 - beta1) g``, ``v <- beta2 v + (1 - beta2) g^2``, and
-  Adam steps (Algorithm 1's variance update).
+  Adam steps (Algorithm 1's variance update); with ``span = k``, ``v <- beta2^k v + (1 -
+  beta2^k) g^2``, as if each of the ``k`` steps since the last refresh had seen ``g``.
 * :func:`local_step` -- a step outside ``T_u``, ``m <- beta1 m + (1 - beta1) g_local`` formed
   by the class: the step-size-weighted sum ``u <- u + (lr / bc1) m`` grows, and the parameters
   move to ``x = x_anchor (1 - sum(lr) wd) - u / d`` (Algorithm 1's ``x_{t+1/2}``, ``u_{t+1/2}``).
@@ -16,8 +17,8 @@ says whether it has a gradient on some rank):
   replaced ``m``. Then ``x = x_anchor (1 - sum(lr) wd) - S m / d`` on every rank (Algorithm 1's
   ``m_{t+1} = u_bar / sum(lr)`` and ``x_{t+1} = x_{t'} - u_bar / sqrt(v)``).
 
-``d = sqrt(v / (1 - beta2^k)) + eps`` with ``k`` the number of refreshes so far (1 without
-bias correction).
+``d = sqrt(v / (1 - beta2^k)) + eps`` with ``k`` the number of refreshes so far, or (refreshes
+weighted by their span) the step of the last one; 1 without bias correction.
 """
 
 from __future__ import annotations
@@ -84,16 +85,19 @@ def refresh_variance(
     eps: float,
     bias_correction1: Sequence[float],
     bias_correction2: Sequence[float],
+    span: int = 1,
 ) -> None:
     """A step of ``T_v`` on the averaged gradients ``grads`` (contiguous fp32 views, used as
-    scratch): both moments take them and ``x <- x (1 - lr wd) - (lr / bc1) m / d``."""
+    scratch): ``m`` takes them, ``v <- beta2^span v + (1 - beta2^span) g^2`` (``span=1``:
+    Algorithm 1's), and ``x <- x (1 - lr wd) - (lr / bc1) m / d``."""
     for i, (p, (lo, hi)) in enumerate(zip(params, offsets)):
         if not active[i]:
             continue
         beta1, beta2 = betas[i]
+        decay = beta2**span
         g = grads[i]
         exp_avg[lo:hi].view(p.shape).lerp_(g, 1.0 - beta1)
-        exp_avg_sq[lo:hi].view(p.shape).mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+        exp_avg_sq[lo:hi].view(p.shape).mul_(decay).addcmul_(g, g, value=1.0 - decay)
         denom = adam_denominator(exp_avg_sq[lo:hi], eps=eps, bias_correction2=bias_correction2[i], out=g.view(-1))
         apply_update_(p, exp_avg[lo:hi], denom, lr=lrs[i], weight_decay=weight_decays[i],
                       step_size=lrs[i] / bias_correction1[i])
@@ -165,9 +169,12 @@ class ZeroOneAdam(OnebitOptimizer):
     schedule, then frozen; 1-bit synchronisation, with local steps between synchronisations.
 
     * **Variance refreshes** (``T_v``, steps ``<= var_freeze_step``): every step at first, then
-      ever more rarely -- the interval doubles after every ``var_update_scaler`` refreshes. A
-      refresh step all-reduces the gradients in fp32 and takes an exact Adam step with them
-      (:func:`refresh_variance`). After ``var_freeze_step`` the variance is frozen.
+      more rarely -- the interval doubles after every ``var_update_scaler`` refreshes, up to
+      ``max_refresh_interval`` (8; not in the paper, where it doubles without bound). A refresh
+      step all-reduces the gradients in fp32 and takes an exact Adam step with them
+      (:func:`refresh_variance`), the variance taking them as if every step since the last
+      refresh had seen them (``refresh_weight="steps"``; the paper's, ``"refresh"``, weighs each
+      refresh as one step). After ``var_freeze_step`` the variance is frozen.
     * **1-bit synchronisation** (``T_u``): every other step exchanges through the
       error-compensated 1-bit all-reduce (:class:`onebit.comm.CompressedAllReduce`) -- up to
       ``var_freeze_step`` the gradients, whose average enters ``m`` (as DeepSpeed, the
@@ -188,7 +195,9 @@ class ZeroOneAdam(OnebitOptimizer):
     the model's weights; save one per rank, as for every onebit optimizer).
 
     Differences from DeepSpeed 0.19.6's ``ZeroOneAdam`` (see the comparison in the docs): bias
-    correction is applied (``bias_correction=False`` is DeepSpeed's update); weight decay is
+    correction is applied (``bias_correction=False`` is DeepSpeed's update); refreshes come at
+    least every 8th step and weigh the steps since the last (``max_refresh_interval=None,
+    refresh_weight="refresh"`` is DeepSpeed's schedule); weight decay is
     decoupled and stays out of the momentum; the whole model is one fused 1-bit exchange;
     parameters that never had a gradient at a refresh keep a zero momentum, and each value's
     step is clipped to ``clip_update`` times Adam's largest (as :class:`OnebitAdam`); replicas
@@ -212,6 +221,14 @@ class ZeroOneAdam(OnebitOptimizer):
         var_freeze_step: the last step that may refresh the variance (DeepSpeed's default
             100000: on shorter runs the variance is never frozen and no local steps happen).
         var_update_scaler: refreshes per interval before the interval doubles (kappa).
+        max_refresh_interval: the longest interval between refreshes (``None``: the paper's
+            and DeepSpeed's, doubling without bound, which at a constant learning rate leaves the
+            variance behind the gradients: the 12.9M GPT's loss rose after ~700 steps).
+        refresh_weight: ``"steps"``: a refresh updates ``v`` as if each step since the last had
+            seen its gradients, so that ``v`` keeps Adam's memory of ``1 / (1 - beta2)`` steps
+            (bias-corrected by ``1 - beta2^t``, ``t`` the last refresh's step); ``"refresh"``:
+            Algorithm 1's, one ``(1 - beta2) g^2`` per refresh (by ``1 - beta2^k``, ``k``
+            refreshes), which weighs the frequent early refreshes over the later ones.
         local_step_scaler: steps after the freeze before the local-step interval doubles.
         local_step_clipper: the largest local-step interval (H).
         compressor: compressor of the synchronisation (``"sign"``; ``"identity"`` isolates the
@@ -254,6 +271,8 @@ class ZeroOneAdam(OnebitOptimizer):
         *,
         var_freeze_step: int = 100_000,
         var_update_scaler: int = 16,
+        max_refresh_interval: int | None = 8,
+        refresh_weight: str = "steps",
         local_step_scaler: int = 32678,
         local_step_clipper: int = 16,
         compressor: str = "sign",
@@ -270,7 +289,11 @@ class ZeroOneAdam(OnebitOptimizer):
         check_bool("overlap", overlap)
         check_adam_args(lr, betas, eps, weight_decay)
         self.eps = float(eps)
-        schedule = ZeroOneSchedule(var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper)
+        if refresh_weight not in ("steps", "refresh"):
+            raise ValueError(f"Invalid refresh_weight value: {refresh_weight!r} (expected 'steps' or 'refresh')")
+        self.refresh_weight = refresh_weight
+        schedule = ZeroOneSchedule(var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper,
+                                   max_refresh_interval=max_refresh_interval)
         self._stages = StepStages((_REFRESH, _GRADIENT, _MOMENTUM, _SYNCHRONISE, _LOCAL), _stage_of, schedule,
                                   freeze_step=schedule.var_freeze_step)
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay}, group=group,
@@ -327,21 +350,29 @@ class ZeroOneAdam(OnebitOptimizer):
         """:meth:`_weight` of every parameter (read afresh: LR schedulers change ``lr``)."""
         return [self._weight(g, step) for g in self.param_groups for _ in g["params"]]
 
+    def _variance_age(self, step: int) -> int:
+        """``k`` of ``v``'s bias correction ``1 - beta2^k`` at ``step``: the refreshes so far, or
+        (refreshes weighted by their span) the last one's step."""
+        s = self.schedule
+        return s.last_refresh(step) if self.refresh_weight == "steps" else s.refreshes_through(step)
+
     def _corrections(self, step: int) -> tuple[list[float], list[float]]:
-        """Per parameter: ``1 - beta1^step`` and ``1 - beta2^k`` (k refreshes so far), or ones."""
+        """Per parameter: ``1 - beta1^step`` and ``1 - beta2^k`` (:meth:`_variance_age`), or ones."""
         betas = self._hyper("betas")
         if not self.bias_correction:
             return [1.0] * len(betas), [1.0] * len(betas)
-        k = self.schedule.refreshes_through(step)
+        k = self._variance_age(step)
         return [1.0 - b1**step for b1, _ in betas], [1.0 - b2**k if k else 1.0 for _, b2 in betas]
 
     def _refresh(self, average: Tensor) -> None:
-        bc1, bc2 = self._corrections(self._step_count)
+        step = self._step_count
+        bc1, bc2 = self._corrections(step)
+        span = step - self.schedule.last_refresh(step - 1) if self.refresh_weight == "steps" else 1
         b = self.flat.buffers
         refresh_variance(self.flat.params, self.flat.offsets, grads=self.flat.split(average), active=self._active,
                          exp_avg=b["exp_avg"], exp_avg_sq=b["exp_avg_sq"], lrs=self._hyper("lr"),
                          betas=self._hyper("betas"), weight_decays=self._hyper("weight_decay"), eps=self.eps,
-                         bias_correction1=bc1, bias_correction2=bc2)
+                         bias_correction1=bc1, bias_correction2=bc2, span=span)
 
     def _denominator(self) -> Tensor:
         """``d``: the frozen preconditioner, or (before the freeze) formed from ``v`` in the
@@ -410,7 +441,7 @@ class ZeroOneAdam(OnebitOptimizer):
             mask_unused_(m, denom, self.eps, self.flat.offsets, self._unused)
         if self.clip_update is None:
             return
-        k = self.schedule.refreshes_through(step)
+        k = self._variance_age(step)
         bc1, _ = self._corrections(step)
         for i, ((lo, hi), (beta1, beta2)) in enumerate(zip(self.flat.offsets, self._hyper("betas"))):
             if moving[i]:
