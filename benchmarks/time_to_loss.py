@@ -16,9 +16,9 @@ defaults and a learning rate only, over paired seeds, at each link speed. Two ki
   so these may set a freeze or an interval by hand to reach each stage in a few steps.
 
 ``--on-cluster`` adds long runs made on the cluster itself: the time by their own clock to their
-seed's target, beside their steps added up at the short runs' step times. A directory given as
-``DIR:NAME,NAME`` reads only those optimizers of its comparison (the others made with defaults
-since changed, their new runs given separately)::
+seed's target, beside their steps added up at the short runs' step times. A directory of
+``--curves`` or ``--on-cluster`` given as ``DIR:NAME,NAME`` reads only those optimizers of its
+comparison (the others made with defaults since changed, their new runs given separately)::
 
     python benchmarks/time_to_loss.py --curves benchmarks/results/time-to-loss/mlp/* \\
         --cluster-times benchmarks/results/time-to-loss/cluster-mlp-*
@@ -51,7 +51,7 @@ _WORK = ("task", "d_model", "layers", "heads", "context", "hidden", "batch_size"
          "hierarchical", "fragments", "delay", "collective", "compressor")
 # options a run with the defaults leaves unset (1-bit Adam's and LAMB's default freeze is "auto")
 _OPTIONS = ("sync_every", "fragments", "delay", "collective", "compressor", "local_step_scaler", "refresh_every",
-            "refresh_dtype")
+            "refresh_dtype", "refresh_schedule")
 
 
 def _defaults(name: str, summary: dict) -> None:
@@ -121,9 +121,11 @@ Pick = tuple[Path, tuple[str, ...] | None]  # a comparison's directory, and the 
 
 
 def _pick(arg: str) -> Pick:
-    """``DIR`` or ``DIR:NAME,NAME``."""
-    path, _, names = arg.partition(":")
-    return Path(path), tuple(names.split(",")) if names else None
+    """``DIR`` or ``DIR:NAME,NAME`` (a directory's own colons stay in it: names hold no ``/``)."""
+    path, colon, names = arg.rpartition(":")
+    if not colon or "/" in names:
+        return Path(arg), None
+    return Path(path), tuple(names.split(","))
 
 
 def _runs(pick: Pick) -> dict[str, tuple[dict, list[dict]]]:

@@ -342,6 +342,22 @@ def test_compare_without_a_freeze_builds_each_optimizer_with_its_defaults(tmp_pa
     assert "1-bit Adam did not leave its fp32 warm-up in 4 steps" in capsys.readouterr().out
 
 
+def test_compare_runs_0_1_adams_refreshes_bounded_or_as_the_paper(tmp_path):
+    losses = {}
+    for schedule in (None, "bounded", "paper"):
+        out = tmp_path / str(schedule)
+        flags = [] if schedule is None else ["--refresh-schedule", schedule]
+        assert main(["compare", "--optimizers", "zero_one_adam", "--baseline", "zero_one_adam", "--steps", "20",
+                     "--batch-size", "4", "--hidden", "32", "--out", str(out), "--quiet", *flags]) == 0
+        records = _records(out / "zero_one_adam" / "metrics.jsonl")
+        losses[schedule] = [r["loss"] for r in records]
+        # refreshes on steps 1-16, then every 2nd (either schedule: they part at step 248)
+        assert [r["step"] for r in records if r["stage"] == "variance"] == [*range(1, 17), 18, 20]
+    # a refresh after a gap of 2 (step 18) weighs 2 steps with the default, 1 as the paper
+    assert losses[None] == losses["bounded"]
+    assert losses["paper"][:18] == losses[None][:18] and losses["paper"][18:] != losses[None][18:]
+
+
 @pytest.mark.parametrize("every,refreshes", [(None, [11]), ("2", [5, 7, 9, 11]), ("never", [])])
 def test_train_refreshes_1bit_adams_variance_as_asked(tmp_path, every, refreshes):
     # frozen at step 3: the default refreshes every 8th step after it, 2 every other one, never not at all

@@ -118,18 +118,24 @@ def _zero_one_adam(world, steps, lr, b1, b2, eps, wd, schedule, bias_correction,
 
 
 # ---------------------------------------------------------------- tests
-@pytest.mark.parametrize("world,defaults", [(2, False), (3, True)])
-def test_matches_algorithm_1_with_local_steps(world, defaults):
+# onebit's form (bias correction, weight decay, a clip tight enough to bind, refreshes at least
+# every 2nd step weighted by their span); the same without bias correction (the clip's bound then
+# reads the variance's exponent); DeepSpeed's
+_ONEBIT = dict(clip_update=0.3, weight_decay=0.05, max_refresh_interval=2)
+_FORMS = {"onebit": _ONEBIT, "uncorrected": dict(_ONEBIT, bias_correction=False),
+          "deepspeed": dict(bias_correction=False, clip_update=None, weight_decay=0.0, scales="chunk",
+                            max_refresh_interval=None, refresh_weight="refresh")}
+
+
+@pytest.mark.parametrize("world,form", [(2, "deepspeed"), (3, "onebit"), (2, "uncorrected")])
+def test_matches_algorithm_1_with_local_steps(world, form):
     kw = dict(lr=0.02, betas=(0.9, 0.99), eps=1e-8)
-    # onebit's form (bias correction, weight decay, a clip tight enough to bind, refreshes at
-    # least every 2nd step weighted by their span), or DeepSpeed's
-    ours = dict(clip_update=0.3, weight_decay=0.05, max_refresh_interval=2) if defaults else \
-        dict(bias_correction=False, clip_update=None, weight_decay=0.0, scales="chunk", max_refresh_interval=None,
-             refresh_weight="refresh")
+    ours = _FORMS[form]
+    defaults = form != "deepspeed"
     res = run_ranks(_train, world, STEPS, dict(kw, **SCHEDULE, **ours))
     expect = _zero_one_adam(world, STEPS, 0.02, 0.9, 0.99, 1e-8, ours["weight_decay"], SCHEDULE,
-                            bias_correction=defaults, clip=ours["clip_update"], per_tensor=defaults,
-                            cap=ours["max_refresh_interval"], by_steps=defaults)
+                            bias_correction=ours.get("bias_correction", True), clip=ours["clip_update"],
+                            per_tensor=defaults, cap=ours["max_refresh_interval"], by_steps=defaults)
     for r, want in zip(res, expect):
         for got, w in zip(r["params"], want):
             assert torch.allclose(got, w, rtol=1e-4, atol=1e-6), (got - w).abs().max()
@@ -164,6 +170,24 @@ def _replicas(rank, world, tamper):
         except onebit.ReplicaDivergence as exc:
             return step, opt.stats["stage"], str(exc)
     return None
+
+
+def _reload(rank, world):
+    model = torch.nn.Linear(4, 2)
+    opt = onebit.ZeroOneAdam(model.parameters(), lr=1e-3)
+    for _ in range(3):
+        model(torch.randn(8, 4)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    state = opt.state_dict()
+    other = onebit.ZeroOneAdam(model.parameters(), lr=1e-3, max_refresh_interval=None, refresh_weight="refresh")
+    with pytest.warns(UserWarning, match="saved with refreshes .*'refresh_weight': 'steps'"):
+        other.load_state_dict(state)
+    return True
+
+
+def test_a_state_of_another_refresh_schedule_loads_with_a_warning():
+    assert all(run_ranks(_reload, 2))
 
 
 def test_check_replicas_compares_anchors_between_synchronisations():

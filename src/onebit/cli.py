@@ -142,6 +142,9 @@ def _training_flags(p: argparse.ArgumentParser, steps: int, out: str, bandwidth:
     p.add_argument("--refresh-every", type=_refresh, default=None,
                    help="1-bit Adam: refresh the frozen variance every K steps after the freeze, with the gradients' "
                         "average, or 'never' (default: its own, every 8)")
+    p.add_argument("--refresh-schedule", choices=("bounded", "paper"), default=None,
+                   help="0/1 Adam: its variance refreshes at least every 8th step, each weighing the steps since "
+                        "the last (bounded, its default), or the paper's and DeepSpeed's (doubling without bound)")
     p.add_argument("--local-step-scaler", type=_positive_int, default=None,
                    help="0/1 Adam: steps per doubling of the local-step interval (default: a quarter of "
                         "--freeze-step where one is given, else 0/1 Adam's own; larger than --steps: no local "
@@ -331,9 +334,10 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--warmup-fraction", type=float, default=0.15, help="1-bit Adam/LAMB warm-up share")
     model.add_argument("--refresh-every", type=_refresh, default=8,
                        help="1-bit Adam: a bf16 refresh every K steps after the warm-up, or 'never' (default 8)")
-    model.add_argument("--refresh-fraction", type=float, default=0.125,
-                       help="0/1 Adam: share of steps that refresh the variance (fp32; default 1/8, its "
-                            "max_refresh_interval's on a long run; its schedule without the bound: ~0.002)")
+    model.add_argument("--refresh-fraction", type=float, default=0.06,
+                       help="0/1 Adam: share of steps that refresh the variance (fp32; default: one in 8 of the "
+                            "steps before its variance freeze, which leaves --local-fraction after it; its "
+                            "schedule without the bound: ~0.002)")
     model.add_argument("--local-fraction", type=float, default=0.5,
                        help="0/1 Adam: share of local steps, which send nothing")
     model.add_argument("--sync-every", type=_positive_int, default=500,

@@ -76,6 +76,7 @@ def _config(args: argparse.Namespace, optimizer: str):
         freeze_step=args.freeze_step,
         seed=args.seed, topk_ratio=min(args.topk_ratio, 1.0), qadam_bits=args.qadam_bits, compressor=args.compressor,
         local_step_scaler=args.local_step_scaler, refresh_every=args.refresh_every, refresh_dtype=args.refresh_dtype,
+        refresh_schedule=args.refresh_schedule,
         powersgd_rank=args.powersgd_rank,
         hierarchical=args.hierarchical,
         bucket_cap_mb=args.bucket_cap_mb, sync_every=args.sync_every, fragments=args.fragments, delay=args.delay,

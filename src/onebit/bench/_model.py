@@ -49,9 +49,10 @@ class ModelInput:
     kernel_gbps: float = 4.5  # GB/s of the compression kernels (one CPU thread; `onebit model --device`)
     warmup_fraction: float = 0.15  # 1-bit Adam / LAMB steps before the freeze
     refresh_every: int | None = 8  # 1-bit Adam's bf16 variance refreshes after the freeze (its default; None: none)
-    # 0/1 Adam's variance refreshes (fp32 all-reduce): on a long run one step in 8, its default
-    # max_refresh_interval's (its schedule without the bound: ~0.002 of 100,000 steps)
-    refresh_fraction: float = 0.125
+    # 0/1 Adam's variance refreshes (fp32 all-reduce), which stop at its variance freeze: one step in 8
+    # (its default max_refresh_interval) of the ~47% of the run before the freeze that leaves
+    # local_fraction's 0.5 of local steps at H = 16 after it (the schedule without the bound: ~0.002)
+    refresh_fraction: float = 0.06
     local_fraction: float = 0.5  # 0/1 Adam's local steps (the paper: up to 54% fewer rounds than 1-bit Adam)
     sync_every: int = 500  # DiLoCo's inner steps per synchronisation (H; the paper's and onebit.DiLoCo's default)
     fragments: int = 1  # DiLoCo's streamed fragments (P): a synchronisation every H / P steps, of 1 / P of the model

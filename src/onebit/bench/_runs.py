@@ -190,6 +190,8 @@ def _registry_optimizer(name: str, params, cfg, exchange: dict[str, Any]) -> tor
         kw["refresh_every"] = None
     if "refresh_dtype" in kw:
         kw["refresh_dtype"] = REFRESH_DTYPES[kw["refresh_dtype"]]
+    if kw.pop("refresh_schedule", None) == "paper":  # 0/1 Adam's refreshes as Algorithm 1 and DeepSpeed
+        kw.update(max_refresh_interval=None, refresh_weight="refresh")
     return make_optimizer(name.removesuffix("_overlap"), params, **kw)
 
 

@@ -50,6 +50,9 @@ class TrainConfig(TaskSpec):
     local_step_scaler: int | None = None  # 0/1 Adam's (None: a quarter of freeze_step, or its own)
     refresh_every: int | str | None = None  # 1-bit Adam's variance refreshes: every K steps, "never" (None: its own)
     refresh_dtype: str | None = None  # what they sum the gradients in: "bf16", "fp32" (None: its own, bf16)
+    # 0/1 Adam's refreshes: "bounded" (every 8th step at least, weighing the steps since the last) or
+    # "paper" (doubling without bound, one step's weight each); None: its own, bounded
+    refresh_schedule: str | None = None
     powersgd_rank: int = 1
     hierarchical: bool = False
     # the overlapped exchange's (and DDP's) bucket size, MB of fp32 values (None: the default, 25)
@@ -90,6 +93,8 @@ class TrainConfig(TaskSpec):
         if self.trace_step is not None and (isinstance(self.trace_step, bool) or not isinstance(self.trace_step, int)
                                             or not 1 <= self.trace_step <= self.steps):
             raise ValueError(f"trace_step must be a step of the run (1 to {self.steps}), got {self.trace_step!r}")
+        if self.refresh_schedule not in (None, "bounded", "paper"):
+            raise ValueError(f"refresh_schedule must be 'bounded' or 'paper'; got {self.refresh_schedule!r}")
         if self.refresh_dtype not in (None, *REFRESH_DTYPES):
             raise ValueError(f"refresh_dtype must be one of {', '.join(REFRESH_DTYPES)}; got {self.refresh_dtype!r}")
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):

@@ -132,8 +132,8 @@ class ZeroOneSchedule:
     * ``T_v`` (variance refreshes), up to ``var_freeze_step``: every step while the interval
       ``I`` is 1, then the steps ``t`` with ``(t + offset) % I == 0``; ``I`` doubles after every
       ``var_update_scaler`` refreshes (the paper's kappa), up to ``max_refresh_interval`` (not in
-      the paper or DeepSpeed; ``None``: no bound). After ``var_freeze_step`` the variance is
-      frozen.
+      the paper or DeepSpeed; ``None``, the default here: no bound; :class:`~onebit.ZeroOneAdam`'s
+      own default is 8). After ``var_freeze_step`` the variance is frozen.
     * ``T_u`` (synchronisations): every step up to ``var_freeze_step``; after it, the steps with
       ``(t + offset) % H == 0`` where ``H`` starts at 1 and doubles every ``local_step_scaler``
       steps, at most ``local_step_clipper`` (the paper's H).
@@ -184,7 +184,8 @@ class ZeroOneSchedule:
         return i < len(self._refresh_steps) and self._refresh_steps[i] == step
 
     def refreshes_through(self, step: int) -> int:
-        """How many refreshes steps ``1 .. step`` hold (the variance's bias-correction exponent)."""
+        """How many refreshes steps ``1 .. step`` hold (the variance's bias-correction exponent
+        with each refresh weighing one step, Algorithm 1's)."""
         return bisect.bisect_right(self._refresh_steps, step)
 
     def last_refresh(self, step: int) -> int:

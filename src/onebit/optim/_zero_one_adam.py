@@ -23,8 +23,9 @@ weighted by their span) the step of the last one; 1 without bias correction.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor
@@ -215,7 +216,8 @@ class ZeroOneAdam(OnebitOptimizer):
         eps: added to ``sqrt(v)`` in the denominator.
         weight_decay: decoupled weight decay, as ``torch.optim.AdamW``'s.
         bias_correction: divide ``m`` by ``1 - beta1^t`` and ``v`` by ``1 - beta2^k``, ``k`` the
-            refreshes so far (``False``: DeepSpeed's update).
+            last refresh's step (``refresh_weight="refresh"``: the refreshes so far; ``False``:
+            DeepSpeed's update).
         group: process group (``None``: default), an :class:`onebit.comm.MPIGroup`, or a
             backend name (``"mpi"``).
         var_freeze_step: the last step that may refresh the variance (DeepSpeed's default
@@ -272,7 +274,7 @@ class ZeroOneAdam(OnebitOptimizer):
         var_freeze_step: int = 100_000,
         var_update_scaler: int = 16,
         max_refresh_interval: int | None = 8,
-        refresh_weight: str = "steps",
+        refresh_weight: Literal["steps", "refresh"] = "steps",
         local_step_scaler: int = 32678,
         local_step_clipper: int = 16,
         compressor: str = "sign",
@@ -468,11 +470,20 @@ class ZeroOneAdam(OnebitOptimizer):
         """False inside an interval of local steps, where the ranks' parameters differ by design."""
         return not any(self._touched)
 
+    def _refreshes(self) -> dict[str, Any]:
+        return {"max_refresh_interval": self.schedule.max_refresh_interval, "refresh_weight": self.refresh_weight}
+
     def _extra_state(self) -> dict[str, Any]:
         return {"interval": {"lr_sums": list(self._lr_sums), "weight_sums": list(self._weight_sums),
-                             "touched": list(self._touched)}}
+                             "touched": list(self._touched)}, "refreshes": self._refreshes()}
 
     def _load_extra_state(self, state: Mapping[str, Any], own_state: bool) -> None:
+        # The variance saved was refreshed on the saved schedule; this one goes on with its own
+        # (another bias-correction exponent from here on), which the user should know of.
+        saved = state.get("refreshes")
+        if saved is not None and dict(saved) != self._refreshes():
+            warnings.warn(f"ZeroOneAdam state saved with refreshes {dict(saved)}, loaded into one with "
+                          f"{self._refreshes()}: the variance goes on with this optimizer's", stacklevel=3)
         b = self.flat.buffers
         frozen = "frozen_denom" in b
         self._unused = count_unused(type(self).__name__, b["frozen_denom"], self.eps, self.flat.offsets) \
