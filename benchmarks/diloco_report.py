@@ -167,7 +167,7 @@ def _setting(name: str, config: dict) -> str:
         collective = COLLECTIVES[config.get("collective", "allreduce") or "allgather"]
         return f"H = {config['sync_every']}{streamed}, {collective}"
     return {"onebit_adam": "compressed steps", "local_adam": "no communication",
-            "zero_one_adam": "1-bit steps, fp32 variance refreshes"}.get(name, "")
+            "zero_one_adam": "compressed steps, fp32 variance refreshes"}.get(name, "")
 
 
 def _refreshes(name: str, records: list[dict]) -> str:
