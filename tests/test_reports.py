@@ -186,7 +186,11 @@ def test_the_time_to_loss_pairs_each_setting_with_ddp_and_the_others_over_shared
 
 
 def test_the_time_to_the_counterparts_loss_prices_each_stage_and_refuses_what_is_not_the_defaults(tmp_path):
-    report = runpy.run_path(str(ROOT / "benchmarks" / "time_to_loss.py"))["report"]
+    script = runpy.run_path(str(ROOT / "benchmarks" / "time_to_loss.py"))
+
+    def report(curves, clusters, on_cluster):
+        return script["report"]([script["_pick"](str(c)) for c in curves], clusters, on_cluster)
+
     base = {"task": "mlp", "lr": 1e-3, "freeze_step": None}
 
     def run(path: Path, name: str, seed: int, stages: list[str], losses: list[float], sent: int, **config) -> Path:
@@ -226,6 +230,17 @@ def test_the_time_to_the_counterparts_loss_prices_each_stage_and_refuses_what_is
     assert "| ddp_allreduce | 0.001 | ddp_allreduce | 1.2 min (the reference) | 2/2 (15, 20) |" in text
     assert (f"| onebit_adam | 0.001 | ddp_allreduce | 0.3 min: **{ratio:.2f}x** [{ratio * math.exp(-half):.2f}, "
             f"{ratio * math.exp(half):.2f}]; worst seed 0 3.75x | 2/2 (10, 15) | 5.6x fewer | 95% |") in text
+    # a comparison's run of other defaults left out by name: birder, which no cluster run prices
+    both = tmp_path / "both"
+    shutil.copytree(curves[3], both)
+    summaries = json.loads((both / "summary.json").read_text())
+    (both / "summary.json").write_text(json.dumps({**summaries, "birder": summaries["onebit_adam"]}))
+    shutil.copytree(both / "onebit_adam", both / "birder")
+    with pytest.raises(SystemExit, match="birder on mlp at 100 Mbit/s: no cluster run times it"):
+        report(curves[:3] + [both], [cluster], [])
+    picked = report(curves[:3] + [f"{both}:onebit_adam"], [cluster], [])
+    assert picked.split("Curves:")[0] == text.split("Curves:")[0]
+    assert f"Left out: birder of `{both}`." in picked
     hand = run(tmp_path / "adam-by-hand", "onebit_adam", 2, ["warmup"], [1.0], 1, freeze_step=400)
     with pytest.raises(SystemExit, match=r"onebit_adam \(seed 2\): not its defaults \(freeze_step=400\)"):
         report(curves + [hand], [cluster], [])
