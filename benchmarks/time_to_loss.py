@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import statistics
 from pathlib import Path
 
@@ -140,8 +141,9 @@ def _runs(pick: Pick) -> dict[str, tuple[dict, list[dict]]]:
 
 def _sources(picks: list[Pick]) -> str:
     """The picks' commands, and the runs of theirs left out."""
-    left = [f"{', '.join(n for n in compare_runs(d) if n not in names)} of `{d}`" for d, names in picks
-            if names is not None]
+    # the comparison's names from its summary (compare_runs would read every run's records again)
+    left = [f"{', '.join(n for n in json.loads((d / 'summary.json').read_text()) if n not in names)} of `{d}`"
+            for d, names in picks if names is not None]
     return compare_sources([d for d, _ in picks]) + (f" Left out: {'; '.join(left)}." if left else "")
 
 
