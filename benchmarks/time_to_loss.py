@@ -108,7 +108,7 @@ def _ratio_text(ratios: dict[int, float | None], minutes: list[float]) -> str:
     there), after the mean time to the loss in minutes."""
     missed = [seed for seed, r in ratios.items() if r is None]
     if missed:
-        return f"not reached (seed {missed[0]})"
+        return f"not reached (seed{'s' if len(missed) > 1 else ''} {', '.join(map(str, missed))} of {len(ratios)})"
     took = f"{statistics.fmean(minutes):,.1f} min: "
     if len(ratios) == 1:
         (seed, r), = ratios.items()

@@ -193,6 +193,18 @@ def test_checkpoints_resume_exactly_and_across_world_sizes(name, kwargs, caplog)
     assert sorted(after["flat"]) == sorted(before["flat"])
     assert all(torch.equal(after["flat"][k], before["flat"][k]) for k in before["flat"])
     assert fresh.stats["step"] == 0 and fresh.stats["stage"] == stage
+    # Each entry left out in turn: refused before anything changes, naming it, or (one that older
+    # states lack) loaded.
+    for key in state["onebit"]:
+        probe = optimizer_class(name)([p.clone().requires_grad_() for p in initial_params()], **kwargs)
+        lacking = {**state, "onebit": {k: v for k, v in state["onebit"].items() if k != key}}
+        try:
+            probe.load_state_dict(lacking)
+        except ValueError as exc:
+            assert key in str(exc), (key, str(exc))
+            after = probe.state_dict()["onebit"]
+            assert all(torch.equal(after["flat"][k], before["flat"][k]) for k in before["flat"]), key
+            assert probe.stats["step"] == 0 and probe.stats["stage"] == stage, key
     for p, g in zip(fresh_params, grads([p.detach() for p in fresh_params], 0, 1)):
         p.grad = g
     fresh.step()

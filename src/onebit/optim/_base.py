@@ -549,7 +549,9 @@ class OnebitOptimizer(Algorithm):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`; a state saved by another rank or on another world size
         restarts the per-rank error buffers and random state (with a warning)."""
-        extra = onebit_entry(state_dict, type(self).__name__)
+        name = type(self).__name__
+        extra = onebit_entry(state_dict, name, required=(*self._stages.required, *self._extra_required))
+        onebit_entry(state_dict, name, required=self._exchange.required(extra))  # as it was bucketed then
         self._check_extra_state(extra)
         flat = extra["flat"]
         saved = [s for s in self._stages.stages if set(s.buffers) == set(flat)]
@@ -559,12 +561,12 @@ class OnebitOptimizer(Algorithm):
         # The saved stage's layout, its state's views linked again (loading the groups dropped
         # them); the buffers' names matched one stage's, or were refused above
         self._lay_out(saved[0])
-        for name, buf in flat.items():
-            self.flat.buffers[name].copy_(buf)
+        for key, buf in flat.items():
+            self.flat.buffers[key].copy_(buf)
         self._step_count = int(extra["step"])
         self._bytes_total = int(extra["bytes_sent_total"])
         # Worker/server errors (and Birder's random state) belong to the rank that saved them.
-        own = own_state(extra, self.world_size, self.rank, owner=type(self).__name__,
+        own = own_state(extra, self.world_size, self.rank, owner=name,
                         restarts="per-rank error-feedback buffers re-created as zeros, random state reseeded for "
                                  "this rank")
         self._own_parameters = extra.get("own_parameters")  # checked on every rank, whoever saved it
@@ -577,9 +579,7 @@ class OnebitOptimizer(Algorithm):
             if self._buckets is not None:
                 self._buckets.load_state_dict(extra)
                 self._buckets.plan(self._stages.current.wire.all_reduced)
-        except KeyError as exc:
-            raise ValueError(
-                f"incomplete {type(self).__name__} state_dict: missing {exc.args[0]!r} "
-                "(saved by another optimizer, or truncated)"
-            ) from None
+        except KeyError as exc:  # inside an entry checked above (a state made by hand)
+            raise ValueError(f"incomplete {name} state_dict: missing {exc.args[0]!r} inside an entry; the "
+                             "optimizer is partly loaded (load a complete state)") from None
 

@@ -72,6 +72,10 @@ class Algorithm(Optimizer):
         """The math of entering ``stage``, its buffers already laid out (e.g. the variance made the
         frozen preconditioner); called once, right after the step that ended the previous stage."""
 
+    # The entries of _extra_state() that _load_extra_state() cannot do without: a state lacking one
+    # is refused before anything is loaded (the others are read where present, as from older states)
+    _extra_required: tuple[str, ...] = ()
+
     def _extra_state(self) -> dict[str, Any]:
         """What the subclass checkpoints beyond the flat buffers, stages and collectives."""
         return {}

@@ -189,6 +189,12 @@ class Exchange:
         return {"bucket_bounds": [[lo, hi] for lo, hi, _ in self.bounds],
                 "bucket_" + self.key: [None if c is None else c.state_dict() for c in self.collectives]}
 
+    def required(self, state: Mapping[str, Any]) -> tuple[str, ...]:
+        """The entries :meth:`load_state_dict` reads from ``state`` (as it was bucketed when saved)."""
+        if all(c is None for c in self.collectives):
+            return ()
+        return ("bucket_" + self.key,) if "bucket_bounds" in state else (self.key,)
+
     def load_state_dict(self, state: Mapping[str, Any], own_state: bool) -> None:
         """Restore :meth:`state_dict`; saved with another bucketing, by another rank or on another
         world size, the errors restart at zero (freshly seeded)."""

@@ -437,6 +437,8 @@ class OnebitLamb(OnebitOptimizer):
         self._unused = count_unused(type(self).__name__, self.flat.buffers["frozen_exp_avg_sq"], 0.0,
                                    self.flat.offsets)
 
+    _extra_required = ("coeff_avg", "ratio", "momentum_scale")
+
     def _extra_state(self) -> dict[str, Any]:
         return {"coeff_avg": self.coeff_avg.clone(), "ratio": self.ratio.clone(),
                 "momentum_scale": self.momentum_scale.clone()}

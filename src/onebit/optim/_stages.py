@@ -110,6 +110,7 @@ class OneStage:
     frozen_at = None
     schedule = None  # no warm-up to end
     variance_ratio = None
+    required: tuple[str, ...] = ()  # the state_dict entries its load reads
 
     def __init__(self, stage: Stage) -> None:
         self.current = stage
@@ -131,6 +132,8 @@ class TwoStages:
     ``frozen_at`` is the last warm-up step (None before), ``updated_at`` the last step whose
     gradients entered the frozen state (the freeze; :class:`RefreshedStages`: or the last refresh).
     ``owner`` names the optimizer in the log."""
+
+    required = ("freeze", "frozen_at")
 
     def __init__(self, owner: str, warmup: Stage, compressed: Stage, schedule: FreezeSchedule, *,
                  watch: str) -> None:
@@ -202,6 +205,7 @@ class StepStages:
     stages before the freeze, for ``stats["freeze_step"]`` (None: none)."""
 
     variance_ratio = None  # a fixed schedule: no freeze criterion
+    required: tuple[str, ...] = ()  # the step alone, which every state_dict has
 
     def __init__(self, stages: tuple[Stage, ...], stage_of: Callable[[Any, int], Stage], schedule: Any, *,
                  freeze_step: int | None = None) -> None:

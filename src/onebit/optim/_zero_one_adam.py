@@ -473,6 +473,8 @@ class ZeroOneAdam(OnebitOptimizer):
     def _refreshes(self) -> dict[str, Any]:
         return {"max_refresh_interval": self.schedule.max_refresh_interval, "refresh_weight": self.refresh_weight}
 
+    _extra_required = ("interval",)  # (the refreshes' schedule: absent from older states)
+
     def _extra_state(self) -> dict[str, Any]:
         return {"interval": {"lr_sums": list(self._lr_sums), "weight_sums": list(self._weight_sums),
                              "touched": list(self._touched)}, "refreshes": self._refreshes()}
