@@ -293,9 +293,10 @@ def test_auto_freeze_thresholds_by_default(cls):
 
     def frozen_at(**kw):
         p = torch.nn.Parameter(torch.zeros(1))
-        # 1-bit Adam without refreshes: with them "auto" freezes after two windows at the latest
+        # 1-bit Adam without refreshes, 1-bit LAMB without its latest freeze: else "auto" freezes
+        # after a window at the latest
         opt = cls([p], freeze_step="auto", freeze_window=2, **kw, **({"refresh_every": None} if cls is onebit.OnebitAdam
-                                                                       else {}))
+                                                                       else {"max_freeze_step": 10**6}))
         for t in range(1, 200):
             p.grad = torch.full((1,), 1.0 / t)
             opt.step()
@@ -326,6 +327,21 @@ def test_auto_freezes_after_its_window_when_refreshed(kw, frozen):
         opt.step()
     assert opt.stats["freeze_step"] == frozen
     assert opt.stats["stage"] == ("warmup" if frozen is None else "refresh" if (40 - frozen) % 8 == 0 else "compressed")
+
+
+@pytest.mark.parametrize("kw,frozen", [({}, 40), ({"min_freeze_step": 50}, 50), ({"max_freeze_step": 12}, 12),
+                                       ({"freeze_window": 5}, 20), ({"max_freeze_step": 10**6}, None)])
+def test_lamb_auto_freezes_after_four_windows(kw, frozen):
+    # 1-bit LAMB's "auto" freezes after four windows of its criterion at the latest (round(0.1 / (1 -
+    # beta2)) = 10 steps each), never before min_freeze_step; a variance that keeps growing never
+    # meets the criterion, so with a later bound given it is still in its warm-up
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = onebit.OnebitLamb([p], betas=(0.9, 0.99), **kw)
+    for t in range(1, 61):
+        p.grad = torch.full((2,), 1.1**t)
+        opt.step()
+    assert opt.stats["freeze_step"] == frozen
+    assert opt.stats["stage"] == ("warmup" if frozen is None else "compressed")
 
 
 def test_stats_report_the_auto_criterion():

@@ -194,6 +194,16 @@ def onebit_lamb(
     return coeffs
 
 
+# "auto"'s latest freeze, in windows of its criterion (400 steps at beta2 = 0.999): on the 12.9M GPT
+# at a constant learning rate the criterion never fired in 1,024 steps, so 1-bit LAMB never compressed
+# (benchmarks/results/onebit-lamb-uncapped/gpt-seed0). One window (step 100), as 1-bit Adam's with refreshes,
+# cost +38.8% against LAMB on sparse_embed (seed 0, where the criterion's freeze at ~150 cost -2.6%) and
+# +5-9% on the byte MLP's seeds 1 and 2: 1-bit LAMB has no refreshes to keep an early freeze up.
+# Frozen at 400, the GPT compressed 61% of its steps and ended at 1.276 held-out against exact LAMB's
+# 1.394 (benchmarks/results/time-to-loss/gpt/onebit_lamb-seed0).
+_MAX_WINDOWS = 4
+
+
 class OnebitLamb(OnebitOptimizer):
     """1-bit LAMB (Algorithm 1 of Li et al., 2022).
 
@@ -231,7 +241,8 @@ class OnebitLamb(OnebitOptimizer):
         weight_decay: weight decay, added to the update inside the trust ratio (as LAMB).
         freeze_step: last warm-up step (an int), or ``"auto"``: 1-bit Adam's variance
             criterion on the bias-corrected variance (:class:`onebit.optim.FreezeSchedule`; the
-            paper shows LAMB's variance stabilising the same way, section 3).
+            paper shows LAMB's variance stabilising the same way, section 3), by
+            ``max_freeze_step`` at the latest.
         max_coeff: ``c_max``, the upper clip of each tensor's trust ratio.
         min_coeff: ``c_min``, its lower clip.
         coeff_beta: ``beta_3``, the rate of the trust ratio's moving average ``c_avg``.
@@ -248,7 +259,9 @@ class OnebitLamb(OnebitOptimizer):
             behind LAMB with a large, sparsely used embedding).
         freeze_window: the auto criterion's window ``D`` (``None``: ``round(0.1 / (1 - beta2))``).
         min_freeze_step: as :class:`onebit.OnebitAdam`'s.
-        max_freeze_step: as :class:`onebit.OnebitAdam`'s.
+        max_freeze_step: "auto" freezes at this step at the latest (``None``: after four of its
+            windows, step 400 with the defaults, or at ``min_freeze_step`` if later: at a constant
+            learning rate the criterion may not fire within a run of 1,000 steps).
         compressor: compressor of the momentum exchange (``"sign"``; ``"identity"`` isolates
             what the bits cost).
         scales: ``"tensor"``: a compressor with scales (``"sign"``) gives each parameter's
@@ -331,7 +344,8 @@ class OnebitLamb(OnebitOptimizer):
         self._stages = TwoStages(type(self).__name__, Stage(EXACT_GRADIENT, buffers, averages=True),
                                  Stage(COMPRESSED_FORMED, buffers),
                                  freeze_schedule(freeze_step, beta2, threshold=freeze_threshold, window=freeze_window,
-                                                 min_step=min_freeze_step, max_step=max_freeze_step, corrected=True),
+                                                 min_step=min_freeze_step, max_step=max_freeze_step, corrected=True,
+                                                 max_windows=_MAX_WINDOWS),
                                  watch="exp_avg_sq")
         self.eps = float(eps)
         self.options = {
