@@ -104,7 +104,7 @@ def _timing(link: float, name: str, config: dict) -> tuple:
 
 
 def _ratio_text(ratios: dict[int, float | None], minutes: list[float]) -> str:
-    """Paired seeds' ratios: geometric mean, 95% interval, worst seed (or which seed never got
+    """Paired seeds' ratios: geometric mean, 95% interval, worst seed (or the seeds that never got
     there), after the mean time to the loss in minutes."""
     missed = [seed for seed, r in ratios.items() if r is None]
     if missed:

@@ -193,7 +193,10 @@ class Exchange:
         """The entries :meth:`load_state_dict` reads from ``state`` (as it was bucketed when saved)."""
         if all(c is None for c in self.collectives):
             return ()
-        return ("bucket_" + self.key,) if "bucket_bounds" in state else (self.key,)
+        bucketed = "bucket_" + self.key
+        if bucketed in state or "bucket_bounds" in state:
+            return ("bucket_bounds", bucketed)
+        return (self.key,)
 
     def load_state_dict(self, state: Mapping[str, Any], own_state: bool) -> None:
         """Restore :meth:`state_dict`; saved with another bucketing, by another rank or on another

@@ -25,7 +25,8 @@ compressed stage fell further behind LAMB on a large, sparsely used embedding
 
 The freeze is never before ``min_step`` (e.g. the learning-rate warm-up length) nor before
 ``D + 1`` steps of history exist, and at the latest at ``max_step`` (1-bit Adam with its default
-variance refreshes: after one window, 100 steps, since a refreshed variance need not wait). ``v`` is computed from
+variance refreshes: after one window, 100 steps, since a refreshed variance need not wait; 1-bit
+LAMB: after four, 400 steps). ``v`` is computed from
 the all-reduced gradient, so it is bit-identical on every rank and every rank takes the
 decision on the same step without another collective.
 """
