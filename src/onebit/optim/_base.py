@@ -22,10 +22,7 @@ from ._checkpoint import check_buffers, onebit_entry, own_state, saved_entry
 from ._contract import Algorithm
 from ._ddp import attach_ddp, check_ddp
 from ._exchange import Exchange, allreduce_factory
-from ._flat import FlatState
-from ._setup import (broadcast_parameters, check_groups, check_params, check_same_parameters_everywhere, clip_,
-                     clip_coef, closure_loss, common_options)
-from ._shards import Shards
+from ._setup import check_groups, clip_, clip_coef, closure_loss, common_options, place
 from ._stages import Stage, Wire
 
 if TYPE_CHECKING:
@@ -96,19 +93,10 @@ class OnebitOptimizer(Algorithm):
         self.timeout = options["timeout"]
         self.world_size = comm.get_world_size(self.process_group)
         self.rank = comm.get_rank(self.process_group)
-        self._shards = Shards([p for g in self.param_groups for p in g["params"]], self.process_group,
-                              type(self).__name__, self.timeout)
-        if self._shards.sharded:
-            self._check_shardable()
-        # The flat state holds what is updated: the parameters, or their FSDP2 shards
-        params = self._shards.tensors
-        check_params(params)
-        check_same_parameters_everywhere(params, self.process_group, self.timeout)
-        if options["broadcast_parameters"]:
-            broadcast_parameters(params, self.process_group, self.timeout)
-        self.flat = FlatState(params)
+        self._shards, self.flat = place(self.param_groups, self.process_group, self.timeout, type(self).__name__,
+                                        max_grad_norm=self.max_grad_norm, broadcast=options["broadcast_parameters"])
         self._step_count = 0
-        self._active: list[bool] = [True] * len(params)
+        self._active: list[bool] = [True] * len(self.flat.params)
         self._skipped = 0
         self._bytes_total = 0
         self._bytes_last = 0
@@ -121,13 +109,6 @@ class OnebitOptimizer(Algorithm):
         self._grad: Tensor | None = None  # the averaged gradients, in a stage that averages them
         self._lay_out(self._stages.current)
         self._ddp_wrapped = check_ddp(self.flat.params, type(self).__name__, self.world_size, construction=True)
-
-    def _check_shardable(self) -> None:
-        """Refuse, on FSDP2-sharded parameters, what needs whole parameters or their hooks."""
-        if self.max_grad_norm is not None:
-            raise ValueError(f"Invalid max_grad_norm value with FSDP2-sharded parameters: {self.max_grad_norm!r} "
-                             "(the norm spans every shard); call torch.nn.utils.clip_grad_norm_(model.parameters(), "
-                             "max_norm) before step() instead")
 
     def _drive(self, collective: Callable[[int, int], Any] | None, *, overlap: bool | str | None = False,
                bucket_cap_mb: float = 25.0, alignment: int = 1, key: str = "allreduce") -> None:

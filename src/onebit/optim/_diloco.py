@@ -1,34 +1,17 @@
-"""DiLoCo (Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models",
-arXiv 2311.08105) with its outer gradients sent at 1 bit a value.
+"""DiLoCo (Douillard et al., arXiv 2311.08105) with its outer gradients sent at 1 bit a value, and
+Streaming DiLoCo (arXiv 2501.18512): a wrapper around the user's inner ``torch.optim`` optimizer,
+as torchft's ``DiLoCo`` (the class says how).
 
-A wrapper around the user's inner ``torch.optim`` optimizer, as torchft's ``DiLoCo``: each rank
-takes ``sync_every`` (H) steps of it on its own; at every H-th step, after its inner step, it
-sends its outer gradient ``delta_i = anchor - x_i`` (the anchor: the parameters of the last
-synchronisation, Algorithm 1 line 9), the ranks average them (line 10; here each rank's
-compressed outer gradient is all-gathered and the average taken exactly, or they go through
-1-bit Adam's compressed all-reduce, which compresses the average again), and the outer
-optimizer -- any ``torch.optim`` optimizer over the anchors, Nesterov momentum SGD by default --
-moves the anchors with the average in the place of a gradient (line 12). Every rank then
-continues from the same new anchor; the inner optimizer's state stays its own.
-
-Streaming DiLoCo (Douillard et al., arXiv 2501.18512, section 2): with ``fragments`` P the
-model is cut into P fragments (``_fragments.py``: contiguous ones of about equal size, or the
-parameters the user groups, e.g. the paper's strided fragments of every P-th layer), each
-synchronised every H steps on its own schedule, staggered by H / P, so one synchronisation
-sends 1 / P of the model; with ``delay`` tau its exchange is launched tau steps before it lands
-and stays in flight under the inner steps between; on arrival the outer step moves the
-fragment's anchor and the fragment's parameters become ``merge * x + (1 - merge) * anchor`` (the
-paper's alpha), keeping part of the tau local steps taken meanwhile.
-
-DiLoCo calls :mod:`onebit.comm` itself; what it shares with the 1-bit family -- the agreement on
-skipping a step, the replica check, the checks at construction -- are helpers that take values
-(``_agreement.py``, ``_setup.py``).
+Its pieces: the fragments, their exchanges and what is in flight (``_fragments.py``,
+``_flight.py``), the inner and outer optimizers (``_wrapped.py``), a quorum's protocol
+(``_membership.py``). What it shares with the 1-bit family -- the agreement on skipping a step,
+the replica check, the checks at construction -- are helpers that take values (``_agreement.py``,
+``_setup.py``); it calls :mod:`onebit.comm` itself.
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -39,16 +22,14 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from .. import comm, compress
-from .._checks import check_bool, check_nonneg, check_positive, check_positive_int, check_scales
+from .._checks import check_positive_int
 from ._agreement import ReplicaDivergence, require_own_parameters, require_replicas, start_agreement
 from ._checkpoint import own_state, saved_entry
 from ._ddp import attach_ddp, check_ddp
-from ._flat import FlatState
-from ._fragments import (Schedule, build_fragments, by_size, check_state, fragment_of, fragments_state, load_fragments,
-                         regroup_fragments)
-from ._setup import (broadcast_parameters, check_groups, check_params, check_same_parameters_everywhere, clip_,
-                     closure_loss, common_options)
-from ._shards import Shards
+from ._fragments import (Schedule, build_fragments, by_size, check_exchange, check_state, fragment_of, fragments_state,
+                         load_fragments, regroup_fragments)
+from ._membership import Healed, Membership
+from ._setup import check_groups, clip_, closure_loss, common_options, place
 from ._wrapped import inner_optimizer, load_flat_momentum, outer_factory
 
 if TYPE_CHECKING:
@@ -79,10 +60,12 @@ class DiLoCo(Optimizer):
     step sends nothing, not even the agreement on skipping it: a rank with a non-finite
     gradient skips its own inner step, which still counts towards ``sync_every``; a
     synchronisation step is skipped on every rank at once, as every onebit step. With
-    ``fragments`` and ``delay``, Streaming DiLoCo (see the module docstring); ``state_dict()``
-    in the middle of a delayed synchronisation waits for its exchange to complete and saves
-    the average not yet landed; :meth:`wait` waits for it alone (before destroying the process
-    group at the end of a run).
+    ``fragments`` P and ``delay`` tau, Streaming DiLoCo (arXiv 2501.18512, section 2): each
+    fragment is synchronised on its own schedule, staggered by H / P, so that one
+    synchronisation sends 1 / P of the model, its exchange launched tau steps before it lands;
+    ``state_dict()`` in the middle of a delayed synchronisation waits for its exchange to
+    complete and saves the average not yet landed; :meth:`wait` waits for it alone (before
+    destroying the process group at the end of a run).
 
     Args:
         params: the inner optimizer (e.g. ``torch.optim.AdamW(model.parameters(), lr=1e-3)``),
@@ -192,26 +175,11 @@ class DiLoCo(Optimizer):
         # each parameter's fragment, where the user gave them (None: cut by size once the layout is known)
         given = None if isinstance(fragments, int) else \
             fragment_of(fragments, [p for g in inner.param_groups for p in g["params"]])
-        self._schedule = Schedule(self.sync_every, fragments if given is None else given, delay)
-        self.fragments, self.delay = self._schedule.fragments, delay
-        if merge is None:
-            merge = 0.5 if delay else 0.0
-        self.merge = check_nonneg("merge", merge)
-        if self.merge >= 1 or (self.merge and not delay):
-            raise ValueError(f"Invalid merge value: {merge} (expected a number in [0, 1), and 0 with delay=0)")
-        if not isinstance(compressor, compress.Compressor) and compressor not in compress.available():
-            raise ValueError(f"Invalid compressor value: {compressor!r} (expected one of "
-                             f"{', '.join(compress.available())}, or a onebit.compress.Compressor)")
-        self.compressor = compressor
-        if collective not in ("allgather", "allreduce"):
-            raise ValueError(f"Invalid collective value: {collective!r} (expected 'allgather' or 'allreduce')")
-        self.collective = collective
-        self.error_feedback = check_bool("error_feedback", error_feedback)
-        self.error_decay = check_positive("error_decay", error_decay)
-        if self.error_decay > 1 or (self.error_decay != 1 and not self.error_feedback):
-            raise ValueError(f"Invalid error_decay value: {error_decay!r} (expected a number in (0, 1], and 1 "
-                             "without error_feedback=True: it decays the errors carried)")
-        scales = check_scales(scales, row=True)  # (before anything is built: a bad value is the caller's)
+        self._schedule = Schedule(self.sync_every, fragments if given is None else given, delay, merge)
+        self.fragments, self.delay, self.merge = self._schedule.fragments, delay, self._schedule.merge
+        scales = check_exchange(compressor, collective, error_feedback, error_decay, scales)
+        self.compressor, self.collective = compressor, collective
+        self.error_feedback, self.error_decay = error_feedback, float(error_decay)
         make_outer = outer_factory(outer, outer_lr, outer_momentum, nesterov)
         if comm.reforms(group) and options.get("timeout") is None:  # a dead peer is the quorum's to time out
             options["timeout"] = group.timeout
@@ -225,27 +193,18 @@ class DiLoCo(Optimizer):
         # A quorum (onebit.comm.Quorum): every synchronisation is committed, re-run among the
         # survivors where a peer died, and the joiners are taken in after one lands.
         self._live = comm.reforms(self.process_group)
-        if self._live and not self.process_group.member:
-            self.process_group.join()
+        self._membership = Membership(self.process_group, "DiLoCo", self.timeout, regroup=self._regroup,
+                                      save=self._give_state, load=self._take_state) if self._live else None
         self.world_size = comm.get_world_size(self.process_group)
         self.rank = comm.get_rank(self.process_group)
-        self._shards = Shards([p for g in self.param_groups for p in g["params"]], self.process_group,
-                              type(self).__name__, self.timeout)
+        joining = self._live and self.process_group.needs_state  # its state comes from a peer, below
+        self._shards, self.flat = place(self.param_groups, self.process_group, self.timeout, type(self).__name__,
+                                        max_grad_norm=self.max_grad_norm, broadcast=options["broadcast_parameters"],
+                                        replicate=not joining)
         if self._live and self._shards.sharded:
             raise ValueError("Invalid group for FSDP2-sharded parameters: a Quorum (its replicas are one process "
                              "each); shard within a replica with torch.distributed's groups instead")
-        if self._shards.sharded and self.max_grad_norm is not None:
-            raise ValueError(f"Invalid max_grad_norm value with FSDP2-sharded parameters: {self.max_grad_norm!r} "
-                             "(the norm spans every shard); call torch.nn.utils.clip_grad_norm_(model.parameters(), "
-                             "max_norm) before step() instead")
-        params = self._shards.tensors  # what is averaged: the parameters, or their FSDP2 shards
-        check_params(params)
-        joining = self._live and self.process_group.needs_state  # its state comes from a peer, below
-        if not joining:
-            check_same_parameters_everywhere(params, self.process_group, self.timeout)
-            if options["broadcast_parameters"]:
-                broadcast_parameters(params, self.process_group, self.timeout)
-        self.flat = FlatState(params)
+        params = self.flat.params  # what is averaged: the parameters, or their FSDP2 shards
         anchors = self.flat.split(self.flat.new("anchor"))
         for anchor, p in zip(anchors, params):
             anchor.copy_(p.detach())  # the parameters every rank starts from (rank 0's, broadcast)
@@ -256,7 +215,6 @@ class DiLoCo(Optimizer):
         self._fragment_of = given or by_size(self.flat.offsets, self.fragments)
         self._scales = scales
         self._fragments = self._build_fragments()
-        self._epoch = getattr(self.process_group, "epoch", 0)  # the quorum's epoch the collectives are built for
         self._step_count = self._skipped = self._bytes_last = self._bytes_total = 0
         self._last_stage: str | None = None
         # Per parameter: a gradient here since its fragment was last sent (on some rank, once the
@@ -267,7 +225,7 @@ class DiLoCo(Optimizer):
         self._ddp_checked = False
         check_ddp(self.flat.params, "DiLoCo", self.world_size, construction=True)
         if joining:
-            self._follow()
+            self._membership.follow()
 
     # ------------------------------------------------------------------ the step
     # torch.amp.GradScaler then hands us ``grad_scale`` and ``found_inf`` as attributes and leaves
@@ -293,7 +251,7 @@ class DiLoCo(Optimizer):
         comm.check_world_size(self.process_group, self.world_size, type(self).__name__)
         try:
             self._step()
-        except _Healed:  # this replica left the quorum and came back with a peer's state: its step is over
+        except Healed:  # this replica left the quorum and came back with a peer's state: its step is over
             pass
         return loss
 
@@ -349,7 +307,7 @@ class DiLoCo(Optimizer):
                     if self.check_replicas_every and step % self.check_replicas_every == 0:
                         self._check_replicas()
                     if landed and self._live and self.process_group.admit(step):
-                        self._follow()
+                        self._membership.follow()
         finally:
             self._shards.release_grads()
             self._bytes_last = meter.bytes_sent + self._late_bytes
@@ -363,83 +321,27 @@ class DiLoCo(Optimizer):
                                delay=self.delay, group=self.process_group, timeout=self.timeout)
 
     def _collective(self, first: Callable[[], Any], again: Callable[[], Any] | None = None) -> Any:
-        """``first()``, whose collectives only read this replica's state, committed on every member
-        of the quorum; where a member's failed, the quorum re-forms among the survivors and
-        ``again()`` (default ``first()``) runs on the new group, until one commits. Without a
-        quorum, ``first()``."""
-        if not self._live:
-            return first()
-        quorum, attempt = self.process_group, first
-        while True:
-            try:
-                out, ok = attempt(), True
-            except comm.CollectiveError as exc:
-                _log.warning("DiLoCo at step %d: %s; re-forming %s", self._step_count, exc, quorum.describe())
-                out, ok = None, False
-            if quorum.commit(ok):
-                return out
-            quorum.recover()
-            if self._follow():
-                raise _Healed
-            attempt = again or first
-
-    def _follow(self) -> bool:
-        """After the quorum entered an epoch: the collectives rebuilt over its group, the state sent
-        to its newcomers, committed (else on to the next epoch). This replica joins again where
-        it was left out. True where it received a peer's state."""
-        quorum, received = self.process_group, False
-        while True:
-            if not quorum.member:
-                quorum.join()
-            ok = True
-            try:
-                self._regroup()
-                if quorum.newcomers:
-                    received = self._send_state() or received
-            except comm.CollectiveError as exc:
-                _log.warning("DiLoCo: %s taking in replicas: %s", quorum.describe(), exc)
-                ok = False
-            if quorum.commit(ok):
-                quorum.healed()
-                return received
-            quorum.recover()
+        """``first()``; on a quorum, committed on every member (:meth:`Membership.run`)."""
+        return first() if self._membership is None else self._membership.run(first, again, step=self._step_count)
 
     def _regroup(self) -> None:
-        """The collectives over the quorum's new epoch (once per epoch: every member builds the same
-        groups in the same order), each going on from the one it replaces."""
-        quorum = self.process_group
-        if quorum.epoch == self._epoch:
-            return
-        self.world_size, self.rank = quorum.size(), quorum.rank()
+        """The collectives over the quorum's new epoch, each going on from the one it replaces."""
+        self.world_size, self.rank = self.process_group.size(), self.process_group.rank()
         regroup_fragments(self._fragments, self._build_fragments())
-        self._epoch = quorum.epoch
 
-    def _send_state(self) -> bool:
-        """The state of the quorum's :attr:`~onebit.comm.Quorum.source` broadcast to every member
-        (its state dict and parameters, as bytes) and loaded by the newcomers; True here if loaded."""
-        quorum = self.process_group
-        payload = torch.empty(0, dtype=torch.uint8)
-        if quorum.rank() == quorum.source:
-            buffer = io.BytesIO()
-            torch.save({"state": self.state_dict(), "params": [p.detach() for p in self.flat.params]}, buffer)
-            payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-        size = comm.broadcast(torch.tensor([payload.numel()], dtype=torch.int64), quorum.source, quorum, self.timeout)
-        if quorum.rank() != quorum.source:
-            payload = torch.empty(int(size.item()), dtype=torch.uint8)
-        comm.broadcast(payload, quorum.source, quorum, self.timeout)
-        if not quorum.needs_state:
-            return False
+    def _give_state(self) -> dict[str, Any]:
+        """What a replica taken into the quorum receives: the state dict and the parameters."""
+        return {"state": self.state_dict(), "params": [p.detach() for p in self.flat.params]}
+
+    def _take_state(self, healed: Mapping[str, Any]) -> None:
+        """A live peer's :meth:`_give_state`, in the place of this replica's."""
         for f in self._fragments:  # what this replica had in flight is the state it gives up
             f.flight = f.retry = None
-        healed = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
         self._load(healed["state"], warn=False)
         self._own_parameters = None  # the parameters are the source's, below: nothing to check
         with torch.no_grad():
             for p, value in zip(self.flat.params, healed["params"]):
                 p.copy_(value)
-        _log.info("DiLoCo: replica %s took the state of step %d from rank %d of %s", quorum.replica_id,
-                  self._step_count, quorum.source, quorum.describe())
-        return True
 
     # ------------------------------------------------------------------ API
     @property
@@ -502,7 +404,7 @@ class DiLoCo(Optimizer):
         of the last synchronisation, which every rank shares)."""
         try:
             self._check_replicas()
-        except _Healed:  # this replica holds a peer's state now: a replica of it
+        except Healed:  # this replica holds a peer's state now: a replica of it
             pass
 
     def _check_replicas(self) -> None:
@@ -586,7 +488,3 @@ class DiLoCo(Optimizer):
             _log.info("DiLoCo: rank %d of %d took the state of rank %d of %d; its compression errors restart at zero",
                       self.rank, self.world_size, int(extra.get("rank", self.rank)), extra["world_size"])
         load_fragments(self._fragments, extra, own, self.flat.device)
-
-
-class _Healed(Exception):
-    """This replica was left out of the quorum and took a peer's state: the step it was in is over."""

@@ -17,12 +17,12 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from .. import comm, compress
-from .._checks import check_positive_int
+from .._checks import check_bool, check_nonneg, check_positive, check_positive_int, check_scales
 from ._checkpoint import check_buffers, onebit_entry
 from ._flat import FlatState, starts_inside
 from ._flight import Flight
 
-__all__ = ["Fragment", "Schedule", "build_fragments", "by_size", "check_state", "fragment_bounds",
+__all__ = ["Fragment", "Schedule", "build_fragments", "by_size", "check_exchange", "check_state", "fragment_bounds",
            "fragment_of", "fragments_state", "load_fragments", "regroup_fragments", "runs"]
 
 
@@ -30,11 +30,12 @@ class Schedule:
     """When each of ``fragments`` fragments (an int, or each parameter's fragment) is sent: every
     ``sync_every`` steps, fragment p landing at the steps ``k period`` (``period = sync_every /
     fragments``) with ``k`` congruent to ``p + 1`` modulo the fragments, and sent ``delay``
-    steps before (Algorithm 2 of arXiv 2501.18512, torchft's schedule)."""
+    steps before (Algorithm 2 of arXiv 2501.18512, torchft's schedule); where it lands, ``x <-
+    merge x + (1 - merge) anchor`` (the paper's alpha; None: 0.5 with a delay, else 0)."""
 
-    __slots__ = ("sync_every", "fragments", "delay", "period")
+    __slots__ = ("sync_every", "fragments", "delay", "period", "merge")
 
-    def __init__(self, sync_every: int, fragments: int | Sequence[int], delay: int) -> None:
+    def __init__(self, sync_every: int, fragments: int | Sequence[int], delay: int, merge: float | None) -> None:
         given = not isinstance(fragments, int)
         self.sync_every = sync_every
         self.fragments = max(fragments) + 1 if given else check_positive_int("fragments", fragments)
@@ -46,6 +47,9 @@ class Schedule:
             raise ValueError(f"Invalid delay value: {delay!r} (expected an int in [0, {self.period}): "
                              "sync_every / fragments steps between two synchronisations)")
         self.delay = delay
+        self.merge = check_nonneg("merge", (0.5 if delay else 0.0) if merge is None else merge)
+        if self.merge >= 1 or (self.merge and not delay):
+            raise ValueError(f"Invalid merge value: {merge} (expected a number in [0, 1), and 0 with delay=0)")
 
     def sent_at(self, step: int) -> int | None:
         """The fragment whose synchronisation is sent at ``step`` (None: an inner step alone)."""
@@ -239,6 +243,21 @@ def runs(owner: Sequence[int]) -> list[tuple[int, list[int]]]:
 def by_size(offsets: Sequence[tuple[int, int]], fragments: int) -> list[int]:
     """Each parameter's fragment where ``fragments`` are cut by size (:func:`fragment_bounds`)."""
     return [f for f, (_, _, members) in enumerate(fragment_bounds(offsets, fragments)) for _ in members]
+
+
+def check_exchange(compressor: Any, collective: str, error_feedback: bool, error_decay: float, scales: str) -> str:
+    """Refuse a bad option of :func:`build_fragments` before anything is built (the value is the
+    caller's); ``scales``, checked."""
+    if not isinstance(compressor, compress.Compressor) and compressor not in compress.available():
+        raise ValueError(f"Invalid compressor value: {compressor!r} (expected one of "
+                         f"{', '.join(compress.available())}, or a onebit.compress.Compressor)")
+    if collective not in ("allgather", "allreduce"):
+        raise ValueError(f"Invalid collective value: {collective!r} (expected 'allgather' or 'allreduce')")
+    check_bool("error_feedback", error_feedback)
+    if check_positive("error_decay", error_decay) > 1 or (error_decay != 1 and not error_feedback):
+        raise ValueError(f"Invalid error_decay value: {error_decay!r} (expected a number in (0, 1], and 1 "
+                         "without error_feedback=True: it decays the errors carried)")
+    return check_scales(scales, row=True)
 
 
 def build_fragments(flat: FlatState, owner: Sequence[int], compressor: Any, *, collective: str, error_feedback: bool,

@@ -18,9 +18,11 @@ from torch import Tensor
 
 from .. import comm
 from .._checks import COMMON_OPTIONS, check_betas, check_nonneg, check_optional_positive
+from ._flat import FlatState
+from ._shards import Shards
 
 __all__ = ["broadcast_parameters", "check_groups", "check_params", "check_same_parameters_everywhere", "clip_",
-           "clip_coef", "closure_loss", "common_options"]
+           "clip_coef", "closure_loss", "common_options", "place"]
 
 
 def common_options(options: Mapping[str, Any], owner: str) -> dict[str, Any]:
@@ -55,6 +57,25 @@ def check_groups(param_groups: Sequence[Mapping[str, Any]], defaults: Mapping[st
             check_betas(g["betas"])
         if "weight_decay" in g:
             check_nonneg("weight_decay", g["weight_decay"])
+
+
+def place(param_groups: Sequence[Mapping[str, Any]], group: comm.Group, timeout: timedelta, owner: str, *,
+          max_grad_norm: float | None, broadcast: bool, replicate: bool = True) -> tuple[Shards, FlatState]:
+    """What each rank updates -- the parameters, or their FSDP2 shards -- checked and laid out in one
+    flat state; with ``replicate``, the same everywhere (checked) and, with ``broadcast``, rank 0's.
+    ``replicate=False``: a replica whose parameters come from a peer's state later."""
+    shards = Shards([p for g in param_groups for p in g["params"]], group, owner, timeout)
+    if shards.sharded and max_grad_norm is not None:
+        raise ValueError(f"Invalid max_grad_norm value with FSDP2-sharded parameters: {max_grad_norm!r} (the norm "
+                         "spans every shard); call torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) "
+                         "before step() instead")
+    params = shards.tensors
+    check_params(params)
+    if replicate:
+        check_same_parameters_everywhere(params, group, timeout)
+        if broadcast:
+            broadcast_parameters(params, group, timeout)
+    return shards, FlatState(params)
 
 
 def check_params(params: Sequence[Tensor]) -> None:
