@@ -110,7 +110,9 @@ opt, forward, backward_and_step = build(args.side, config, model, **overrides)
 if args.skip_first_step and isinstance(opt, onebit.ZeroOneAdam):
     s = opt.schedule  # DeepSpeed's refresh and synchronisation steps, counted from its no-op step
     opt._stages.schedule = onebit.optim.ZeroOneSchedule(s.var_freeze_step, s.var_update_scaler,
-                                                        s.local_step_scaler, s.local_step_clipper, offset=1)
+                                                        s.local_step_scaler, s.local_step_clipper,
+                                                        max_refresh_interval=s.max_refresh_interval,
+                                                        refresh_weight=s.refresh_weight, offset=1)
 
 
 def update(loss: torch.Tensor, step: int) -> None:

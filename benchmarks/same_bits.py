@@ -115,10 +115,12 @@ def _train(make: Any, rank: int, steps: int, *, nan_at: int | None = None, resum
     return records
 
 
-def _configs(world: int) -> dict[str, tuple[str, dict[str, Any], dict[str, Any]]]:
-    """``{config: (registry name, optimizer arguments, training arguments)}`` for ``world`` ranks."""
+def _configs(world: int, names: list[str]) -> dict[str, tuple[str, dict[str, Any], dict[str, Any]]]:
+    """``{config: (registry name, optimizer arguments, training arguments)}`` for ``world`` ranks
+    and the registry entries ``names``."""
     out: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {}
-    for name, spec in REGISTRY.items():
+    for name in names:
+        spec = REGISTRY[name]
         kw = dict(spec.test_kwargs)
         if world == 4:
             if spec.hierarchical:
@@ -133,7 +135,7 @@ def _configs(world: int) -> dict[str, tuple[str, dict[str, Any], dict[str, Any]]
             out[f"{name}/overlap"] = (name, over, {})
             out[f"{name}/overlap_skip"] = (name, over, {"nan_at": _NAN_AT})
             out[f"{name}/overlap_resume"] = (name, over, {"resume_at": _RESUME_AT})
-    if world != 4:
+    if world != 4 and "zero_one_adam" in names:
         local = {"lr": 0.01, **_LOCAL}
         out["zero_one_adam/local"] = ("zero_one_adam", local, {"steps": 14})
         out["zero_one_adam/local_resume"] = ("zero_one_adam", local, {"steps": 14, "resume_at": 9})
@@ -142,9 +144,9 @@ def _configs(world: int) -> dict[str, tuple[str, dict[str, Any], dict[str, Any]]
     return out
 
 
-def _worker(rank: int, world: int, out_dir: str) -> None:
+def _worker(rank: int, world: int, out_dir: str, names: list[str]) -> None:
     records: dict[str, Any] = {}
-    for config, (name, kw, train) in _configs(world).items():
+    for config, (name, kw, train) in _configs(world, names).items():
         steps = train.pop("steps", _STEPS)
         try:
             records[config] = _train(lambda m: make_optimizer(name, m.parameters(), **kw), rank, steps, **train)
@@ -153,7 +155,7 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
     torch.save(records, os.path.join(out_dir, f"flat-w{world}-r{rank}.pt"))
 
 
-def _hsdp_worker(rank: int, world: int, out_dir: str) -> None:
+def _hsdp_worker(rank: int, world: int, out_dir: str, names: list[str]) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -170,8 +172,8 @@ def _hsdp_worker(rank: int, world: int, out_dir: str) -> None:
 
     records: dict[str, Any] = {}
     group = mesh["replicate"].get_group()
-    for name, spec in REGISTRY.items():
-        kw = dict(spec.test_kwargs)
+    for name in names:
+        kw = dict(REGISTRY[name].test_kwargs)
         for config, train in (("hsdp", {}), ("hsdp_skip", {"nan_at": _NAN_AT}), ("hsdp_resume", {"resume_at": 4})):
             try:
                 records[f"{name}/{config}"] = _train(
@@ -232,13 +234,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", help="directory for this capture")
     parser.add_argument("--against", help="a previous capture to compare with")
     parser.add_argument("--parts", default="flat,hsdp", help="what to capture: flat (2, 3 and 4 ranks), hsdp")
+    parser.add_argument("--optimizers", default=",".join(REGISTRY),
+                        help="registry entries to capture, comma-separated (default: all)")
     args = parser.parse_args(argv)
+    names = args.optimizers.split(",")
+    unknown = sorted(set(names) - set(REGISTRY))
+    if unknown:
+        parser.error(f"--optimizers: unknown {unknown}; choose from {sorted(REGISTRY)}")
     os.makedirs(args.out, exist_ok=True)
     parts = args.parts.split(",")
     for world in (2, 3, 4) if "flat" in parts else ():
-        spawn(_worker, world, args.out, timeout=900, pg_timeout=60.0)
+        spawn(_worker, world, args.out, names, timeout=900, pg_timeout=60.0)
     if "hsdp" in parts:
-        spawn(_hsdp_worker, 4, args.out, timeout=900, pg_timeout=60.0)
+        spawn(_hsdp_worker, 4, args.out, names, timeout=900, pg_timeout=60.0)
     print(f"captured into {args.out} with onebit {onebit.__version__}")
     return 1 if args.against and compare(args.against, args.out) else 0
 

@@ -61,7 +61,7 @@ def test_zero_one_adam_arguments_map():
     assert (s.var_freeze_step, s.var_update_scaler, s.local_step_scaler, s.local_step_clipper) == (400, 8, 100, 4)
     assert opt.bias_correction is False and opt.max_grad_norm == 2.0
     # DeepSpeed's refreshes: the interval doubles without bound, each refresh one step's weight
-    assert s.max_refresh_interval is None and opt.refresh_weight == "refresh"
+    assert s.max_refresh_interval is None and s.refresh_weight == "refresh"
     defaults = onebit.from_deepspeed_config(_cfg("zerooneadam", clipping=1.0), _params()).schedule
     assert (defaults.var_freeze_step, defaults.var_update_scaler, defaults.local_step_scaler,
             defaults.local_step_clipper) == (100_000, 16, 32678, 16)  # DeepSpeed's defaults

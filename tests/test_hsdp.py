@@ -211,6 +211,11 @@ def _refusals(rank, world):
     mixed = _Net()
     fsdp.fully_shard(mixed.lin1, mesh=mesh["shard"])
     attempt("mixed", lambda: onebit.OnebitAdam(mixed.parameters(), group=group))
+    # a Quorum's replicas are one process each: FSDP2's shards would be replicas of their own
+    quorum = onebit.comm.Quorum(dist.distributed_c10d._get_default_store(), f"r{rank}", min_replicas=world,
+                                timeout=30, name="refusals")
+    attempt("quorum", lambda: onebit.DiLoCo(_sharded(mesh["shard"]).parameters(), group=quorum))
+    quorum.close()
     dist.barrier()
     return errors
 
@@ -223,3 +228,4 @@ def test_what_hsdp_does_not_support_is_refused_with_what_to_use():
         assert "overlap=False" in errors["overlap"]
         assert "shard every parameter or none" in errors["mixed"]
         assert "(FSDP1) flat parameter" in errors["fsdp1"] and "fully_shard" in errors["fsdp1"]
+        assert "Invalid group for FSDP2-sharded parameters: a Quorum" in errors["quorum"]

@@ -169,9 +169,9 @@ def test_bad_arguments():
     cases = [
         (dict(factor_min=5.0, factor_max=4.0), "Invalid factor_min value: 5.0 (greater than factor_max=4.0)"),
         (dict(min_coeff=11.0), "Invalid min_coeff value: 11.0 (greater than max_coeff=10.0)"),
-        (dict(coeff_beta=1.0), "Invalid coeff_beta value: 1.0 (must be in [0, 1))"),
-        (dict(coeff_beta=-0.1), "Invalid coeff_beta value: -0.1 (must be in [0, 1))"),
-        (dict(factor_threshold=1.5), "Invalid factor_threshold value: 1.5 (must be in [0, 1))"),
+        (dict(coeff_beta=1.0), "Invalid coeff_beta value: 1.0 (expected a number in [0, 1))"),
+        (dict(coeff_beta=-0.1), "Invalid coeff_beta value: -0.1 (expected a number in [0, 1))"),
+        (dict(factor_threshold=1.5), "Invalid factor_threshold value: 1.5 (expected a number in [0, 1))"),
         (dict(max_coeff=0.0), "Invalid max_coeff value: 0.0"),
         (dict(lr=-1.0), "Invalid learning rate value: -1.0"),
         (dict(betas=(1.0, 0.9)), "Invalid beta parameter at index 0: 1.0"),

@@ -192,18 +192,15 @@ class DiLoCo(Optimizer):
         self.process_group = comm.resolve_group(group)
         # A quorum (onebit.comm.Quorum): every synchronisation is committed, re-run among the
         # survivors where a peer died, and the joiners are taken in after one lands.
-        self._live = comm.reforms(self.process_group)
         self._membership = Membership(self.process_group, "DiLoCo", self.timeout, regroup=self._regroup,
-                                      save=self._give_state, load=self._take_state) if self._live else None
+                                      save=self._give_state, load=self._take_state,
+                                      step=lambda: self._step_count) if comm.reforms(self.process_group) else None
         self.world_size = comm.get_world_size(self.process_group)
         self.rank = comm.get_rank(self.process_group)
-        joining = self._live and self.process_group.needs_state  # its state comes from a peer, below
+        joining = self._membership is not None and self.process_group.needs_state  # its state comes from a peer
         self._shards, self.flat = place(self.param_groups, self.process_group, self.timeout, type(self).__name__,
                                         max_grad_norm=self.max_grad_norm, broadcast=options["broadcast_parameters"],
                                         replicate=not joining)
-        if self._live and self._shards.sharded:
-            raise ValueError("Invalid group for FSDP2-sharded parameters: a Quorum (its replicas are one process "
-                             "each); shard within a replica with torch.distributed's groups instead")
         params = self.flat.params  # what is averaged: the parameters, or their FSDP2 shards
         anchors = self.flat.split(self.flat.new("anchor"))
         for anchor, p in zip(anchors, params):
@@ -293,7 +290,8 @@ class DiLoCo(Optimizer):
                     if fragment is not None:
                         with comm.span("exchange", "step"):  # 3
                             fragment.send(self.flat.buffers["anchor"], params, self.flat.offsets, self._touched,
-                                          lands_at=step + self.delay, in_flight=self.delay > 0, live=self._live)
+                                          lands_at=step + self.delay, in_flight=self.delay > 0,
+                                          live=self._membership is not None)
                         for i in fragment.members:  # what was touched is agreed now, the rest starts again
                             self._touched[i] = False
                     landed = False
@@ -306,7 +304,7 @@ class DiLoCo(Optimizer):
                             landed = True
                     if self.check_replicas_every and step % self.check_replicas_every == 0:
                         self._check_replicas()
-                    if landed and self._live and self.process_group.admit(step):
+                    if landed and self._membership is not None and self.process_group.admit(step):
                         self._membership.follow()
         finally:
             self._shards.release_grads()
@@ -322,7 +320,7 @@ class DiLoCo(Optimizer):
 
     def _collective(self, first: Callable[[], Any], again: Callable[[], Any] | None = None) -> Any:
         """``first()``; on a quorum, committed on every member (:meth:`Membership.run`)."""
-        return first() if self._membership is None else self._membership.run(first, again, step=self._step_count)
+        return first() if self._membership is None else self._membership.run(first, again)
 
     def _regroup(self) -> None:
         """The collectives over the quorum's new epoch, each going on from the one it replaces."""
@@ -481,10 +479,11 @@ class DiLoCo(Optimizer):
             load_flat_momentum(self.outer, self._anchors, self.flat.split(extra["flat"]["outer_momentum"]))
         self._step_count, self._bytes_total = int(extra["step"]), int(extra["bytes_sent_total"])
         self._touched = [bool(t) for t in extra["touched"]]
+        quorum = self._membership is not None
         own = own_state(extra, self.world_size, self.rank, owner="DiLoCo", restarts="the compression errors restart "
-                        "at zero", warn=warn and not self._live)
+                        "at zero", warn=warn and not quorum)
         self._own_parameters = extra.get("own_parameters")  # checked on every rank, whoever saved it
-        if not own and warn and self._live:  # a quorum's checkpoint: one replica's state, as a newcomer's
+        if not own and warn and quorum:  # a quorum's checkpoint: one replica's state, as a newcomer's
             _log.info("DiLoCo: rank %d of %d took the state of rank %d of %d; its compression errors restart at zero",
                       self.rank, self.world_size, int(extra.get("rank", self.rank)), extra["world_size"])
         load_fragments(self._fragments, extra, own, self.flat.device)

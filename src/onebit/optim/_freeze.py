@@ -39,7 +39,7 @@ import math
 import warnings
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from torch import Tensor
 
@@ -139,6 +139,12 @@ class ZeroOneSchedule:
       ``(t + offset) % H == 0`` where ``H`` starts at 1 and doubles every ``local_step_scaler``
       steps, at most ``local_step_clipper`` (the paper's H).
 
+    ``refresh_weight``: how much of the variance a refresh replaces. ``"refresh"`` (Algorithm
+    1's and DeepSpeed's): one step's, ``v <- beta2 v + (1 - beta2) g^2``, bias-corrected by
+    ``1 - beta2^k`` with ``k`` the refreshes so far; ``"steps"``: as if each step since the
+    last refresh had seen ``g`` (a *span* of ``s`` steps, ``v <- beta2^s v + (1 - beta2^s)
+    g^2``), bias-corrected by ``1 - beta2^t`` with ``t`` the last refresh's step.
+
     ``offset`` is 1 in DeepSpeed, whose step counter includes its first ``step()``, which
     only allocates state; onebit counts from the first step that updates (``offset=0``).
 
@@ -155,7 +161,11 @@ class ZeroOneSchedule:
     """
 
     def __init__(self, var_freeze_step: int, var_update_scaler: int, local_step_scaler: int,
-                 local_step_clipper: int, *, max_refresh_interval: int | None = None, offset: int = 0) -> None:
+                 local_step_clipper: int, *, max_refresh_interval: int | None = None,
+                 refresh_weight: Literal["refresh", "steps"] = "refresh", offset: int = 0) -> None:
+        if refresh_weight not in ("steps", "refresh"):
+            raise ValueError(f"Invalid refresh_weight value: {refresh_weight!r} (expected 'steps' or 'refresh')")
+        self.refresh_weight = refresh_weight
         self.var_freeze_step = check_positive_int("var_freeze_step", var_freeze_step)
         self.var_update_scaler = check_positive_int("var_update_scaler", var_update_scaler)
         self.local_step_scaler = check_positive_int("local_step_scaler", local_step_scaler)
@@ -193,6 +203,14 @@ class ZeroOneSchedule:
         """The last refresh step up to ``step`` (0 before the first)."""
         i = bisect.bisect_right(self._refresh_steps, step)
         return self._refresh_steps[i - 1] if i else 0
+
+    def span(self, step: int) -> int:
+        """The steps whose gradients the refresh at ``step`` stands for (1 with ``"refresh"``)."""
+        return step - self.last_refresh(step - 1) if self.refresh_weight == "steps" else 1
+
+    def variance_age(self, step: int) -> int:
+        """``k`` of the variance's bias correction ``1 - beta2^k`` at ``step``."""
+        return self.last_refresh(step) if self.refresh_weight == "steps" else self.refreshes_through(step)
 
     def interval(self, step: int) -> int:
         """The local-step interval ``H`` in force at ``step``."""

@@ -29,21 +29,21 @@ class Membership:
     """``quorum``'s protocol for ``owner``: ``regroup()`` rebuilds its collectives over the group of
     a new epoch (called once per epoch, every member in the same order); ``save()`` is the state
     a newcomer takes (any object ``torch.save`` writes and ``weights_only`` loads) and
-    ``load(state)`` takes it. The optimizer keeps its own loop: it calls :meth:`run` around each
-    collective whose failure must not diverge the replicas, and :meth:`follow` after an
-    admission."""
+    ``load(state)`` takes it; ``step()`` is the owner's step count, for the log. The optimizer
+    keeps its own loop: it calls :meth:`run` around each collective whose failure must not
+    diverge the replicas, and :meth:`follow` after an admission."""
 
-    __slots__ = ("quorum", "owner", "timeout", "epoch", "_regroup", "_save", "_load")
+    __slots__ = ("quorum", "owner", "timeout", "epoch", "_regroup", "_save", "_load", "_step")
 
     def __init__(self, quorum: comm.Quorum, owner: str, timeout: timedelta, *, regroup: Callable[[], None],
-                 save: Callable[[], Any], load: Callable[[Any], None]) -> None:
+                 save: Callable[[], Any], load: Callable[[Any], None], step: Callable[[], int]) -> None:
         self.quorum, self.owner, self.timeout = quorum, owner, timeout
-        self._regroup, self._save, self._load = regroup, save, load
+        self._regroup, self._save, self._load, self._step = regroup, save, load, step
         if not quorum.member:
             quorum.join()
         self.epoch = quorum.epoch  # the epoch the owner's collectives are built for (after this, in its constructor)
 
-    def run(self, first: Callable[[], Any], again: Callable[[], Any] | None = None, *, step: int) -> Any:
+    def run(self, first: Callable[[], Any], again: Callable[[], Any] | None = None) -> Any:
         """``first()``, whose collectives only read this replica's state, committed on every member;
         where a member's failed, the quorum re-forms among the survivors and ``again()`` (default
         ``first()``) runs on the new group, until one commits. Raises :class:`Healed` where this
@@ -53,7 +53,7 @@ class Membership:
             try:
                 out, ok = attempt(), True
             except comm.CollectiveError as exc:
-                _log.warning("%s at step %d: %s; re-forming %s", self.owner, step, exc, quorum.describe())
+                _log.warning("%s at step %d: %s; re-forming %s", self.owner, self._step(), exc, quorum.describe())
                 out, ok = None, False
             if quorum.commit(ok):
                 return out
@@ -101,6 +101,6 @@ class Membership:
         if not quorum.needs_state:
             return False
         self._load(torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True))
-        _log.info("%s: replica %s took the state of rank %d of %s", self.owner, quorum.replica_id, quorum.source,
-                  quorum.describe())
+        _log.info("%s: replica %s took the state of step %d from rank %d of %s", self.owner, quorum.replica_id,
+                  self._step(), quorum.source, quorum.describe())
         return True

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from .. import comm
-from .._checks import check_adam_args, check_nonneg, check_optional_positive, check_overlap
+from .._checks import check_adam_args, check_beta, check_optional_positive, check_overlap, check_positive
 from ..ops import max_ratio
 from ._base import OnebitOptimizer
 from ._stages import COMPRESSED_FORMED, EXACT_GRADIENT, Stage, TwoStages, Wire
@@ -194,13 +194,11 @@ def onebit_lamb(
     return coeffs
 
 
-# "auto"'s latest freeze, in windows of its criterion (400 steps at beta2 = 0.999): on the 12.9M GPT
-# at a constant learning rate the criterion never fired in 1,024 steps, so 1-bit LAMB never compressed
-# (benchmarks/results/onebit-lamb-uncapped/gpt-seed0). One window (step 100), as 1-bit Adam's with refreshes,
-# cost +38.8% against LAMB on sparse_embed (seed 0, where the criterion's freeze at ~150 cost -2.6%) and
-# +5-9% on the byte MLP's seeds 1 and 2: 1-bit LAMB has no refreshes to keep an early freeze up.
-# Frozen at 400, the GPT compressed 61% of its steps and ended at 1.276 held-out against exact LAMB's
-# 1.394 (benchmarks/results/time-to-loss/gpt/onebit_lamb-seed0).
+# "auto"'s latest freeze, in windows of its criterion (400 steps at beta2 = 0.999). Uncapped, the
+# criterion never fired in the 12.9M GPT's 1,024 steps at a constant learning rate; after one window
+# (1-bit Adam's, which has refreshes to keep an early freeze up) 1-bit LAMB was +5% to +39% behind LAMB
+# on two tasks; at 400 the GPT compressed 61% of its steps and ended below LAMB on 3 seeds
+# (benchmarks/results: onebit-lamb-uncapped/, time-to-loss/gpt/onebit_lamb-seed*).
 _MAX_WINDOWS = 4
 
 
@@ -324,22 +322,18 @@ class OnebitLamb(OnebitOptimizer):
     ) -> None:
         beta2 = check_adam_args(lr, betas, eps, weight_decay)[1]
         check_overlap(overlap)
-        for name, value in (("max_coeff", max_coeff), ("min_coeff", min_coeff), ("factor_max", factor_max),
-                            ("factor_min", factor_min)):
-            if check_nonneg(name, value) == 0:
-                raise ValueError(f"Invalid {name} value: {value}")
+        clips = {name: check_positive(name, value) for name, value in (
+            ("max_coeff", max_coeff), ("min_coeff", min_coeff), ("factor_max", factor_max), ("factor_min", factor_min))}
         if min_coeff > max_coeff:
             raise ValueError(f"Invalid min_coeff value: {min_coeff} (greater than max_coeff={max_coeff})")
         if factor_min > factor_max:
             raise ValueError(f"Invalid factor_min value: {factor_min} (greater than factor_max={factor_max})")
-        if isinstance(coeff_beta, bool) or not isinstance(coeff_beta, (int, float)) or not 0.0 <= coeff_beta < 1.0:
-            raise ValueError(f"Invalid coeff_beta value: {coeff_beta!r} (must be in [0, 1))")
-        if isinstance(factor_threshold, bool) or not isinstance(factor_threshold, (int, float)) or not (
-            0.0 <= factor_threshold < 1.0
-        ):
-            raise ValueError(f"Invalid factor_threshold value: {factor_threshold!r} (must be in [0, 1))")
         if scaling_ratio not in ("norm", "max"):
             raise ValueError(f"Invalid scaling_ratio value: {scaling_ratio!r} (expected 'norm' or 'max')")
+        self.options = {**clips, "coeff_beta": check_beta(coeff_beta, "coeff_beta"),
+                        "factor_threshold": check_beta(factor_threshold, "factor_threshold"),
+                        "clip_update": check_optional_positive("clip_update", clip_update),
+                        "scaling_ratio": scaling_ratio}
         buffers = ("exp_avg", "exp_avg_sq", "frozen_exp_avg_sq", "last_exp_avg")
         self._stages = TwoStages(type(self).__name__, Stage(EXACT_GRADIENT, buffers, averages=True),
                                  Stage(COMPRESSED_FORMED, buffers),
@@ -348,16 +342,6 @@ class OnebitLamb(OnebitOptimizer):
                                                  max_windows=_MAX_WINDOWS),
                                  watch="exp_avg_sq")
         self.eps = float(eps)
-        self.options = {
-            "clip_update": check_optional_positive("clip_update", clip_update),
-            "coeff_beta": float(coeff_beta),
-            "max_coeff": float(max_coeff),
-            "min_coeff": float(min_coeff),
-            "factor_max": float(factor_max),
-            "factor_min": float(factor_min),
-            "factor_threshold": float(factor_threshold),
-            "scaling_ratio": scaling_ratio,
-        }
         self._unused: list[int] = []  # the parameters with values unused through the warm-up
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay}, group=group,
                          **options)
@@ -366,7 +350,7 @@ class OnebitLamb(OnebitOptimizer):
         self.ratio = torch.ones(n, dtype=torch.float64, device=device)
         self.momentum_scale = torch.ones(n, dtype=torch.float64, device=device)
         self._coefficients: Tensor | None = None
-        self._frozen_sums: Tensor | None = None  # each tensor's ||v_Tw||_1 (_frozen_norms)
+        self._frozen_sums: Tensor | None = None  # each tensor's ||v_Tw||_1 once frozen (_note_frozen)
         self._drive(self._allreduce(compressor, hierarchical=hierarchical, ranks_per_node=ranks_per_node,
                                     overlap=overlap is True, scales=scales), overlap=overlap,
                     bucket_cap_mb=bucket_cap_mb)
@@ -394,17 +378,15 @@ class OnebitLamb(OnebitOptimizer):
         return b["exp_avg"]
 
     def _apply(self, wire: Wire, average: Tensor | None, members: Sequence[int] | None = None) -> None:
-        b = self.flat.buffers
-        common = {"lrs": self._hyper("lr"), "betas": self._hyper("betas"),
-                  "weight_decays": self._hyper("weight_decay"), "eps": self.eps}
-        o = self.options
+        b, o, shards = self.flat.buffers, self.options, self._shards
+        # FSDP2 shards: each layer's norms and maxima are the whole parameter's, reduced over its shards
+        common = {"lrs": self._hyper("lr"), "betas": self._hyper("betas"), "weight_decays": self._hyper("weight_decay"),
+                  "eps": self.eps, "sum_per_param": shards.sum_per_param if shards.sharded else None}
         if not wire.formed:
             self._coefficients = lamb(self.flat.params, self.flat.offsets, grads=self.flat.split(average),
                                       active=self._active, exp_avg=b["exp_avg"], exp_avg_sq=b["exp_avg_sq"],
                                       coeff_avg=self.coeff_avg, coeff_beta=o["coeff_beta"],
-                                      max_coeff=o["max_coeff"], min_coeff=o["min_coeff"],
-                                      sum_per_param=self._shards.sum_per_param if self._shards.sharded else None,
-                                      **common)
+                                      max_coeff=o["max_coeff"], min_coeff=o["min_coeff"], **common)
             return
         mask_unused_(b["exp_avg"], b["frozen_exp_avg_sq"], 0.0, self.flat.offsets, self._unused)
         self._coefficients = onebit_lamb(
@@ -413,24 +395,15 @@ class OnebitLamb(OnebitOptimizer):
             coeff_avg=self.coeff_avg, ratio=self.ratio, momentum_scale=self.momentum_scale,
             factor_max=o["factor_max"], factor_min=o["factor_min"], factor_threshold=o["factor_threshold"],
             clip_update=o["clip_update"], frozen_at=self._stages.frozen_at, scaling_ratio=o["scaling_ratio"],
-            max_per_param=self._shards.max_per_param if self._shards.sharded else None,
-            sum_per_param=self._shards.sum_per_param if self._shards.sharded else None,
-            frozen_norms=self._frozen_norms() if o["scaling_ratio"] == "norm" else None, **common)
-
-    def _frozen_norms(self) -> Tensor:
-        """Each tensor's ``||v_Tw||_1`` (float64 sums), taken once after the freeze or a load."""
-        if self._frozen_sums is None:
-            v = self.flat.buffers["frozen_exp_avg_sq"]
-            self._frozen_sums = torch.stack([v[lo:hi].sum(dtype=torch.float64) for lo, hi in self.flat.offsets])
-        return self._frozen_sums
+            max_per_param=shards.max_per_param if shards.sharded else None,
+            frozen_norms=self._frozen_sums if o["scaling_ratio"] == "norm" else None, **common)
 
     def _enter(self, stage: Stage) -> None:
         """Line 3 and A.5.2: store v_Tw (c_avg stops moving), derive the momentum scale coefficients.
         The compression stage reads each rank's own gradients where they lie."""
         b = self.flat.buffers
         b["frozen_exp_avg_sq"].copy_(b["exp_avg_sq"])
-        self._frozen_sums = None
-        self._note_unused()
+        self._note_frozen()
         if self._shards.sharded:  # the whole parameters' norms, from their shards'
             squares = torch.stack([b["exp_avg"][lo:hi].double().square().sum() for lo, hi in self.flat.offsets])
             norms = self._shards.sum_per_param(squares).sqrt().tolist()
@@ -447,9 +420,12 @@ class OnebitLamb(OnebitOptimizer):
         """Each tensor's layer-wise coefficient ``c_t`` of the last step (reading it synchronises a GPU)."""
         return [] if self._coefficients is None else self._coefficients.tolist()
 
-    def _note_unused(self) -> None:
-        self._unused = count_unused(type(self).__name__, self.flat.buffers["frozen_exp_avg_sq"], 0.0,
-                                   self.flat.offsets)
+    def _note_frozen(self) -> None:
+        """What the compression stage reads of ``v_Tw``, which stays as it is: the values without a
+        gradient in the warm-up, and each tensor's ``||v_Tw||_1`` (float64 sums)."""
+        v, offsets = self.flat.buffers["frozen_exp_avg_sq"], self.flat.offsets
+        self._unused = count_unused(type(self).__name__, v, 0.0, offsets)
+        self._frozen_sums = torch.stack([v[lo:hi].sum(dtype=torch.float64) for lo, hi in offsets])
 
     _extra_required = ("coeff_avg", "ratio", "momentum_scale")
 
@@ -458,9 +434,8 @@ class OnebitLamb(OnebitOptimizer):
                 "momentum_scale": self.momentum_scale.clone()}
 
     def _load_extra_state(self, state: Mapping[str, Any], own_state: bool) -> None:
-        self._frozen_sums = None
         if self._stages.frozen_at is not None:
-            self._note_unused()
+            self._note_frozen()
         as_vector = {"dtype": torch.float64, "device": self.flat.device, "copy": True}
         self.coeff_avg = state["coeff_avg"].to(**as_vector)
         self.ratio = state["ratio"].to(**as_vector)

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from .._checks import check_bool, check_nonneg, check_positive
+from .._checks import check_beta, check_bool, check_nonneg, check_positive
 from ._base import OnebitOptimizer
 
 __all__ = ["PAPER_OUTER", "inner_optimizer", "load_flat_momentum", "outer_factory"]
@@ -67,9 +67,7 @@ def outer_factory(outer: Any, lr: float, momentum: float, nesterov: bool) -> Cal
             return opt
         return made
     lr = check_positive("outer_lr", lr)
-    momentum = check_nonneg("outer_momentum", momentum)
-    if momentum >= 1:
-        raise ValueError(f"Invalid outer_momentum value: {momentum} (expected a number in [0, 1))")
+    momentum = check_beta(momentum, "outer_momentum")
     nesterov = check_bool("nesterov", nesterov)
     # torch.optim.SGD refuses Nesterov without momentum, where it would be plain SGD anyway
     return lambda anchors: torch.optim.SGD(anchors, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0)

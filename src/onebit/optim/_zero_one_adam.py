@@ -2,23 +2,11 @@
 ICLR 2023, arXiv 2202.06009): adaptive variance freezing and 1-bit synchronisation with local steps.
 
 The math (plain functions on flat fp32 state, parameter ``i`` at ``offsets[i]``; ``active[i]``
-says whether it has a gradient on some rank):
-
-* :func:`refresh_variance` -- a step of ``T_v``: the gradients' exact average ``g`` updates
-  both moments, ``m <- beta1 m + (1 - beta1) g``, ``v <- beta2 v + (1 - beta2) g^2``, and
-  Adam steps (Algorithm 1's variance update); with ``span = k``, ``v <- beta2^k v + (1 -
-  beta2^k) g^2``, as if each of the ``k`` steps since the last refresh had seen ``g``.
-* :func:`local_step` -- a step outside ``T_u``, ``m <- beta1 m + (1 - beta1) g_local`` formed
-  by the class: the step-size-weighted sum ``u <- u + (lr / bc1) m`` grows, and the parameters
-  move to ``x = x_anchor (1 - sum(lr) wd) - u / d`` (Algorithm 1's ``x_{t+1/2}``, ``u_{t+1/2}``).
-* :func:`synchronise` -- a step of ``T_u``: before ``var_freeze_step``, the gradients' 1-bit
-  average ``g`` enters ``m <- beta1 m + (1 - beta1) g``; after it, the interval's weighted
-  average momentum ``u / S`` (``S = sum(lr / bc1)``) went through the 1-bit all-reduce and
-  replaced ``m``. Then ``x = x_anchor (1 - sum(lr) wd) - S m / d`` on every rank (Algorithm 1's
-  ``m_{t+1} = u_bar / sum(lr)`` and ``x_{t+1} = x_{t'} - u_bar / sqrt(v)``).
-
-``d = sqrt(v / (1 - beta2^k)) + eps`` with ``k`` the number of refreshes so far, or (refreshes
-weighted by their span) the step of the last one; 1 without bias correction.
+says whether it has a gradient on some rank): :func:`refresh_variance` is a step of ``T_v``
+(Algorithm 1's variance update), :func:`local_step` a step outside ``T_u`` (its ``x_{t+1/2}``,
+``u_{t+1/2}``) and :func:`synchronise` a step of ``T_u`` (``m_{t+1} = u_bar / sum(lr)``,
+``x_{t+1} = x_{t'} - u_bar / sqrt(v)``), each with the denominator ``d = sqrt(v / (1 - beta2^k))
++ eps`` of :meth:`ZeroOneSchedule.variance_age`'s ``k`` (1 without bias correction).
 """
 
 from __future__ import annotations
@@ -291,11 +279,8 @@ class ZeroOneAdam(OnebitOptimizer):
         check_bool("overlap", overlap)
         check_adam_args(lr, betas, eps, weight_decay)
         self.eps = float(eps)
-        if refresh_weight not in ("steps", "refresh"):
-            raise ValueError(f"Invalid refresh_weight value: {refresh_weight!r} (expected 'steps' or 'refresh')")
-        self.refresh_weight = refresh_weight
         schedule = ZeroOneSchedule(var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper,
-                                   max_refresh_interval=max_refresh_interval)
+                                   max_refresh_interval=max_refresh_interval, refresh_weight=refresh_weight)
         self._stages = StepStages((_REFRESH, _GRADIENT, _MOMENTUM, _SYNCHRONISE, _LOCAL), _stage_of, schedule,
                                   freeze_step=schedule.var_freeze_step)
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay}, group=group,
@@ -352,29 +337,23 @@ class ZeroOneAdam(OnebitOptimizer):
         """:meth:`_weight` of every parameter (read afresh: LR schedulers change ``lr``)."""
         return [self._weight(g, step) for g in self.param_groups for _ in g["params"]]
 
-    def _variance_age(self, step: int) -> int:
-        """``k`` of ``v``'s bias correction ``1 - beta2^k`` at ``step``: the refreshes so far, or
-        (refreshes weighted by their span) the last one's step."""
-        s = self.schedule
-        return s.last_refresh(step) if self.refresh_weight == "steps" else s.refreshes_through(step)
-
     def _corrections(self, step: int) -> tuple[list[float], list[float]]:
-        """Per parameter: ``1 - beta1^step`` and ``1 - beta2^k`` (:meth:`_variance_age`), or ones."""
+        """Per parameter: ``1 - beta1^step`` and ``1 - beta2^k`` (``k`` the schedule's
+        :meth:`~ZeroOneSchedule.variance_age`), or ones."""
         betas = self._hyper("betas")
         if not self.bias_correction:
             return [1.0] * len(betas), [1.0] * len(betas)
-        k = self._variance_age(step)
+        k = self.schedule.variance_age(step)
         return [1.0 - b1**step for b1, _ in betas], [1.0 - b2**k if k else 1.0 for _, b2 in betas]
 
     def _refresh(self, average: Tensor) -> None:
         step = self._step_count
         bc1, bc2 = self._corrections(step)
-        span = step - self.schedule.last_refresh(step - 1) if self.refresh_weight == "steps" else 1
         b = self.flat.buffers
         refresh_variance(self.flat.params, self.flat.offsets, grads=self.flat.split(average), active=self._active,
                          exp_avg=b["exp_avg"], exp_avg_sq=b["exp_avg_sq"], lrs=self._hyper("lr"),
                          betas=self._hyper("betas"), weight_decays=self._hyper("weight_decay"), eps=self.eps,
-                         bias_correction1=bc1, bias_correction2=bc2, span=span)
+                         bias_correction1=bc1, bias_correction2=bc2, span=self.schedule.span(step))
 
     def _denominator(self) -> Tensor:
         """``d``: the frozen preconditioner, or (before the freeze) formed from ``v`` in the
@@ -388,12 +367,8 @@ class ZeroOneAdam(OnebitOptimizer):
 
     def _local(self) -> None:
         step, b = self._step_count, self.flat.buffers
-        weights, lrs = self._weights(step), self._hyper("lr")
-        for i, active in enumerate(self._active):
-            if active:
-                self._lr_sums[i] += lrs[i]
-                self._weight_sums[i] += weights[i]
-                self._touched[i] = True
+        weights = self._weights(step)
+        self._add_step(weights)
         m, denom = b["exp_avg"], b["frozen_denom"]
         for (lo, hi), g, (beta1, _), active in zip(self.flat.offsets, self._local_grads(), self._hyper("betas"),
                                                    self._active):
@@ -408,19 +383,27 @@ class ZeroOneAdam(OnebitOptimizer):
         """A synchronisation: ``m`` holds the momentum's 1-bit average, or (``gradient``, before
         the freeze) takes the gradient's, ``m <- beta1 m + (1 - beta1) g``; then the step."""
         step, b = self._step_count, self.flat.buffers
-        lrs, betas = self._hyper("lr"), self._hyper("betas")
         if gradient is not None:
-            for (lo, hi), (beta1, _), active in zip(self.flat.offsets, betas, self._active):
+            for (lo, hi), (beta1, _), active in zip(self.flat.offsets, self._hyper("betas"), self._active):
                 if active:
                     ema_(b["exp_avg"][lo:hi], gradient[lo:hi], beta1)
-        moving = [a or t for a, t in zip(self._active, self._touched)]
-        lr_sums = [s + (lr if a else 0.0) for s, lr, a in zip(self._lr_sums, lrs, self._active)]
-        weights = [s + (w if a else 0.0) for s, w, a in zip(self._weight_sums, self._weights(step), self._active)]
+        self._add_step(self._weights(step))
+        moving = self._touched  # the parameters that stepped in the interval
         m, denom = b["exp_avg"], self._denominator()
         self._protect(m, denom, moving, step)
         synchronise(self.flat.params, self.flat.offsets, moving=moving, exp_avg=m, anchor=b.get("anchor"),
-                    denom=denom, weight_sums=weights, lr_sums=lr_sums, weight_decays=self._hyper("weight_decay"))
+                    denom=denom, weight_sums=self._weight_sums, lr_sums=self._lr_sums,
+                    weight_decays=self._hyper("weight_decay"))
         self._restart_interval()
+
+    def _add_step(self, weights: Sequence[float]) -> None:
+        """This step's ``lr`` and ``weights`` (``lr / bc1``) into the interval's sums of the
+        parameters it steps."""
+        for i, lr in enumerate(self._hyper("lr")):
+            if self._active[i]:
+                self._lr_sums[i] += lr
+                self._weight_sums[i] += weights[i]
+                self._touched[i] = True
 
     def _restart_interval(self) -> None:
         """A new interval of local steps. Per parameter, the interval so far: ``sum(lr)``,
@@ -443,7 +426,7 @@ class ZeroOneAdam(OnebitOptimizer):
             mask_unused_(m, denom, self.eps, self.flat.offsets, self._unused)
         if self.clip_update is None:
             return
-        k = self._variance_age(step)
+        k = self.schedule.variance_age(step)
         bc1, _ = self._corrections(step)
         for i, ((lo, hi), (beta1, beta2)) in enumerate(zip(self.flat.offsets, self._hyper("betas"))):
             if moving[i]:
@@ -471,7 +454,8 @@ class ZeroOneAdam(OnebitOptimizer):
         return not any(self._touched)
 
     def _refreshes(self) -> dict[str, Any]:
-        return {"max_refresh_interval": self.schedule.max_refresh_interval, "refresh_weight": self.refresh_weight}
+        return {"max_refresh_interval": self.schedule.max_refresh_interval,
+                "refresh_weight": self.schedule.refresh_weight}
 
     _extra_required = ("interval",)  # (the refreshes' schedule: absent from older states)
 
