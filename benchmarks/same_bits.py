@@ -18,6 +18,7 @@ Usage, from a checkout::
 
     python benchmarks/same_bits.py /tmp/before            # capture
     python benchmarks/same_bits.py /tmp/after --against /tmp/before   # capture again, compare
+    python benchmarks/same_bits.py /tmp/b --optimizers zero_one_adam,diloco  # some entries only (both captures)
 """
 
 from __future__ import annotations
