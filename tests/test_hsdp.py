@@ -228,4 +228,4 @@ def test_what_hsdp_does_not_support_is_refused_with_what_to_use():
         assert "overlap=False" in errors["overlap"]
         assert "shard every parameter or none" in errors["mixed"]
         assert "(FSDP1) flat parameter" in errors["fsdp1"] and "fully_shard" in errors["fsdp1"]
-        assert "Invalid group for FSDP2-sharded parameters: a Quorum" in errors["quorum"]
+        assert "Invalid group for FSDP2-sharded parameters: Quorum" in errors["quorum"]

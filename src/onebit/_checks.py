@@ -111,7 +111,7 @@ def check_betas(betas: object) -> tuple[float, float]:
 def check_beta(beta: object, name: str = "beta") -> float:
     """A decay rate or other fraction in ``[0, 1)``."""
     if isinstance(beta, bool) or not isinstance(beta, (int, float)):
-        raise TypeError(f"Invalid {name} value: {beta!r} (expected a float)")
+        raise TypeError(f"Invalid {name} value: {beta!r} (expected a number)")
     if not 0.0 <= beta < 1.0:
         raise ValueError(f"Invalid {name} value: {beta} (expected a number in [0, 1))")
     return float(beta)

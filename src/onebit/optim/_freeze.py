@@ -143,7 +143,8 @@ class ZeroOneSchedule:
     1's and DeepSpeed's): one step's, ``v <- beta2 v + (1 - beta2) g^2``, bias-corrected by
     ``1 - beta2^k`` with ``k`` the refreshes so far; ``"steps"``: as if each step since the
     last refresh had seen ``g`` (a *span* of ``s`` steps, ``v <- beta2^s v + (1 - beta2^s)
-    g^2``), bias-corrected by ``1 - beta2^t`` with ``t`` the last refresh's step.
+    g^2``), bias-corrected by ``1 - beta2^t`` with ``t`` the last refresh's step
+    (:class:`~onebit.ZeroOneAdam`'s default).
 
     ``offset`` is 1 in DeepSpeed, whose step counter includes its first ``step()``, which
     only allocates state; onebit counts from the first step that updates (``offset=0``).

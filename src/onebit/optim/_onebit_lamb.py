@@ -436,6 +436,8 @@ class OnebitLamb(OnebitOptimizer):
     def _load_extra_state(self, state: Mapping[str, Any], own_state: bool) -> None:
         if self._stages.frozen_at is not None:
             self._note_frozen()
+        else:
+            self._frozen_sums = None
         as_vector = {"dtype": torch.float64, "device": self.flat.device, "copy": True}
         self.coeff_avg = state["coeff_avg"].to(**as_vector)
         self.ratio = state["ratio"].to(**as_vector)

@@ -111,9 +111,10 @@ class Shards:
         shard -- the ranks of the shard mesh and of the group meet in this rank only."""
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError(f"{owner} got DTensor parameters without an initialised process group")
-        if group is not None and not isinstance(group, dist.ProcessGroup):  # a Quorum's replicas: one process each
-            raise ValueError(f"Invalid group for FSDP2-sharded parameters: a {type(group).__name__}; pass "
-                             "torch.distributed's group of this rank's replicas, mesh['replicate'].get_group()")
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise ValueError(f"{owner}: Invalid group for FSDP2-sharded parameters: {type(group).__name__} (its "
+                             "replicas are one process each); pass torch.distributed's group of this rank's "
+                             "replicas, mesh['replicate'].get_group()")
         shard_ranks = set(mesh.mesh.flatten().tolist())
         replica_ranks = set(dist.get_process_group_ranks(group)) if group is not None \
             else set(range(dist.get_world_size()))

@@ -295,6 +295,11 @@ class ZeroOneAdam(OnebitOptimizer):
         """The refresh and synchronisation steps (:class:`ZeroOneSchedule`)."""
         return self._stages.schedule
 
+    @property
+    def refresh_weight(self) -> str:
+        """How a refresh weighs in the variance (the schedule's :attr:`ZeroOneSchedule.refresh_weight`)."""
+        return self.schedule.refresh_weight
+
     # ------------------------------------------------------------------ the contract
     def _form(self, i: int, lo: int, hi: int, grad: Tensor | None, live: bool, group: dict[str, Any], step: int,
               scratch: Tensor, out: Tensor, agreed: bool) -> None:
