@@ -24,15 +24,18 @@ from _records import append_row, provenance, provenance_note, read_rows
 import onebit
 from onebit.bench._tasks import ByteTransformer
 
-# name -> DiLoCo arguments beyond sync_every=1
-SPARSELOCO = {"outer_lr": 1.0, "outer_momentum": 0.0, "error_feedback": True, "error_decay": 0.95}
+# name -> DiLoCo arguments beyond sync_every=1 (the outer step sends what its compressor sends:
+# only the compressor, the collective and the scales change the bytes)
+TENSOR = {"scales": "tensor"}  # one scale per tensor piece
+SPARSELOCO = {"outer_step": "sparseloco", **TENSOR}
 SETTINGS = {
     "fp32 (all-reduce)": {"compressor": "identity"},
-    "1-bit all-gather (default)": {},
-    "1-bit all-reduce": {"collective": "allreduce"},
+    "1-bit all-gather, a scale per row (default)": {},
+    "1-bit all-reduce, a scale per row": {"collective": "allreduce"},
+    "1-bit all-gather": {"outer_step": "nesterov", **TENSOR},
+    "1-bit all-reduce": {"outer_step": "nesterov", "collective": "allreduce", **TENSOR},
     "SparseLoCo, Top-k 2-bit all-gather": {**SPARSELOCO, "compressor": "chunk_topk"},
     "SparseLoCo, Top-k 2-bit all-reduce": {**SPARSELOCO, "compressor": "chunk_topk", "collective": "allreduce"},
-    "SparseLoCo, 1-bit all-gather": {**SPARSELOCO, "compressor": "sign"},
 }
 
 

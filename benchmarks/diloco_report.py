@@ -51,6 +51,7 @@ from _records import added_up, compare_runs, compare_sources, refreshes_sent, sa
 
 from onebit.bench._analysis import mean_interval, ratio_interval, step_time, steps_to_loss
 from onebit.bench._matrix import _gap, _run
+from onebit.optim._wrapped import OUTER_STEPS
 
 # label as run on SETTINGS_DATE, by a run without its arguments -> (outer step, exchange)
 SETTINGS_DATE = "2026-11-26"
@@ -79,6 +80,7 @@ def setting(run: dict, date: str) -> tuple[str, str] | None:
         return SETTINGS.get(run["optimizer"])
     if "sync_every" not in a:
         return None
+    a = _resolved(a)
     outer = OUTER.get((a["outer_lr"], a["outer_momentum"]), f"lr {a['outer_lr']}, momentum {a['outer_momentum']}")
     decay = a.get("error_decay", 1.0)  # runs from before the option kept their errors whole
     if a["compressor"] == "identity":
@@ -91,6 +93,16 @@ def setting(run: dict, date: str) -> tuple[str, str] | None:
     exchange += {"row": ", a scale per row", "chunk": ", a scale per chunk"}.get(a.get("scales", "tensor"), "")
     streamed = f", {a['fragments']} fragments, delay {a['delay']}" if a["fragments"] > 1 else ""
     return outer, exchange + feedback + streamed
+
+
+def _resolved(a: dict) -> dict:
+    """A DiLoCo run's arguments with those left to its outer step (None) made its outer step's,
+    and its scales its compressor's (runs from before ``outer_step`` name every value)."""
+    step = OUTER_STEPS[a.get("outer_step", "nesterov")]
+    a = {**a, **{k: v for k, v in step.items() if a.get(k) is None}}
+    if a.get("scales", "tensor") is None:
+        a["scales"] = "row" if a["compressor"] == "sign" else "tensor"
+    return a
 
 
 def report(paths: list[Path]) -> str:

@@ -43,12 +43,14 @@ MAKERS = {
     "QAdam": lambda p: onebit.QAdam(p, lr=1e-2, bits=2),
 }
 # Saved inside an interval of inner steps, after two synchronisations; the streamed one with a
-# synchronisation in flight; the all-reduce's with its errors kept.
+# synchronisation in flight; the all-reduce's with its errors kept. With the paper's outer step
+# and one scale per tensor piece, DiLoCo's defaults then.
+PAPER = {"outer_step": "nesterov", "scales": "tensor"}
 DILOCO_MAKERS = {
-    "DiLoCo": lambda p: onebit.DiLoCo(p, lr=1e-2, sync_every=2),
-    "DiLoCo/streamed": lambda p: onebit.DiLoCo(p, lr=1e-2, sync_every=4, fragments=2, delay=1),
+    "DiLoCo": lambda p: onebit.DiLoCo(p, lr=1e-2, sync_every=2, **PAPER),
+    "DiLoCo/streamed": lambda p: onebit.DiLoCo(p, lr=1e-2, sync_every=4, fragments=2, delay=1, **PAPER),
     "DiLoCo/allreduce": lambda p: onebit.DiLoCo(p, lr=1e-2, sync_every=2, collective="allreduce",
-                                                error_feedback=True),
+                                                error_feedback=True, **PAPER),
 }
 # The fixture files, and the optimizers each holds.
 FIXTURE_MAKERS = {"checkpoints-0.1.pt": MAKERS, "diloco-0.1.pt": DILOCO_MAKERS}
@@ -110,7 +112,8 @@ def test_a_diloco_checkpoint_of_version_0_1_keeps_its_outer_momentum():
     # an outer optimizer without momentum would drop it: refused
     saved = torch.load(FIXTURES / "diloco-0.1.pt", weights_only=True)["DiLoCo"]
     net = model()
-    opt = onebit.DiLoCo(net.parameters(), lr=1e-2, sync_every=2, outer_lr=1.0, outer_momentum=0.0)
+    opt = onebit.DiLoCo(net.parameters(), lr=1e-2, sync_every=2, outer_step="nesterov", outer_lr=1.0,
+                        outer_momentum=0.0)
     with pytest.raises(ValueError, match="holds an outer momentum; this optimizer's outer optimizer has none "
                                          "\\(outer_momentum=0.0\\): build it with the outer_momentum it was saved"):
         opt.load_state_dict(saved["optimizer"])

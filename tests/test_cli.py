@@ -113,7 +113,7 @@ def test_more_argument_errors(argv, msg, capsys):
         (["train", "--hierarchical"], "--hierarchical needs --nodes"),
         (["compare", "--optimizers", "adam,sgd"], "unknown ['sgd']"),
         (["compare", "--rounds", "2", "--resume"], "--resume cannot continue --rounds 2"),
-        # the defaults since error_feedback=False: it would run as diloco_fedavg
+        # the paper's outer step carries no error: it would run as diloco_fedavg
         (["bench", "convergence", "--families", "adamw", "--optimizers", "diloco_fedavg_no_ef", "--extended"],
          "diloco_fedavg_no_ef would run nothing"),
         (["bench", "convergence", "--families", "adamw", "--optimizers", "diloco_ef"], "diloco_ef would run nothing"),
@@ -445,7 +445,7 @@ def test_bench_convergence_pairs_seeds_and_reports_intervals(tmp_path, capsys):
     assert [(r["seed"], r["perturbation"]) for r in runs[::9]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     # each run records the arguments it was built with, defaults included: its label's meaning of the day
     assert runs[8]["arguments"] == {**runs[8]["arguments"], "lr": 0.003, "sync_every": 1, "compressor": "sign",
-                                    "collective": "allgather", "error_feedback": False}
+                                    "collective": "allgather", "outer_step": "sparseloco", "error_feedback": None}
     assert runs[5]["arguments"]["compressor"] == "identity" and runs[0]["arguments"]["freeze_step"] == 10 ** 9
     # "auto" does not freeze in 5 steps; 20% of them is step 1
     assert [r["freeze_step"] for r in runs[:5]] == [None, None, 1, None, 1]
@@ -514,11 +514,11 @@ def test_convergence_cells_leave_out_the_identity_controls_on_request():
                         "diloco_identity", "diloco", "softsign_sgd", "birder_identity", "birder"]
     assert labels(controls=False) == ["adamw", "onebit_adam", "zero_one_adam", "diloco", "softsign_sgd", "birder"]
     assert labels(optimizers=("diloco",), extended=True) == [
-        "adamw", "diloco_identity", "diloco", "diloco_ef", "diloco_allreduce", "diloco_allreduce_ef",
-        "diloco_streamed", "diloco_rows", "diloco_fedavg", "diloco_fedavg_identity", "diloco_fedavg_ef",
-        "diloco_sparseloco", "diloco_sparseloco_sign", "diloco_sparseloco_allreduce",
+        "adamw", "diloco_identity", "diloco", "diloco_nesterov", "diloco_ef", "diloco_allreduce",
+        "diloco_allreduce_ef", "diloco_streamed", "diloco_rows", "diloco_fedavg", "diloco_fedavg_identity",
+        "diloco_fedavg_ef", "diloco_sparseloco", "diloco_sparseloco_sign", "diloco_sparseloco_allreduce",
         "diloco_sparseloco_sign_allreduce", "diloco_sparseloco_sign_rows"]
-    # (no_ef and fedavg_no_ef are the defaults: not run twice)
+    # (no_ef and fedavg_no_ef are the paper's outer step's defaults, nesterov and fedavg: not run twice)
     # no softsign_sgd alone
     assert labels(optimizers=("diloco_fedavg",), extended=True) == ["adamw", "diloco_fedavg"]
 

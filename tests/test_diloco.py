@@ -75,11 +75,17 @@ def _nesterov():
     return step
 
 
-def _oracle(world, compressor, collective, error_feedback, outer=_nesterov, rows=False):
+def _averaging():
+    """SparseLoCo's outer step on the anchor: the plain average of what was sent, outer lr 1."""
+    return lambda anchor, delta: anchor - 1.0 * delta
+
+
+def _oracle(world, compressor, collective, error_feedback, outer=_nesterov, rows=False, decay=1.0):
     """Every worker's parameters after every step: H AdamW steps on its own batches, then
     delta_i = anchor - x_i averaged (exactly; or each rank's 1-bit delta_i with one scale per
-    tensor piece -- with ``rows`` per row of each weight -- all-gathered and averaged; or by the
-    two-sided 1-bit all-reduce), the outer step (``outer()``'s) on the anchor, x_i <- anchor."""
+    tensor piece -- with ``rows`` per row of each weight -- all-gathered and averaged, each
+    rank's carried error first multiplied by ``decay``; or by the two-sided 1-bit all-reduce),
+    the outer step (``outer()``'s) on the anchor, x_i <- anchor."""
     models = [_model() for _ in range(world)]
     inners = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
     anchor = _flat(models[0]).clone()
@@ -96,6 +102,7 @@ def _oracle(world, compressor, collective, error_feedback, outer=_nesterov, rows
             _inner_step(models[rank], inners[rank], rank, step)
             inners[rank].step()
         if step % H == 0:
+            exchange.worker_err = [decay * e for e in exchange.worker_err]
             delta = _average([anchor - _flat(m) for m in models], exchange, compressor, error_feedback)
             anchor = outer_step(anchor, delta)
             _take_anchor(models, anchor)
@@ -106,9 +113,9 @@ def _oracle(world, compressor, collective, error_feedback, outer=_nesterov, rows
 def _ours(rank, world, compressor, collective, error_feedback, scales="tensor"):
     torch.set_num_threads(1)
     model = _model()
-    opt = onebit.DiLoCo(torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=H, outer_lr=OUTER_LR,
-                        outer_momentum=OUTER_MOMENTUM, compressor=compressor, collective=collective,
-                        error_feedback=error_feedback, scales=scales)
+    opt = onebit.DiLoCo(torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=H, outer_step="nesterov",
+                        outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM, compressor=compressor,
+                        collective=collective, error_feedback=error_feedback, scales=scales)
     history, stages = [], []
     for step in range(1, STEPS + 1):
         _inner_step(model, opt, rank, step)
@@ -147,6 +154,31 @@ def test_row_scales_give_every_row_of_a_weight_a_scale_of_its_own(world, collect
         for step, (ours, expected) in enumerate(zip(history, oracle), start=1):
             assert torch.allclose(ours, expected[rank], rtol=1e-5, atol=1e-6), (rank, step)
     assert not torch.allclose(oracle[-1][0], _oracle(world, "sign", collective, True)[-1][0])  # not per tensor
+
+
+def _defaults(rank, world):
+    torch.set_num_threads(1)
+    model = _model()
+    opt = onebit.DiLoCo(torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=H)
+    history = []
+    for step in range(1, STEPS + 1):
+        _inner_step(model, opt, rank, step)
+        opt.step()
+        history.append(_flat(model).clone())
+    return history
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_defaults_are_sparselocos_outer_step_with_a_sign_and_a_scale_per_row(world):
+    # each rank's error carried and decayed by 0.95 before the next outer gradient is added, its
+    # sign with a scale per row all-gathered, and the anchor moved by their plain average
+    oracle = _oracle(world, "sign", "allgather", True, outer=_averaging, rows=True, decay=0.95)
+    for rank, history in enumerate(run_ranks(_defaults, world)):
+        for step, (ours, expected) in enumerate(zip(history, oracle), start=1):
+            assert torch.allclose(ours, expected[rank], rtol=1e-5, atol=1e-6), (rank, step)
+    for other in (_oracle(world, "sign", "allgather", True, outer=_averaging, rows=True),  # no decay
+                  _oracle(world, "sign", "allgather", False, rows=True)):  # the paper's outer step
+        assert not torch.allclose(oracle[-1][0], other[-1][0])
 
 
 # Any torch.optim optimizer as the outer one: Adam on the averaged outer gradients, written out.
@@ -259,7 +291,8 @@ def _sparseloco(rank, world, which, resume_at):
 
     def build(model):
         return onebit.DiLoCo(torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=H, outer_lr=1.0,
-                             outer_momentum=0.0, compressor=compressor, error_feedback=True, error_decay=BETA)
+                             outer_momentum=0.0, compressor=compressor, error_feedback=True, error_decay=BETA,
+                             scales="tensor")
 
     history, opt = _train(rank, build, SPARSE_STEPS, resume_at)
     return history, opt.stats["bytes_sent_total"]
@@ -344,9 +377,10 @@ def _given(model, fragments):
 def _streamed(rank, world, compressor, collective, error_feedback, fragments=None):
     torch.set_num_threads(1)
     model = _model()
-    opt = onebit.DiLoCo(torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=SH, outer_lr=OUTER_LR,
-                        outer_momentum=OUTER_MOMENTUM, fragments=_given(model, fragments), delay=TAU,
-                        compressor=compressor, collective=collective, error_feedback=error_feedback)
+    opt = onebit.DiLoCo(torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=SH, outer_step="nesterov",
+                        outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM, fragments=_given(model, fragments),
+                        delay=TAU, compressor=compressor, collective=collective, error_feedback=error_feedback,
+                        scales="tensor")
     history, shared, sent = [], [], []
     for step in range(1, S_STEPS + 1):
         _inner_step(model, opt, rank, step)
@@ -532,10 +566,10 @@ def test_a_checkpoint_loads_only_into_the_same_streaming_schedule():
     exact = onebit.DiLoCo(torch.optim.AdamW(model.parameters()), sync_every=4, compressor="identity")
     exact.load_state_dict(state)  # the exact exchange holds no error state: either loads
     # nor with other error feedback (errors carried, or decayed, mean another algorithm)
-    state = onebit.DiLoCo(torch.optim.AdamW(model.parameters()), sync_every=4, error_feedback=True,
-                          error_decay=0.95).state_dict()
-    for other in ({}, {"error_feedback": True}):
-        with pytest.raises(ValueError, match="saved with error_feedback=True, error_decay=0.95; this optimizer has "):
+    state = onebit.DiLoCo(torch.optim.AdamW(model.parameters()), sync_every=4, outer_step="nesterov").state_dict()
+    for other in ({}, {"outer_step": "nesterov", "error_feedback": True}):
+        with pytest.raises(ValueError, match="saved with error_feedback=False, error_decay=1.0; this optimizer has "
+                                             "error_feedback=True.*outer_step='nesterov' carries none by default"):
             onebit.DiLoCo(torch.optim.AdamW(model.parameters()), sync_every=4, **other).load_state_dict(state)
     del state["onebit"]["error_feedback"]  # a checkpoint from before the record: whatever it is built with
     onebit.DiLoCo(torch.optim.AdamW(model.parameters()), sync_every=4).load_state_dict(state)
@@ -564,8 +598,14 @@ def test_a_checkpoint_loads_only_into_the_same_streaming_schedule():
     ({"outer_momentum": 1.0}, ValueError, "Invalid outer_momentum value: 1.0"),
     ({"compressor": "int8"}, ValueError, "Invalid compressor value: 'int8' \\(expected one of block_sign, "),
     ({"error_feedback": 1}, TypeError, "Invalid error_feedback value: 1"),
-    ({"error_decay": 0.95}, ValueError, "Invalid error_decay value: 0.95 \\(expected a number in \\(0, 1\\], and 1 "
-                                        "without error_feedback=True"),
+    ({"outer_step": "nesterov", "error_decay": 0.95}, ValueError,
+     "Invalid error_decay value: 0.95 \\(expected a number in \\(0, 1\\], and 1 without error_feedback=True"),
+    ({"outer_step": "paper"}, ValueError,
+     "Invalid outer_step value: 'paper' \\(expected 'sparseloco' or 'nesterov'\\)"),
+    # SparseLoCo's outer step is its error accumulator: a momentum, or no error carried, is another algorithm
+    ({"outer_momentum": 0.9}, ValueError, "Invalid outer_momentum value with outer_step='sparseloco': 0.9 \\(its "
+                                          "momentum is each rank's decayed error accumulator"),
+    ({"error_feedback": False}, ValueError, "Invalid error_feedback value with outer_step='sparseloco': False"),
     ({"error_feedback": True, "error_decay": 1.5}, ValueError, "Invalid error_decay value: 1.5"),
     ({"error_feedback": True, "error_decay": 0}, ValueError, "Invalid error_decay value: 0"),
     ({"collective": "ring"}, ValueError, "Invalid collective value: 'ring' \\(expected 'allgather' or 'allreduce'\\)"),

@@ -131,11 +131,16 @@ def _assert_same(live: dict, reference: dict) -> None:
     assert (live["world"], live["rank"], live["step"]) == (reference["world"], reference["rank"], reference["step"])
 
 
+# Without errors carried (the paper's outer step): a survivor keeps its own error through a new
+# epoch, where a job restarted on another number of ranks starts its errors at zero
+NO_ERRORS = {"outer_step": "nesterov"}
+
+
 @pytest.mark.parametrize(("config", "die", "cut"), [
     # a replica gone before step 10; the survivors notice at the synchronisation of step 12
-    ({}, (10, "before"), 11),
+    (NO_ERRORS, (10, "before"), 11),
     # gone after the agreement of step 12, before its exchange: the survivors' exchange fails
-    ({}, (12, "exchange"), 11),
+    (NO_ERRORS, (12, "exchange"), 11),
     # streaming: the flight launched at step 9 (fragment 0 of 2, delay 1) lands at 10 without it
     ({"fragments": 2, "delay": 1, "collective": "allreduce"}, (10, "before"), 8),
 ])
@@ -155,14 +160,14 @@ def test_survivors_go_on_as_a_job_restarted_without_the_lost_replica(tmp_path: P
 
 
 def test_a_joiner_takes_a_peers_state_and_trains_with_the_others(tmp_path: Path) -> None:
-    live = _live(tmp_path, 2, {}, joiner=True)
+    live = _live(tmp_path, 2, NO_ERRORS, joiner=True)
     admitted = live[2]["joined"]  # the step the others had landed when they took it in
     assert admitted == 8
     save_a, save_b = tmp_path / "a", tmp_path / "b"
     save_a.mkdir()
     save_b.mkdir()
-    run_ranks(_phase, 2, {}, [0, 1], 1, admitted, None, str(save_a))
-    reference = run_ranks(_phase, 3, {}, [0, 1, 2], admitted + 1, STEPS,
+    run_ranks(_phase, 2, NO_ERRORS, [0, 1], 1, admitted, None, str(save_a))
+    reference = run_ranks(_phase, 3, NO_ERRORS, [0, 1, 2], admitted + 1, STEPS,
                           [str(save_a / f"rank{r}.pt") for r in (0, 1, 0)], str(save_b))
     for r in (0, 1, 2):
         assert live[r]["world"] == 3

@@ -80,10 +80,13 @@ _ONEBIT = "1-bit compressed all-reduce"
 _IDENTITY = Variant({"compressor": "identity"}, control=True)
 # 0.5 MB buckets: every task's model is split into several, each compressed on its own
 _OVERLAP = Variant({"overlap": True, "bucket_cap_mb": 0.5}, extended=True)
-_FEDAVG = {"outer_lr": 1.0, "outer_momentum": 0.0}  # DiLoCo's outer step as periodic averaging
+# DiLoCo's outer step as the paper's (Nesterov momentum SGD) with one scale per tensor piece: its
+# default until SparseLoCo's became it, which every committed run of these variants was made with
+_PAPER = {"outer_step": "nesterov", "scales": "tensor", "error_feedback": False}
+_FEDAVG = {**_PAPER, "outer_lr": 1.0, "outer_momentum": 0.0}  # ... as periodic averaging
 # SparseLoCo (arXiv 2508.15706): plain averaged descent (alpha = 1, no outer momentum), each rank's
-# compression error carried with the decay beta = 0.95 in its place
-_SPARSELOCO = {**_FEDAVG, "error_feedback": True, "error_decay": 0.95}
+# compression error carried with the decay beta = 0.95 in its place (DiLoCo's default outer step)
+_SPARSELOCO = {"outer_step": "sparseloco", "scales": "tensor"}
 _COMPRESSOR_OPTION = {"compressor": "compressor"}  # what it sends (identity: the exact-exchange control)
 _ADAM_OPTIONS = {"bias_correction": "bias_correction", **_COMPRESSOR_OPTION}
 _COMP_AMS_OPTIONS = {"bias_correction": "bias_correction", "topk_ratio": "ratio"}
@@ -125,19 +128,21 @@ BENCHMARKED: dict[str, Benchmarked] = {
                                                                          "Hierarchical-1-bit-All-Reduce")},
                           options=_COMPRESSOR_OPTION),
     "diloco": Benchmarked("adamw", matrix="diloco",
-                          # each explicit about error feedback whatever the default (the committed runs name
-                          # them); a variant equal to the defaults, or to an earlier one, is not run twice
-                          variants={"identity": _IDENTITY,
-                                    "ef": Variant({"error_feedback": True}, extended=True),
-                                    "no_ef": Variant({"error_feedback": False}, extended=True),
-                                    "allreduce": Variant({"collective": "allreduce", "error_feedback": False},
-                                                         extended=True),
-                                    "allreduce_ef": Variant({"collective": "allreduce", "error_feedback": True},
-                                                            extended=True),
+                          # each explicit about its outer step, scales and error feedback whatever the
+                          # defaults (the committed runs name them); a variant equal to the defaults, or to
+                          # an earlier one, is not run twice
+                          variants={"identity": Variant({**_PAPER, "compressor": "identity"}, control=True),
+                                    "nesterov": Variant(_PAPER, extended=True),
+                                    "ef": Variant({**_PAPER, "error_feedback": True}, extended=True),
+                                    "no_ef": Variant({**_PAPER, "error_feedback": False}, extended=True),
+                                    "allreduce": Variant({**_PAPER, "collective": "allreduce",
+                                                          "error_feedback": False}, extended=True),
+                                    "allreduce_ef": Variant({**_PAPER, "collective": "allreduce",
+                                                             "error_feedback": True}, extended=True),
                                     # Streaming DiLoCo: a quarter of the model every H / 4 steps, a step in flight
-                                    "streamed": Variant({"fragments": 4, "delay": 1}, extended=True),
+                                    "streamed": Variant({**_PAPER, "fragments": 4, "delay": 1}, extended=True),
                                     # one scale per embedding row (and per row of each weight)
-                                    "rows": Variant({"scales": "row"}, extended=True),
+                                    "rows": Variant({**_PAPER, "scales": "row"}, extended=True),
                                     "fedavg": Variant(_FEDAVG, extended=True),
                                     "fedavg_identity": Variant({**_FEDAVG, "compressor": "identity"}, control=True,
                                                                extended=True),

@@ -252,8 +252,11 @@ def _control_of(name: str) -> str | None:
     entry, kwargs, is_control = VARIANTS[name]
     if is_control:
         return None
-    wanted = {**{k: v for k, v in kwargs.items() if k != "error_feedback"}, "compressor": "identity"}
-    return next((n for n, (e, kw, control) in VARIANTS.items() if control and e == entry and dict(kw) == wanted),
+    def aside(kw: Mapping[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in kw.items() if k != "error_feedback"}
+
+    wanted = {**aside(kwargs), "compressor": "identity"}
+    return next((n for n, (e, kw, control) in VARIANTS.items() if control and e == entry and aside(kw) == wanted),
                 None)
 
 

@@ -30,7 +30,7 @@ from ._fragments import (Schedule, build_fragments, by_size, check_exchange, che
                          load_fragments, regroup_fragments)
 from ._membership import Healed, Membership
 from ._setup import check_groups, clip_, closure_loss, common_options, place
-from ._wrapped import inner_optimizer, load_flat_momentum, outer_factory
+from ._wrapped import inner_optimizer, load_flat_momentum, outer_factory, outer_step_options
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -50,11 +50,17 @@ class DiLoCo(Optimizer):
     over the same parameters), or parameters (or param groups) for ``inner(params, lr=lr)``,
     AdamW by default. ``step()`` is the inner optimizer's step on this rank's own gradients;
     every ``sync_every`` steps it is followed by the synchronisation: ``delta_i = anchor - x_i``
-    is averaged over the group (``compressor="sign"``: 1 bit per value and one scale per tensor
-    piece, every rank's all-gathered; ``"identity"``: the exact fp32 mean, DiLoCo as published)
-    and the outer optimizer moves the anchor with it in the place of a gradient (Algorithm 1
-    line 12: Nesterov momentum SGD by default), and every rank's parameters then take the anchor,
-    bit for bit; :meth:`check_replicas` compares the anchors between synchronisations.
+    is averaged over the group (``compressor="sign"``: 1 bit per value and one scale per row,
+    every rank's all-gathered; ``"identity"``: the exact fp32 mean) and the outer optimizer
+    moves the anchor with it in the place of a gradient, and every rank's parameters then take
+    the anchor, bit for bit; :meth:`check_replicas` compares the anchors between
+    synchronisations. The outer step by default is SparseLoCo's (arXiv 2508.15706, Algorithm
+    1): each rank adds ``delta_i`` to its own error accumulator decayed by 0.95, ``e_i <- 0.95
+    e_i + delta_i``, sends ``C(e_i)`` and keeps ``e_i - C(e_i)``, and the anchor moves by the
+    plain average of what was sent; ``outer_step="nesterov"`` is DiLoCo's (Algorithm 1 line 12:
+    Nesterov momentum SGD on the average, no error carried), DiLoCo as published with
+    ``compressor="identity"``. At 1 bit, SparseLoCo's came closer to fp32 DiLoCo's loss at
+    intervals of 256 steps and more, the paper's at 64 (the DiLoCo page of the docs).
     The inner optimizer's state is never averaged or reset. Its param groups are this
     optimizer's: a learning-rate scheduler built on either schedules the inner steps. An inner
     step sends nothing, not even the agreement on skipping it: a rank with a non-finite
@@ -75,19 +81,26 @@ class DiLoCo(Optimizer):
         inner: the inner optimizer's class (or a factory ``inner(params, lr=lr)``), where
             ``params`` are parameters (default ``torch.optim.AdamW``).
         sync_every: inner steps per synchronisation (H; the paper: 500).
+        outer_step: ``"sparseloco"`` (default: each rank's decayed error accumulator in the place
+            of the outer momentum, the plain average of what was sent as the step: ``outer_lr``
+            1, ``outer_momentum`` 0, ``error_feedback=True``, ``error_decay`` 0.95) or
+            ``"nesterov"`` (the paper's: ``outer_lr`` 0.7, ``outer_momentum`` 0.9, Nesterov,
+            no error carried). It sets the defaults of the five options below; those given
+            override them. ``"sparseloco"`` refuses an outer momentum and
+            ``error_feedback=False`` (either makes it another algorithm: ``"nesterov"`` takes them).
         outer: the outer optimizer: a factory ``outer(anchors)`` of any ``torch.optim`` optimizer
             over the anchors (one fp32 tensor per parameter, shaped like it; its ``.grad`` is the
             averaged outer gradient at a synchronisation, None for a parameter without a gradient
             on any rank since the last one). None (default): ``torch.optim.SGD(anchors,
-            lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)``, the paper's. Built once;
+            lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)``. Built once;
             :attr:`outer` holds it (an LR scheduler may be built on it).
-        outer_lr: the default outer optimizer's learning rate (0.7 in the paper; 1 with
-            ``outer_momentum=0`` is periodic averaging). Beside ``outer``, these three stay at
-            their defaults (another value is refused: it would configure nothing).
-        outer_momentum: its momentum (0.9 in the paper).
-        nesterov: its Nesterov momentum (the paper's; without momentum, none).
-        compressor: ``"sign"`` (default: 1 bit per value and a scale per tensor piece),
-            ``"identity"`` (the exact fp32 mean, DiLoCo as published), ``"chunk_topk"``
+        outer_lr: the default outer optimizer's learning rate (None: the outer step's; 1 with
+            ``outer_momentum=0`` and no error carried is periodic averaging). Beside ``outer``,
+            these three are refused (they would configure nothing).
+        outer_momentum: its momentum (None: the outer step's).
+        nesterov: its Nesterov momentum (None: the outer step's; without momentum, none).
+        compressor: ``"sign"`` (default: 1 bit per value and a scale per row),
+            ``"identity"`` (the exact fp32 mean), ``"chunk_topk"``
             (SparseLoCo's: 64 of every 4096 values of each tensor at 2 bits), another name of
             :func:`onebit.compress.available` or a :class:`onebit.compress.Compressor` (e.g.
             ``onebit.compress.get("uniform", bits=8)``, 8-bit pseudo-gradients).
@@ -113,20 +126,19 @@ class DiLoCo(Optimizer):
             Default 0.5 with a delay (the paper's), 0 without (where it must be 0: the
             parameters are the ones the outer gradient was formed from).
         error_feedback: carry the compression errors (each rank's, and with the all-reduce the
-            chunk owners') from one synchronisation to the next (default False: they restart at
-            zero after each). The inner steps between have already moved on from what an error
-            held, and the outer momentum accelerates it again: it cost quality in most settings
-            measured (the DiLoCo page of the docs).
+            chunk owners') from one synchronisation to the next (None: the outer step's; False:
+            they restart at zero after each). With the paper's outer step it cost quality in
+            most settings measured: the inner steps between have already moved on from what an
+            error held, and the outer momentum accelerates it again (the DiLoCo page of the docs).
         error_decay: with ``error_feedback``, each rank's error is multiplied by it before the
-            next outer gradient is added (default 1: kept whole). SparseLoCo (arXiv 2508.15706)
-            makes this decayed accumulator ``e <- beta e + delta`` its outer momentum: each
-            rank sends ``C(e)`` and keeps ``e - C(e)``, and the anchor moves by the plain
-            average of what was sent -- ``compressor="chunk_topk", error_feedback=True,
-            error_decay=0.95, outer_lr=1.0, outer_momentum=0.0`` (see the DiLoCo page of the
-            docs for what it measured).
+            next outer gradient is added (None: the outer step's, 0.95 for SparseLoCo's, 1 --
+            kept whole -- otherwise). SparseLoCo's published recipe is ``compressor="chunk_topk",
+            scales="tensor"`` with its defaults.
         scales: ``"tensor"`` (one scale per tensor piece, of each chunk with the all-reduce),
             ``"row"`` (one per slice along the first dimension of each 2-D or larger tensor) or
-            ``"chunk"`` (one per chunk with the all-reduce, per contiguous piece with the all-gather).
+            ``"chunk"`` (one per chunk with the all-reduce, per contiguous piece with the
+            all-gather); None (default): ``"row"`` for the sign, ``"tensor"`` for every other
+            compressor.
         group: the process group the workers average over (``None``: the default group), or a
             :class:`onebit.comm.Quorum`, whose replicas may die or come during the run: each
             synchronisation is committed by every replica, redone among the survivors where one
@@ -155,18 +167,19 @@ class DiLoCo(Optimizer):
         inner: Callable[..., Optimizer] | None = None,
         weight_decay: float | None = None,
         sync_every: int = 500,
+        outer_step: str = "sparseloco",
         outer: Callable[[list[Tensor]], Optimizer] | None = None,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        nesterov: bool = True,
+        outer_lr: float | None = None,
+        outer_momentum: float | None = None,
+        nesterov: bool | None = None,
         fragments: int | Iterable[Iterable[Tensor]] = 1,
         delay: int = 0,
         merge: float | None = None,
         compressor: str | compress.Compressor = "sign",
         collective: str = "allgather",
-        error_feedback: bool = False,
-        error_decay: float = 1.0,
-        scales: str = "tensor",
+        error_feedback: bool | None = None,
+        error_decay: float | None = None,
+        scales: str | None = None,
         group: comm.Group = None,
         **options: Unpack[CommonOptions],
     ) -> None:
@@ -177,10 +190,12 @@ class DiLoCo(Optimizer):
             fragment_of(fragments, [p for g in inner.param_groups for p in g["params"]])
         self._schedule = Schedule(self.sync_every, fragments if given is None else given, delay, merge)
         self.fragments, self.delay, self.merge = self._schedule.fragments, delay, self._schedule.merge
-        scales = check_exchange(compressor, collective, error_feedback, error_decay, scales)
-        self.compressor, self.collective = compressor, collective
-        self.error_feedback, self.error_decay = error_feedback, float(error_decay)
-        make_outer = outer_factory(outer, outer_lr, outer_momentum, nesterov)
+        step = outer_step_options(outer_step, outer, outer_lr=outer_lr, outer_momentum=outer_momentum,
+                                  nesterov=nesterov, error_feedback=error_feedback, error_decay=error_decay)
+        scales = check_exchange(compressor, collective, step["error_feedback"], step["error_decay"], scales)
+        self.outer_step, self.compressor, self.collective = outer_step, compressor, collective
+        self.error_feedback, self.error_decay = step["error_feedback"], float(step["error_decay"])
+        make_outer = outer_factory(outer, step["outer_lr"], step["outer_momentum"], step["nesterov"])
         if comm.reforms(group) and options.get("timeout") is None:  # a dead peer is the quorum's to time out
             options["timeout"] = group.timeout
         options = common_options(options, type(self).__name__)

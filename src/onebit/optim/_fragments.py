@@ -245,9 +245,11 @@ def by_size(offsets: Sequence[tuple[int, int]], fragments: int) -> list[int]:
     return [f for f, (_, _, members) in enumerate(fragment_bounds(offsets, fragments)) for _ in members]
 
 
-def check_exchange(compressor: Any, collective: str, error_feedback: bool, error_decay: float, scales: str) -> str:
+def check_exchange(compressor: Any, collective: str, error_feedback: bool, error_decay: float,
+                   scales: str | None) -> str:
     """Refuse a bad option of :func:`build_fragments` before anything is built (the value is the
-    caller's); ``scales``, checked."""
+    caller's); ``scales``, checked (None: a scale per row for the sign, one per tensor piece for
+    every other compressor)."""
     if not isinstance(compressor, compress.Compressor) and compressor not in compress.available():
         raise ValueError(f"Invalid compressor value: {compressor!r} (expected one of "
                          f"{', '.join(compress.available())}, or a onebit.compress.Compressor)")
@@ -257,6 +259,8 @@ def check_exchange(compressor: Any, collective: str, error_feedback: bool, error
     if check_positive("error_decay", error_decay) > 1 or (error_decay != 1 and not error_feedback):
         raise ValueError(f"Invalid error_decay value: {error_decay!r} (expected a number in (0, 1], and 1 "
                          "without error_feedback=True: it decays the errors carried)")
+    if scales is None:  # the sign's rows measured better at most intervals, and on rarely looked-up embedding rows
+        scales = "row" if compress.get(compressor).name == "sign" else "tensor"
     return check_scales(scales, row=True)
 
 
@@ -397,7 +401,8 @@ def check_state(state_dict: Any, flat: FlatState, *, fragments: int, delay: int,
     if saved != [error_feedback, error_decay] and not exact:
         raise ValueError(f"DiLoCo state_dict saved with error_feedback={saved[0]}, error_decay={saved[1]}; this "
                          f"optimizer has error_feedback={error_feedback}, error_decay={error_decay} (the errors it "
-                         "carries mean another algorithm): build it with the saved ones")
+                         "carries mean another algorithm): build it with the saved ones (outer_step='nesterov' "
+                         "carries none by default, 'sparseloco' carries them with error_decay=0.95)")
     expected = ["anchor"] if "outer" in extra else ["anchor", "outer_momentum"]  # onebit 0.x: a flat momentum
     check_buffers(extra["flat"], expected, flat.numel)
     return extra

@@ -79,8 +79,9 @@ REGISTRY: dict[str, Spec] = {
     # m, b, worker error, server error (n/w)
     "birder": Spec(Birder, lambda w: 3.0 + 1.0 / w, overlap=True, hierarchical=True, seeded=True,
                    test_kwargs={"lr": 0.01, "seed": 1}),
-    # the inner AdamW's m and v, the anchor, the outer momentum (with error_feedback=True also the
-    # worker error, and with the all-reduce the server error, n/w, between synchronisations);
+    # the inner AdamW's m and v, the anchor, and each rank's error accumulator (SparseLoCo's outer
+    # step; outer_step="nesterov": the outer momentum instead; with the all-reduce also the server
+    # error, n/w, between synchronisations);
     # sync_every=1 in the contract tests: every step synchronises, so replicas match after each
     "diloco": Spec(DiLoCo, lambda w: 4.0, freeze=lambda t: {"sync_every": t},
                    test_kwargs={"lr": 0.01, "sync_every": 1}),

@@ -13,7 +13,7 @@ from torch.optim import Optimizer
 from .._checks import check_beta, check_bool, check_nonneg, check_positive
 from ._base import OnebitOptimizer
 
-__all__ = ["PAPER_OUTER", "inner_optimizer", "load_flat_momentum", "outer_factory"]
+__all__ = ["OUTER_STEPS", "inner_optimizer", "load_flat_momentum", "outer_factory", "outer_step_options"]
 
 
 def _exchanges_itself(opt: Optimizer) -> bool:
@@ -44,16 +44,51 @@ def inner_optimizer(params: Any, lr: float | None, inner: Any, weight_decay: flo
     return made
 
 
-# The paper's outer optimizer: Nesterov momentum SGD at learning rate 0.7, momentum 0.9
-PAPER_OUTER = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
+# Each outer step's defaults (``DiLoCo(outer_step=...)``): the outer SGD's learning rate and
+# momentum, and whether each rank carries its compression error, decayed by how much
+OUTER_STEPS: dict[str, dict[str, Any]] = {
+    # SparseLoCo (arXiv 2508.15706, Algorithm 1): each rank's decayed error accumulator
+    # e <- beta e + delta in the place of the outer momentum, the anchor moved by the plain
+    # average of what was sent
+    "sparseloco": {"outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False, "error_feedback": True,
+                   "error_decay": 0.95},
+    # DiLoCo's (arXiv 2311.08105, Algorithm 1): Nesterov momentum SGD on the averaged outer
+    # gradient, each compression's error dropped
+    "nesterov": {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True, "error_feedback": False,
+                 "error_decay": 1.0},
+}
 
 
-def outer_factory(outer: Any, lr: float, momentum: float, nesterov: bool) -> Callable[[list[Tensor]], Optimizer]:
-    """The factory of the outer optimizer over the anchors: ``outer``, or Nesterov SGD at ``lr``
-    and ``momentum`` (the paper's by default); those are refused beside ``outer`` where they are
-    not the defaults (they would configure nothing)."""
+def outer_step_options(outer_step: object, outer: Any, **given: Any) -> dict[str, Any]:
+    """``outer_lr``, ``outer_momentum``, ``nesterov``, ``error_feedback`` and ``error_decay``:
+    those ``given`` (not None), the others ``outer_step``'s (:data:`OUTER_STEPS`; beside
+    ``outer``, the outer optimizer's three are the user's). SparseLoCo's refuses an outer
+    momentum and no error feedback: its accumulator is its momentum, and either would make it
+    another algorithm (``outer_step="nesterov"`` takes them)."""
+    if outer_step not in OUTER_STEPS:
+        raise ValueError(f"Invalid outer_step value: {outer_step!r} (expected 'sparseloco' or 'nesterov')")
+    theirs = ("outer_lr", "outer_momentum", "nesterov") if outer is not None else ()  # outer_factory refuses them
+    options = {name: OUTER_STEPS[outer_step][name] if value is None and name not in theirs else value
+               for name, value in given.items()}
+    if outer_step == "sparseloco":
+        momentum = given["outer_momentum"]
+        if outer is None and momentum is not None and check_beta(momentum, "outer_momentum") != 0:
+            raise ValueError(f"Invalid outer_momentum value with outer_step='sparseloco': {momentum!r} (its momentum "
+                             "is each rank's decayed error accumulator; outer_step='nesterov' for the paper's)")
+        if check_bool("error_feedback", options["error_feedback"]) is False:
+            raise ValueError("Invalid error_feedback value with outer_step='sparseloco': False (its error "
+                             "accumulator is its outer step; outer_step='nesterov' sends without one)")
+    return options
+
+
+def outer_factory(outer: Any, lr: float | None, momentum: float | None,
+                  nesterov: bool | None) -> Callable[[list[Tensor]], Optimizer]:
+    """The factory of the outer optimizer over the anchors: ``outer``, or SGD at ``lr`` and
+    ``momentum`` (Nesterov's where ``nesterov``); those three are refused beside ``outer`` where
+    given (they would configure nothing)."""
     if outer is not None:
-        given = [name for name, value in zip(PAPER_OUTER, (lr, momentum, nesterov)) if value != PAPER_OUTER[name]]
+        given = [name for name, value in (("outer_lr", lr), ("outer_momentum", momentum), ("nesterov", nesterov))
+                 if value is not None]
         if given:
             raise TypeError(f"DiLoCo was given outer= and also {given[0]}=: set it on the outer optimizer")
         if not callable(outer):
