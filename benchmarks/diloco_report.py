@@ -51,6 +51,7 @@ from _records import added_up, compare_runs, compare_sources, refreshes_sent, sa
 
 from onebit.bench._analysis import mean_interval, ratio_interval, step_time, steps_to_loss
 from onebit.bench._matrix import _gap, _run
+from onebit.optim._fragments import default_scales
 from onebit.optim._wrapped import OUTER_STEPS
 
 # label as run on SETTINGS_DATE, by a run without its arguments -> (outer step, exchange)
@@ -101,7 +102,7 @@ def _resolved(a: dict) -> dict:
     step = OUTER_STEPS[a.get("outer_step", "nesterov")]
     a = {**a, **{k: v for k, v in step.items() if a.get(k) is None}}
     if a.get("scales", "tensor") is None:
-        a["scales"] = "row" if a["compressor"] == "sign" else "tensor"
+        a["scales"] = default_scales(a["compressor"])
     return a
 
 

@@ -1,11 +1,11 @@
 """DiLoCo with 1-bit outer gradients in a plain torchrun script.
 
     torchrun --nproc_per_node 2 examples/diloco_torchrun.py [--sync-every 16] [--compressor identity]
-        [--fragments 4 --delay 2]
+        [--outer-step nesterov] [--fragments 4 --delay 2]
 
 Each rank takes AdamW steps on its own shard of the data; every ``--sync-every`` steps the
-ranks exchange how far each moved (1 bit per value) and take the outer Nesterov step
-together. Streamed (``--fragments``, ``--delay``): a quarter of the model every 4 steps, each
+ranks exchange how far each moved (1 bit per value, each rank carrying what its bit did not
+send) and take the outer step together. Streamed (``--fragments``, ``--delay``): a quarter of the model every 4 steps, each
 exchange running under the next 2 inner steps. Several machines: the same script under
 ``torchrun --nnodes N --nproc_per_node 1 --rdzv-backend c10d --rdzv-endpoint HOST:29400``.
 """
@@ -29,6 +29,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--sync-every", type=int, default=16, help="inner steps per synchronisation (H)")
     parser.add_argument("--compressor", choices=("sign", "identity"), default="sign")
+    parser.add_argument("--outer-step", choices=("sparseloco", "nesterov"), default="sparseloco",
+                        help="nesterov: the paper's (with --compressor identity, DiLoCo as published)")
     parser.add_argument("--fragments", type=int, default=1, help="fragments synchronised in turn (streaming)")
     parser.add_argument("--delay", type=int, default=0, help="inner steps each synchronisation stays in flight")
     parser.add_argument("--batch-size", type=int, default=32, help="samples per rank per step")
@@ -40,8 +42,8 @@ def main() -> None:
     torch.manual_seed(0)
     model = byte_model()
     inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    opt = onebit.DiLoCo(inner, sync_every=args.sync_every, compressor=args.compressor, fragments=args.fragments,
-                        delay=args.delay)
+    opt = onebit.DiLoCo(inner, sync_every=args.sync_every, outer_step=args.outer_step, compressor=args.compressor,
+                        fragments=args.fragments, delay=args.delay)
     data = byte_windows(rank, world, args.steps * args.batch_size)
     for step in range(args.steps):
         batch = data[step * args.batch_size : (step + 1) * args.batch_size]

@@ -571,8 +571,18 @@ def test_a_checkpoint_loads_only_into_the_same_streaming_schedule():
         with pytest.raises(ValueError, match="saved with error_feedback=False, error_decay=1.0; this optimizer has "
                                              "error_feedback=True.*outer_step='nesterov' carries none by default"):
             onebit.DiLoCo(torch.optim.AdamW(model.parameters()), sync_every=4, **other).load_state_dict(state)
-    del state["onebit"]["error_feedback"]  # a checkpoint from before the record: whatever it is built with
-    onebit.DiLoCo(torch.optim.AdamW(model.parameters()), sync_every=4).load_state_dict(state)
+    del state["onebit"]["error_feedback"]  # a checkpoint from before the record: whatever it is built with,
+    onebit.DiLoCo(torch.optim.AdamW(model.parameters()), sync_every=4, outer_step="nesterov",
+                  error_feedback=True).load_state_dict(state)
+    # but not SparseLoCo's outer step beside the outer momentum it would load
+    with pytest.raises(ValueError, match="saved with outer_momentum=0.9; this optimizer's outer step is SparseLoCo's"):
+        onebit.DiLoCo(torch.optim.AdamW(model.parameters()), sync_every=4).load_state_dict(state)
+    # nor with other scales (another code); a checkpoint from before the record: whatever it is built with
+    state = onebit.DiLoCo(torch.optim.AdamW(model.parameters()), sync_every=4).state_dict()
+    with pytest.raises(ValueError, match="saved with scales='row'; this optimizer has scales='tensor'"):
+        onebit.DiLoCo(torch.optim.AdamW(model.parameters()), sync_every=4, scales="tensor").load_state_dict(state)
+    del state["onebit"]["scales"]
+    onebit.DiLoCo(torch.optim.AdamW(model.parameters()), sync_every=4, scales="tensor").load_state_dict(state)
     # fragments given as parameters: only into the same ones, however they were given
     def built(fragments):
         return onebit.DiLoCo(torch.optim.AdamW(model.parameters()), sync_every=4, fragments=fragments, delay=1)
@@ -603,9 +613,11 @@ def test_a_checkpoint_loads_only_into_the_same_streaming_schedule():
     ({"outer_step": "paper"}, ValueError,
      "Invalid outer_step value: 'paper' \\(expected 'sparseloco' or 'nesterov'\\)"),
     # SparseLoCo's outer step is its error accumulator: a momentum, or no error carried, is another algorithm
-    ({"outer_momentum": 0.9}, ValueError, "Invalid outer_momentum value with outer_step='sparseloco': 0.9 \\(its "
-                                          "momentum is each rank's decayed error accumulator"),
+    ({"outer_momentum": 0.9}, ValueError,
+     "Invalid outer_momentum value with outer_step='sparseloco': 0.9 \\(its momentum is each rank's decayed error"),
     ({"error_feedback": False}, ValueError, "Invalid error_feedback value with outer_step='sparseloco': False"),
+    ({"nesterov": True}, ValueError, "Invalid nesterov value with outer_step='sparseloco': True"),
+    ({"outer_step": ["nesterov"]}, ValueError, "Invalid outer_step value: \\['nesterov'\\]"),
     ({"error_feedback": True, "error_decay": 1.5}, ValueError, "Invalid error_decay value: 1.5"),
     ({"error_feedback": True, "error_decay": 0}, ValueError, "Invalid error_decay value: 0"),
     ({"collective": "ring"}, ValueError, "Invalid collective value: 'ring' \\(expected 'allgather' or 'allreduce'\\)"),

@@ -56,7 +56,9 @@ class Benchmarked:
     ``matrix + "_" + suffix``) and ``target``, the largest mean paired gap it may show against
     its counterpart there (C1 in docs/design.md: % of held-out loss, points of digits' error
     rate); ``costs``, its rows of the cost model (``{name: Cost}``); ``options``, what it takes
-    of ``onebit train``'s options (``{TrainConfig field: argument}``)."""
+    of ``onebit train``'s options (``{TrainConfig field: argument}``); ``control``, the suffix of
+    the variant that is the entry's own identity control where no variant is it with the
+    identity compressor alone (None: that one, if any)."""
 
     counterpart: str | None
     matrix: str | None = None
@@ -64,6 +66,7 @@ class Benchmarked:
     target: float | None = None
     costs: Mapping[str, Cost] = field(default_factory=dict)
     options: Mapping[str, str] = field(default_factory=dict)
+    control: str | None = None
 
 
 @dataclass(frozen=True)
@@ -130,7 +133,8 @@ BENCHMARKED: dict[str, Benchmarked] = {
     "diloco": Benchmarked("adamw", matrix="diloco",
                           # each explicit about its outer step, scales and error feedback whatever the
                           # defaults (the committed runs name them); a variant equal to the defaults, or to
-                          # an earlier one, is not run twice
+                          # an earlier one, is not run twice (as given: sparseloco_sign_rows, today's
+                          # defaults spelt out, is)
                           variants={"identity": Variant({**_PAPER, "compressor": "identity"}, control=True),
                                     "nesterov": Variant(_PAPER, extended=True),
                                     "ef": Variant({**_PAPER, "error_feedback": True}, extended=True),
@@ -164,7 +168,9 @@ BENCHMARKED: dict[str, Benchmarked] = {
                                  "diloco_fp32": Cost("allreduce_fp32", "ring all-reduce fp32", kernels=0.0,
                                                      exact="sync")},
                           options={"sync_every": "sync_every", "fragments": "fragments", "delay": "delay",
-                                   "collective": "collective", **_COMPRESSOR_OPTION}),
+                                   "collective": "collective", **_COMPRESSOR_OPTION},
+                          # fp32 DiLoCo as published, what every DiLoCo setting is measured against
+                          control="identity"),
 }
 
 # The uncompressed optimizers the convergence matrix compares with, by the name its tables use

@@ -256,8 +256,12 @@ def _control_of(name: str) -> str | None:
         return {k: v for k, v in kw.items() if k != "error_feedback"}
 
     wanted = {**aside(kwargs), "compressor": "identity"}
-    return next((n for n, (e, kw, control) in VARIANTS.items() if control and e == entry and aside(kw) == wanted),
-                None)
+    found = next((n for n, (e, kw, control) in VARIANTS.items() if control and e == entry and aside(kw) == wanted),
+                 None)
+    row = BENCHMARKED[entry]
+    if found is None and name == row.matrix and row.control is not None:
+        return f"{row.matrix}_{row.control}"
+    return found
 
 
 def _run(r: dict[str, Any]) -> tuple[int, int]:

@@ -30,7 +30,7 @@ from ._fragments import (Schedule, build_fragments, by_size, check_exchange, che
                          load_fragments, regroup_fragments)
 from ._membership import Healed, Membership
 from ._setup import check_groups, clip_, closure_loss, common_options, place
-from ._wrapped import inner_optimizer, load_flat_momentum, outer_factory, outer_step_options
+from ._wrapped import check_outer_state, inner_optimizer, load_flat_momentum, outer_factory, outer_step_options
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -100,7 +100,8 @@ class DiLoCo(Optimizer):
         outer_momentum: its momentum (None: the outer step's).
         nesterov: its Nesterov momentum (None: the outer step's; without momentum, none).
         compressor: ``"sign"`` (default: 1 bit per value and a scale per row),
-            ``"identity"`` (the exact fp32 mean), ``"chunk_topk"``
+            ``"identity"`` (the exact fp32 mean: with ``outer_step="nesterov"`` DiLoCo as
+            published, with SparseLoCo's periodic averaging, nothing left to carry), ``"chunk_topk"``
             (SparseLoCo's: 64 of every 4096 values of each tensor at 2 bits), another name of
             :func:`onebit.compress.available` or a :class:`onebit.compress.Compressor` (e.g.
             ``onebit.compress.get("uniform", bits=8)``, 8-bit pseudo-gradients).
@@ -196,6 +197,7 @@ class DiLoCo(Optimizer):
         self.outer_step, self.compressor, self.collective = outer_step, compressor, collective
         self.error_feedback, self.error_decay = step["error_feedback"], float(step["error_decay"])
         make_outer = outer_factory(outer, step["outer_lr"], step["outer_momentum"], step["nesterov"])
+        self._outer_given = outer is not None
         if comm.reforms(group) and options.get("timeout") is None:  # a dead peer is the quorum's to time out
             options["timeout"] = group.timeout
         options = common_options(options, type(self).__name__)
@@ -470,6 +472,7 @@ class DiLoCo(Optimizer):
                           params=self.flat.params, synchronised=self.synchronised),
             "inner": self.inner.state_dict(), "outer": self.outer.state_dict(), "touched": list(self._touched),
             "streaming": [self.fragments, self.delay], "fragment_of": self._fragment_of, "collective": self.collective,
+            "scales": self._scales,
             "error_feedback": [self.error_feedback, self.error_decay],
             **fragments_state(self._fragments),
         }
@@ -483,7 +486,9 @@ class DiLoCo(Optimizer):
     def _load(self, state_dict: Mapping[str, Any], *, warn: bool) -> None:
         extra = check_state(state_dict, self.flat, fragments=self.fragments, delay=self.delay,
                             fragment_of=self._fragment_of, collective=self.collective, exact=self._fragments[0].exact,
-                            error_feedback=self.error_feedback, error_decay=self.error_decay)
+                            error_feedback=self.error_feedback, error_decay=self.error_decay, scales=self._scales)
+        if "outer" in extra:
+            check_outer_state(self.outer_step, self._outer_given, extra["outer"])
         self.wait()  # an exchange still in flight writes into the collectives' errors: done first
         self.flat.buffers["anchor"].copy_(extra["flat"]["anchor"])
         self.inner.load_state_dict(extra["inner"])

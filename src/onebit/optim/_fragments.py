@@ -22,8 +22,8 @@ from ._checkpoint import check_buffers, onebit_entry
 from ._flat import FlatState, starts_inside
 from ._flight import Flight
 
-__all__ = ["Fragment", "Schedule", "build_fragments", "by_size", "check_exchange", "check_state", "fragment_bounds",
-           "fragment_of", "fragments_state", "load_fragments", "regroup_fragments", "runs"]
+__all__ = ["Fragment", "Schedule", "build_fragments", "by_size", "check_exchange", "check_state", "default_scales",
+           "fragment_bounds", "fragment_of", "fragments_state", "load_fragments", "regroup_fragments", "runs"]
 
 
 class Schedule:
@@ -259,9 +259,14 @@ def check_exchange(compressor: Any, collective: str, error_feedback: bool, error
     if check_positive("error_decay", error_decay) > 1 or (error_decay != 1 and not error_feedback):
         raise ValueError(f"Invalid error_decay value: {error_decay!r} (expected a number in (0, 1], and 1 "
                          "without error_feedback=True: it decays the errors carried)")
-    if scales is None:  # the sign's rows measured better at most intervals, and on rarely looked-up embedding rows
-        scales = "row" if compress.get(compressor).name == "sign" else "tensor"
-    return check_scales(scales, row=True)
+    return check_scales(default_scales(compressor) if scales is None else scales, row=True)
+
+
+def default_scales(compressor: Any) -> str:
+    """DiLoCo's ``scales`` where not given: a scale per row for the sign (it measured better at
+    most intervals, and on rarely looked-up embedding rows), one per tensor piece for every other
+    compressor (SparseLoCo's Top-k as published)."""
+    return "row" if compress.get(compressor).name == "sign" else "tensor"
 
 
 def build_fragments(flat: FlatState, owner: Sequence[int], compressor: Any, *, collective: str, error_feedback: bool,
@@ -375,11 +380,12 @@ def load_fragments(fragments: Sequence[Fragment], state: Mapping[str, Any], own_
 
 
 def check_state(state_dict: Any, flat: FlatState, *, fragments: int, delay: int, fragment_of: list[int],
-                collective: str, exact: bool, error_feedback: bool, error_decay: float) -> Mapping[str, Any]:
+                collective: str, exact: bool, error_feedback: bool, error_decay: float,
+                scales: str) -> Mapping[str, Any]:
     """The ``"onebit"`` entry of a DiLoCo ``state_dict``, refused (``ValueError``, before anything
     is loaded) where incomplete, or saved with another schedule, other fragments, another
-    collective or other error feedback than these (``exact``: the exact exchange, which keeps
-    no error, loads either's)."""
+    collective, other error feedback or other scales than these (``exact``: the exact exchange,
+    which keeps no error, loads either's)."""
     extra = onebit_entry(state_dict, "DiLoCo", ("inner", "touched"), param_groups=False)
     saved = list(extra.get("streaming", [1, 0]))  # checkpoints from before streaming: the whole model at once
     if saved != [fragments, delay]:
@@ -403,6 +409,10 @@ def check_state(state_dict: Any, flat: FlatState, *, fragments: int, delay: int,
                          f"optimizer has error_feedback={error_feedback}, error_decay={error_decay} (the errors it "
                          "carries mean another algorithm): build it with the saved ones (outer_step='nesterov' "
                          "carries none by default, 'sparseloco' carries them with error_decay=0.95)")
+    saved = extra.get("scales", scales)  # checkpoints from before the record: whatever they were built with
+    if saved != scales and not exact:
+        raise ValueError(f"DiLoCo state_dict saved with scales={saved!r}; this optimizer has scales={scales!r} "
+                         "(another code: its errors and the bits it sends differ): build it with the saved one")
     expected = ["anchor"] if "outer" in extra else ["anchor", "outer_momentum"]  # onebit 0.x: a flat momentum
     check_buffers(extra["flat"], expected, flat.numel)
     return extra

@@ -3,7 +3,7 @@ steps) and the outer one (over the anchors, at each synchronisation)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -13,7 +13,8 @@ from torch.optim import Optimizer
 from .._checks import check_beta, check_bool, check_nonneg, check_positive
 from ._base import OnebitOptimizer
 
-__all__ = ["OUTER_STEPS", "inner_optimizer", "load_flat_momentum", "outer_factory", "outer_step_options"]
+__all__ = ["OUTER_STEPS", "check_outer_state", "inner_optimizer", "load_flat_momentum", "outer_factory",
+           "outer_step_options"]
 
 
 def _exchanges_itself(opt: Optimizer) -> bool:
@@ -65,20 +66,37 @@ def outer_step_options(outer_step: object, outer: Any, **given: Any) -> dict[str
     ``outer``, the outer optimizer's three are the user's). SparseLoCo's refuses an outer
     momentum and no error feedback: its accumulator is its momentum, and either would make it
     another algorithm (``outer_step="nesterov"`` takes them)."""
-    if outer_step not in OUTER_STEPS:
+    if not isinstance(outer_step, str) or outer_step not in OUTER_STEPS:
         raise ValueError(f"Invalid outer_step value: {outer_step!r} (expected 'sparseloco' or 'nesterov')")
     theirs = ("outer_lr", "outer_momentum", "nesterov") if outer is not None else ()  # outer_factory refuses them
     options = {name: OUTER_STEPS[outer_step][name] if value is None and name not in theirs else value
                for name, value in given.items()}
     if outer_step == "sparseloco":
-        momentum = given["outer_momentum"]
+        momentum, nesterov = given["outer_momentum"], given["nesterov"]
         if outer is None and momentum is not None and check_beta(momentum, "outer_momentum") != 0:
             raise ValueError(f"Invalid outer_momentum value with outer_step='sparseloco': {momentum!r} (its momentum "
                              "is each rank's decayed error accumulator; outer_step='nesterov' for the paper's)")
-        if check_bool("error_feedback", options["error_feedback"]) is False:
+        if outer is None and check_bool("nesterov", False if nesterov is None else nesterov):
+            raise ValueError("Invalid nesterov value with outer_step='sparseloco': True (it has no outer momentum; "
+                             "outer_step='nesterov' for the paper's)")
+        if options["error_feedback"] is False:  # (another value than a bool: check_exchange's to refuse)
             raise ValueError("Invalid error_feedback value with outer_step='sparseloco': False (its error "
                              "accumulator is its outer step; outer_step='nesterov' sends without one)")
     return options
+
+
+def check_outer_state(outer_step: str, theirs: bool, saved: Mapping[str, Any]) -> None:
+    """Refuse a saved outer SGD with momentum where SparseLoCo's outer step builds its own
+    without (``theirs``: the user's ``outer=``, whatever it is): loading restores the saved
+    momentum, which would then run on top of the error accumulator (a state saved with the
+    paper's outer step, before the state recorded its error feedback)."""
+    if outer_step != "sparseloco" or theirs:
+        return
+    momenta = sorted({g.get("momentum", 0) for g in saved.get("param_groups", [])} - {0})
+    if momenta:
+        raise ValueError(f"DiLoCo state_dict saved with outer_momentum={momenta[0]}; this optimizer's outer step is "
+                         "SparseLoCo's, whose momentum is each rank's error accumulator: build it with "
+                         "outer_step='nesterov', scales='tensor' (the defaults it was saved with)")
 
 
 def outer_factory(outer: Any, lr: float | None, momentum: float | None,
