@@ -196,7 +196,7 @@ def test_checkpoints_resume_exactly_and_across_world_sizes(name, kwargs, caplog)
     # Each entry left out in turn: refused before anything changes, naming it, or (one that older
     # states lack) loaded.
     optional = {"rank", "updated_at", "refreshes", "warmup_in_backward", "own_parameters", "synchronised",
-                "streaming", "fragment_of", "collective", "error_feedback", "sent", "arrivals",
+                "streaming", "fragment_of", "collective", "error_feedback", "scales", "sent", "arrivals",
                 "allreduce"}  # (DiLoCo: older states)
     for key in state["onebit"]:
         probe = optimizer_class(name)([p.clone().requires_grad_() for p in initial_params()], **kwargs)
