@@ -1,5 +1,6 @@
 """Faults: non-finite gradients on one rank, GradScaler, a rank that dies mid-run."""
 
+import copy
 import os
 
 import pytest
@@ -158,6 +159,17 @@ def _resume_runs(rank, world, name, kwargs):
     return straight["digests"], resumed["digests"], holder["opt"].state_dict()
 
 
+def _entries(state, path=()):
+    """The path of every entry of a saved state, at any depth (inside lists of entries too), but
+    inside an inner torch optimizer's own state."""
+    items = state.items() if isinstance(state, dict) else enumerate(state) if isinstance(state, list) else ()
+    for key, value in items:
+        if isinstance(key, str):
+            yield (*path, key)
+        if key not in ("state", "param_groups"):
+            yield from _entries(value, (*path, key))
+
+
 @pytest.mark.parametrize("name,kwargs", OPTIMIZERS, ids=[n for n, _ in OPTIMIZERS])
 def test_checkpoints_resume_exactly_and_across_world_sizes(name, kwargs, caplog):
     # Same world size: save after step 3, reload into fresh objects, continue.
@@ -193,22 +205,29 @@ def test_checkpoints_resume_exactly_and_across_world_sizes(name, kwargs, caplog)
     assert sorted(after["flat"]) == sorted(before["flat"])
     assert all(torch.equal(after["flat"][k], before["flat"][k]) for k in before["flat"])
     assert fresh.stats["step"] == 0 and fresh.stats["stage"] == stage
-    # Each entry left out in turn: refused before anything changes, naming it, or (one that older
-    # states lack) loaded.
+    # Each entry left out in turn, at any depth: refused before anything changes, naming it, or
+    # (one that older states lack, or one not read) loaded.
     optional = {"rank", "updated_at", "refreshes", "warmup_in_backward", "own_parameters", "synchronised",
                 "streaming", "fragment_of", "collective", "error_feedback", "scales", "sent", "arrivals",
-                "allreduce"}  # (DiLoCo: older states)
-    for key in state["onebit"]:
+                "allreduce", "numel", "max_refresh_interval", "refresh_weight"}
+    # (DiLoCo: older states; a collective's size, not read; 0/1 Adam's refreshes: a record, compared)
+    own = opt.state_dict()  # this world size's and rank's: its collectives' entries are read
+    for path in _entries(own["onebit"]):
         probe = optimizer_class(name)([p.clone().requires_grad_() for p in initial_params()], **kwargs)
-        lacking = {**state, "onebit": {k: v for k, v in state["onebit"].items() if k != key}}
+        lacking = copy.deepcopy(own)
+        inside = lacking["onebit"]
+        for key in path[:-1]:
+            inside = inside[key]
+        del inside[path[-1]]
         try:
             probe.load_state_dict(lacking)
-            assert key in optional, key
+            assert path[-1] in optional, path
         except ValueError as exc:
-            assert key in str(exc), (key, str(exc))
+            # (a flat buffer left out: the buffers held are named, against a stage's)
+            assert path[-1] in str(exc) or path[0] == "flat" and "holds buffers" in str(exc), (path, str(exc))
             after = probe.state_dict()["onebit"]
-            assert all(torch.equal(after["flat"][k], before["flat"][k]) for k in before["flat"]), key
-            assert probe.stats["step"] == 0 and probe.stats["stage"] == stage, key
+            assert all(torch.equal(after["flat"][k], before["flat"][k]) for k in before["flat"]), path
+            assert probe.stats["step"] == 0 and probe.stats["stage"] == stage, path
     for p, g in zip(fresh_params, grads([p.detach() for p in fresh_params], 0, 1)):
         p.grad = g
     fresh.step()

@@ -7,8 +7,9 @@ Errors name the argument and the value, as ``torch.optim``'s do
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from datetime import timedelta
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import torch
 
@@ -19,6 +20,7 @@ __all__ = [
     "check_beta",
     "check_betas",
     "check_bool",
+    "check_entries",
     "check_nonneg",
     "check_optional_positive",
     "check_overlap",
@@ -78,6 +80,16 @@ def check_bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"Invalid {name} value: {value!r} (expected a bool)")
     return value
+
+
+def check_entries(state: Any, keys: Iterable[str], owner: str) -> None:
+    """Refuse (``ValueError``) a saved ``owner`` state that is not a mapping or lacks one of
+    ``keys``: called before anything is loaded, so that a state refused changes nothing."""
+    if not isinstance(state, Mapping):
+        raise ValueError(f"invalid {owner} state: a {type(state).__name__}, expected a mapping")
+    missing = [key for key in keys if key not in state]
+    if missing:
+        raise ValueError(f"incomplete {owner} state: missing {missing} (truncated, or saved by another version)")
 
 
 def check_overlap(value: object) -> bool | str | None:

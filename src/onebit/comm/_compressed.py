@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from .. import compress as _compress
+from .._checks import check_entries
 from ..compress import Compressor
 from ..feedback import ErrorFeedback
 from ._dist import Stages, all_gather_bytes, all_to_all_bytes, run_stages, to_timedelta
@@ -88,6 +89,8 @@ class _Sized:
     # Capability: its error is this rank's alone whatever the group (an all-gather's): it carries
     # over to the same exchange on another group (see carry()).
     own_error: bool = False
+    # The error buffers' entries of state_dict()
+    _error_keys: tuple[str, ...] = ("worker_error",)
 
     def __init__(
         self,
@@ -179,6 +182,16 @@ class _Sized:
         if self.own_error:
             self.worker_error.load_state_dict(other.worker_error.state_dict())
 
+    def check_state_dict(self, state: Any) -> None:
+        """Refuse (``ValueError``) a :meth:`state_dict` lacking an entry :meth:`load_state_dict`
+        reads, before anything is loaded (an optimizer checks every collective's first)."""
+        owner = type(self).__name__
+        check_entries(state, ("world_size", "compressor", *self._error_keys), owner)
+        self.compressor.check_state_dict(state["compressor"])
+        if state["world_size"] == self._world_size:  # else the errors restart, unread
+            for key in self._error_keys:
+                check_entries(state[key], ("error",), f"{owner} {key}")
+
     def _load_base_state(self, state: Mapping[str, Any]) -> bool:
         """Restore the common part; False (errors left as zeros, warning logged) on another world size."""
         self.compressor.load_state_dict(state["compressor"])
@@ -241,6 +254,7 @@ class CompressedAllReduce(_Sized):
     _link = "flat"
     _min_slot = 0
     reduces_added_input = True
+    _error_keys = ("worker_error", "server_error")
 
     def __init__(
         self,
@@ -386,6 +400,7 @@ class CompressedAllReduce(_Sized):
     def state_dict(self) -> dict[str, Any]:
         """Worker and server errors, compressor state, and the sizes they belong to."""
         return {**self._base_state(), "server_error": self.server_error.state_dict()}
+
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`; on another world size the errors restart at zero (warning)."""

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._checks import check_entries
 from ..compress import Compressor
 from ._compressed import CompressedAllReduce, _Sized, _check_segments, chunk_bounds, chunk_codecs
 from ._wire import read_payload
@@ -176,6 +177,15 @@ class HierarchicalAllReduce(_Sized):
             "numel": self._numel,
             "inter": self.inter.state_dict(),
         }
+
+    def check_state_dict(self, state: Any) -> None:
+        owner = type(self).__name__
+        check_entries(state, ("world_size", "ranks_per_node", "inter"), owner)
+        if (state["world_size"], state["ranks_per_node"]) == (self._world_size, self.ranks_per_node):
+            self.inter.check_state_dict(state["inter"])
+        else:  # the errors restart, unread
+            check_entries(state["inter"], ("compressor",), f"{owner} inter")
+            self.compressor.check_state_dict(state["inter"]["compressor"])
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`; on another world or node size the errors restart at zero (warning)."""

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from .. import ops
+from .._checks import check_entries
 
 __all__ = ["Compressor", "Payload", "check_float_tensor", "sub_signed_scale_"]
 
@@ -162,6 +163,10 @@ class Compressor(abc.ABC):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
+
+    def check_state_dict(self, state: Any) -> None:
+        """Refuse (``ValueError``) a state :meth:`load_state_dict` cannot read, before anything is loaded."""
+        check_entries(state, (), f"{type(self).__name__}")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

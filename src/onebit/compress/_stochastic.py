@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._checks import check_entries
 from ..ops import packed_numel, stochastic_sign_compress_, unpack_signs
 from ._base import Compressor, Payload
 
@@ -60,6 +61,12 @@ class StochasticSignCompressor(Compressor):
 
     def state_dict(self) -> dict[str, Any]:
         return {"seed": self.seed, "draws": self.draws}
+
+    def check_state_dict(self, state: Any) -> None:
+        check_entries(state, ("seed",), "StochasticSignCompressor")
+        if "draws" not in state and "rng_state" not in state:  # onebit 0.1 saved the generator's state
+            raise ValueError("incomplete StochasticSignCompressor state: missing ['draws'] (truncated, or saved by "
+                             "another version)")
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.seed = int(state["seed"])

@@ -16,6 +16,7 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import comm
+from .._checks import check_entries
 from ._agreement import require_own_parameters, require_replicas, start_agreement
 from ._buckets import Buckets
 from ._checkpoint import check_buffers, onebit_entry, own_state, saved_entry
@@ -533,11 +534,18 @@ class OnebitOptimizer(Algorithm):
         name = type(self).__name__
         extra = onebit_entry(state_dict, name, required=(*self._stages.required, *self._extra_required))
         onebit_entry(state_dict, name, required=self._exchange.required(extra))  # as it was bucketed then
+        for key, keys in self._stages.inside.items():
+            check_entries(extra[key], keys, f"{name} {key}")
         self._check_extra_state(extra)
         flat = extra["flat"]
         saved = [s for s in self._stages.stages if set(s.buffers) == set(flat)]
         # Checked before anything changes: a state refused leaves the optimizer as it was
         check_buffers(flat, saved[0].buffers if saved else self.flat.buffers, self.flat.numel)
+        # Worker/server errors (and Birder's random state) belong to the rank that saved them.
+        own = own_state(extra, self.world_size, self.rank, owner=name,
+                        restarts="per-rank error-feedback buffers re-created as zeros, random state reseeded for "
+                                 "this rank")
+        self._exchange.check_state_dict(extra, own)
         super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
         # The saved stage's layout, its state's views linked again (loading the groups dropped
         # them); the buffers' names matched one stage's, or were refused above
@@ -546,21 +554,13 @@ class OnebitOptimizer(Algorithm):
             self.flat.buffers[key].copy_(buf)
         self._step_count = int(extra["step"])
         self._bytes_total = int(extra["bytes_sent_total"])
-        # Worker/server errors (and Birder's random state) belong to the rank that saved them.
-        own = own_state(extra, self.world_size, self.rank, owner=name,
-                        restarts="per-rank error-feedback buffers re-created as zeros, random state reseeded for "
-                                 "this rank")
         self._own_parameters = extra.get("own_parameters")  # checked on every rank, whoever saved it
-        try:
-            self._stages.load_state_dict(extra)
-            if self._stages.current.averages != (self._grad is not None):  # stages alike but for that
-                self._lay_out(self._stages.current)
-            self._load_extra_state(extra, own)
-            self._exchange.load_state_dict(extra, own)
-            if self._buckets is not None:
-                self._buckets.load_state_dict(extra)
-                self._buckets.plan(self._stages.current.wire.all_reduced)
-        except KeyError as exc:  # inside an entry checked above (a state made by hand)
-            raise ValueError(f"incomplete {name} state_dict: missing {exc.args[0]!r} inside an entry; the "
-                             "optimizer is partly loaded (load a complete state)") from None
+        self._stages.load_state_dict(extra)
+        if self._stages.current.averages != (self._grad is not None):  # stages alike but for that
+            self._lay_out(self._stages.current)
+        self._load_extra_state(extra, own)
+        self._exchange.load_state_dict(extra, own)
+        if self._buckets is not None:
+            self._buckets.load_state_dict(extra)
+            self._buckets.plan(self._stages.current.wire.all_reduced)
 

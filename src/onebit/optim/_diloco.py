@@ -26,8 +26,8 @@ from .._checks import check_positive_int
 from ._agreement import ReplicaDivergence, require_own_parameters, require_replicas, start_agreement
 from ._checkpoint import own_state, saved_entry
 from ._ddp import attach_ddp, check_ddp
-from ._fragments import (Schedule, build_fragments, by_size, check_exchange, check_state, fragment_of, fragments_state,
-                         load_fragments, regroup_fragments)
+from ._fragments import (Schedule, build_fragments, by_size, check_exchange, check_fragments_state, check_state,
+                         fragment_of, fragments_state, load_fragments, regroup_fragments)
 from ._membership import Healed, Membership
 from ._setup import check_groups, clip_, closure_loss, common_options, place
 from ._wrapped import check_outer_state, inner_optimizer, load_flat_momentum, outer_factory, outer_step_options
@@ -489,6 +489,10 @@ class DiLoCo(Optimizer):
                             error_feedback=self.error_feedback, error_decay=self.error_decay, scales=self._scales)
         if "outer" in extra:
             check_outer_state(self.outer_step, self._outer_given, extra["outer"])
+        quorum = self._membership is not None
+        own = own_state(extra, self.world_size, self.rank, owner="DiLoCo", restarts="the compression errors restart "
+                        "at zero", warn=warn and not quorum)
+        check_fragments_state(self._fragments, extra, own)
         self.wait()  # an exchange still in flight writes into the collectives' errors: done first
         self.flat.buffers["anchor"].copy_(extra["flat"]["anchor"])
         self.inner.load_state_dict(extra["inner"])
@@ -499,9 +503,6 @@ class DiLoCo(Optimizer):
             load_flat_momentum(self.outer, self._anchors, self.flat.split(extra["flat"]["outer_momentum"]))
         self._step_count, self._bytes_total = int(extra["step"]), int(extra["bytes_sent_total"])
         self._touched = [bool(t) for t in extra["touched"]]
-        quorum = self._membership is not None
-        own = own_state(extra, self.world_size, self.rank, owner="DiLoCo", restarts="the compression errors restart "
-                        "at zero", warn=warn and not quorum)
         self._own_parameters = extra.get("own_parameters")  # checked on every rank, whoever saved it
         if not own and warn and quorum:  # a quorum's checkpoint: one replica's state, as a newcomer's
             _log.info("DiLoCo: rank %d of %d took the state of rank %d of %d; its compression errors restart at zero",

@@ -198,29 +198,43 @@ class Exchange:
             return ("bucket_bounds", bucketed)
         return (self.key,)
 
-    def load_state_dict(self, state: Mapping[str, Any], own_state: bool) -> None:
-        """Restore :meth:`state_dict`; saved with another bucketing, by another rank or on another
-        world size, the errors restart at zero (freshly seeded)."""
-        if all(c is None for c in self.collectives):
-            return
-        key = self.key
-        saved = state["bucket_" + key] if "bucket_bounds" in state else [state[key]]
+    def _saved(self, state: Mapping[str, Any], own_state: bool) -> list[Any] | None:
+        """Each collective's saved state, where it is this rank's and bucketed as this exchange is
+        (None otherwise: the errors restart)."""
         # one bucket spanning the model is the one-shot layout, however it was saved
         layout = state.get("bucket_bounds")
         layout = None if layout is None or [list(b) for b in layout] == [[0, self.flat.numel]] \
             else [list(b) for b in layout]
         mine = None if len(self.bounds) == 1 else [[lo, hi] for lo, hi, _ in self.bounds]
-        same = own_state and layout == mine
-        if own_state and not same:
+        if not own_state or layout != mine:
+            return None
+        return state["bucket_" + self.key] if "bucket_bounds" in state else [state[self.key]]
+
+    def check_state_dict(self, state: Mapping[str, Any], own_state: bool) -> None:
+        """Refuse (``ValueError``) a collective's saved state that :meth:`load_state_dict` would
+        fail to read, before anything is loaded."""
+        if all(c is None for c in self.collectives):
+            return
+        for c, s in zip(self.collectives, self._saved(state, own_state) or ()):
+            if c is not None:
+                c.check_state_dict(s)
+
+    def load_state_dict(self, state: Mapping[str, Any], own_state: bool) -> None:
+        """Restore :meth:`state_dict`; saved with another bucketing, by another rank or on another
+        world size, the errors restart at zero (freshly seeded)."""
+        if all(c is None for c in self.collectives):
+            return
+        saved = self._saved(state, own_state)
+        if own_state and saved is None:
             _log.warning("%s: checkpoint saved with another bucketing (overlap=%s): error-feedback buffers "
-                         "restart at zero", self.owner, layout is not None)
+                         "restart at zero", self.owner, "bucket_bounds" in state)
         for i, c in enumerate(self.collectives):
             if c is None:
                 continue
-            if same:
-                c.load_state_dict(saved[i])
-            else:
+            if saved is None:
                 c.reset()
+            else:
+                c.load_state_dict(saved[i])
 
 
 def _span(landing: Tensor | comm.Consume, start: int, end: int) -> Tensor | comm.Consume:

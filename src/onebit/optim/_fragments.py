@@ -17,13 +17,14 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from .. import comm, compress
-from .._checks import check_bool, check_nonneg, check_positive, check_positive_int, check_scales
+from .._checks import check_bool, check_entries, check_nonneg, check_positive, check_positive_int, check_scales
 from ._checkpoint import check_buffers, onebit_entry
 from ._flat import FlatState, starts_inside
 from ._flight import Flight
 
-__all__ = ["Fragment", "Schedule", "build_fragments", "by_size", "check_exchange", "check_state", "default_scales",
-           "fragment_bounds", "fragment_of", "fragments_state", "load_fragments", "regroup_fragments", "runs"]
+__all__ = ["Fragment", "Schedule", "build_fragments", "by_size", "check_exchange", "check_fragments_state",
+           "check_state", "default_scales", "fragment_bounds", "fragment_of", "fragments_state", "load_fragments",
+           "regroup_fragments", "runs"]
 
 
 class Schedule:
@@ -363,6 +364,25 @@ def load_fragments(fragments: Sequence[Fragment], state: Mapping[str, Any], own_
         index = arrival["fragment"] if "fragment" in arrival else owner[(arrival["wire"]["buckets"] or [0])[0]]
         landing = {int(b): t.to(device, torch.float32).clone() for b, t in arrival["average"].items()}
         fragments[index].flight = Flight(int(arrival["lands_at"]), landing)
+    for c, s in _saved_collectives(fragments, state, own_state):
+        if s is None:
+            c.reset()
+        else:
+            c.load_state_dict(s)
+
+
+def check_fragments_state(fragments: Sequence[Fragment], state: Mapping[str, Any], own_state: bool) -> None:
+    """Refuse (``ValueError``) a collective's saved state that :func:`load_fragments` would fail
+    to read, before anything is loaded."""
+    for c, s in _saved_collectives(fragments, state, own_state):
+        if s is not None:
+            c.check_state_dict(s)
+
+
+def _saved_collectives(fragments: Sequence[Fragment], state: Mapping[str, Any],
+                       own_state: bool) -> list[tuple[Any, Any]]:
+    """Each compressed collective with its saved state: None where the state is another rank's
+    or laid out in other runs (the errors restart at zero)."""
     collectives = [c for f in fragments for c in f.collectives]
     bounds = [(lo, hi) for f in fragments for _, lo, hi, _ in f.runs]
     if "bucket_bounds" in state:
@@ -370,13 +390,7 @@ def load_fragments(fragments: Sequence[Fragment], state: Mapping[str, Any], own_
     else:  # one run, the whole model
         layout, saved = [(0, bounds[-1][1])], [state.get("allreduce")]
     same = own_state and layout == bounds
-    for c, s in zip(collectives, saved if same else [None] * len(collectives)):
-        if c is None:
-            continue
-        if s is None:
-            c.reset()
-        else:
-            c.load_state_dict(s)
+    return [(c, s) for c, s in zip(collectives, saved if same else [None] * len(collectives)) if c is not None]
 
 
 def check_state(state_dict: Any, flat: FlatState, *, fragments: int, delay: int, fragment_of: list[int],
@@ -415,4 +429,7 @@ def check_state(state_dict: Any, flat: FlatState, *, fragments: int, delay: int,
                          "(another code: its errors and the bits it sends differ): build it with the saved one")
     expected = ["anchor"] if "outer" in extra else ["anchor", "outer_momentum"]  # onebit 0.x: a flat momentum
     check_buffers(extra["flat"], expected, flat.numel)
+    for name in ("inner", "outer"):
+        if name in extra:
+            check_entries(extra[name], ("state", "param_groups"), f"DiLoCo {name} optimizer")
     return extra

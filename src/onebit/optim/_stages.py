@@ -111,6 +111,7 @@ class OneStage:
     schedule = None  # no warm-up to end
     variance_ratio = None
     required: tuple[str, ...] = ()  # the state_dict entries its load reads
+    inside: Mapping[str, tuple[str, ...]] = {}  # and those it reads inside them
 
     def __init__(self, stage: Stage) -> None:
         self.current = stage
@@ -134,6 +135,7 @@ class TwoStages:
     ``owner`` names the optimizer in the log."""
 
     required = ("freeze", "frozen_at")
+    inside = {"freeze": ("history",)}
 
     def __init__(self, owner: str, warmup: Stage, compressed: Stage, schedule: FreezeSchedule, *,
                  watch: str) -> None:
@@ -206,6 +208,7 @@ class StepStages:
 
     variance_ratio = None  # a fixed schedule: no freeze criterion
     required: tuple[str, ...] = ()  # the step alone, which every state_dict has
+    inside: Mapping[str, tuple[str, ...]] = {}
 
     def __init__(self, stages: tuple[Stage, ...], stage_of: Callable[[Any, int], Stage], schedule: Any, *,
                  freeze_step: int | None = None) -> None:

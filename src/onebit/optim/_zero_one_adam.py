@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from .. import comm
-from .._checks import check_adam_args, check_bool, check_optional_positive
+from .._checks import check_adam_args, check_bool, check_entries, check_optional_positive
 from ..ops import zero_where_equal_
 from ._base import OnebitOptimizer
 from ._stages import COMPRESSED_FORMED, COMPRESSED_GRADIENT, LOCAL, Sends, Stage, StepStages, Wire
@@ -431,11 +431,12 @@ class ZeroOneAdam(OnebitOptimizer):
             mask_unused_(m, denom, self.eps, self.flat.offsets, self._unused)
         if self.clip_update is None:
             return
-        k = self.schedule.variance_age(step)
         bc1, _ = self._corrections(step)
+        # d holds the variance's bias correction where there is one; else the clip applies it
+        k = None if self.bias_correction else self.schedule.variance_age(step)
         for i, ((lo, hi), (beta1, beta2)) in enumerate(zip(self.flat.offsets, self._hyper("betas"))):
             if moving[i]:
-                bc2 = 1.0 if self.bias_correction else 1.0 - beta2**k
+                bc2 = 1.0 if k is None else 1.0 - beta2**k
                 clip_to_adam_step_(m[lo:hi], denom[lo:hi], beta1, beta2, bc1[i], bc2, self.clip_update)
 
     def _enter(self, stage: Stage) -> None:
@@ -467,6 +468,9 @@ class ZeroOneAdam(OnebitOptimizer):
     def _extra_state(self) -> dict[str, Any]:
         return {"interval": {"lr_sums": list(self._lr_sums), "weight_sums": list(self._weight_sums),
                              "touched": list(self._touched)}, "refreshes": self._refreshes()}
+
+    def _check_extra_state(self, state: Mapping[str, Any]) -> None:
+        check_entries(state["interval"], ("lr_sums", "weight_sums", "touched"), "ZeroOneAdam interval")
 
     def _load_extra_state(self, state: Mapping[str, Any], own_state: bool) -> None:
         # The variance saved was refreshed on the saved schedule; this one goes on with its own
