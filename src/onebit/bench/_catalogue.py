@@ -162,7 +162,11 @@ BENCHMARKED: dict[str, Benchmarked] = {
                                                                           "collective": "allreduce"}, extended=True),
                                     # and with a scale per row (rarely looked-up embedding rows)
                                     "sparseloco_sign_rows": Variant({**_SPARSELOCO, "compressor": "sign",
-                                                                     "scales": "row"}, extended=True)},
+                                                                     "scales": "row"}, extended=True),
+                                    # both: bytes per worker flat in W, a scale per row
+                                    "sparseloco_sign_allreduce_rows": Variant({**_SPARSELOCO, "compressor": "sign",
+                                                                               "collective": "allreduce",
+                                                                               "scales": "row"}, extended=True)},
                           costs={"diloco": Cost("allgather_sign", "all-gather of signs+scales", exact="sync"),
                                  "diloco_allreduce": Cost("onebit", _ONEBIT, exact="sync"),
                                  "diloco_fp32": Cost("allreduce_fp32", "ring all-reduce fp32", kernels=0.0,
