@@ -401,7 +401,6 @@ class CompressedAllReduce(_Sized):
         """Worker and server errors, compressor state, and the sizes they belong to."""
         return {**self._base_state(), "server_error": self.server_error.state_dict()}
 
-
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`; on another world size the errors restart at zero (warning)."""
         if self._load_base_state(state):

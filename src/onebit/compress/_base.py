@@ -166,7 +166,7 @@ class Compressor(abc.ABC):
 
     def check_state_dict(self, state: Any) -> None:
         """Refuse (``ValueError``) a state :meth:`load_state_dict` cannot read, before anything is loaded."""
-        check_entries(state, (), f"{type(self).__name__}")
+        check_entries(state, (), type(self).__name__)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
