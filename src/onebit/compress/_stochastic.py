@@ -63,10 +63,9 @@ class StochasticSignCompressor(Compressor):
         return {"seed": self.seed, "draws": self.draws}
 
     def check_state_dict(self, state: Any) -> None:
-        check_entries(state, ("seed",), "StochasticSignCompressor")
-        if "draws" not in state and "rng_state" not in state:  # onebit 0.1 saved the generator's state
-            raise ValueError("incomplete StochasticSignCompressor state: missing ['draws'] (truncated, or saved by "
-                             "another version)")
+        # onebit 0.1 saved the generator's state in the place of the draws
+        legacy = isinstance(state, Mapping) and "rng_state" in state
+        check_entries(state, ("seed",) if legacy else ("seed", "draws"), "StochasticSignCompressor")
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.seed = int(state["seed"])
