@@ -189,6 +189,8 @@ def _refreshes(name: str, records: list[dict]) -> str:
     steps = [r["step"] for r in records if r["stage"] == "variance"]
     if name != "zero_one_adam" or len(steps) < 2:
         return ""
+    if len(steps) == len(records):
+        return ": every step"
     return f": {len(steps)}, the last two {steps[-1] - steps[-2]} steps apart"
 
 
