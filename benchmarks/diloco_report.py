@@ -236,6 +236,8 @@ def _curve_setting(name: str, summary: dict) -> str:
                      else f"{extra} in {sends}")
         return (f"freeze_step={asked}: " + ("never froze" if took is None else f"compressed from step {took + 1}")
                 + extra)
+    if name == "zero_one_adam" and set(summary.get("steps", ())) == {"variance"}:  # refreshed at every step
+        return "fp32 variance refreshes" + extra
     return (_setting(name, config) or "every step, fp32") + extra
 
 
