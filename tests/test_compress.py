@@ -173,6 +173,29 @@ def test_topk_keeps_largest():
     assert compress.get("topk", ratio=1e-6).k(10) == 1
 
 
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 60), ranks=st.integers(1, 4), ratio=st.sampled_from([0.05, 0.3, 1.0]),
+       seed=st.integers(0, 2**16))
+def test_topk_average_is_the_mean_of_the_dense_payloads_in_rank_order(n, ranks, ratio, seed):
+    # the server's average, written plainly: each rank's kept values in a dense vector, summed in
+    # rank order, then divided; bit for bit, also added to what `out` holds (accumulate)
+    c = compress.get("topk", ratio=ratio)
+    xs = [_vector(n, seed + r) for r in range(ranks)]
+    payloads = [c.compress(x) for x in xs]
+    dense = []
+    for x in xs:
+        kept = torch.zeros(n)
+        idx = x.abs().argsort(descending=True, stable=True)[: c.k(n)]
+        kept[idx] = x[idx]
+        dense.append(kept)
+    total = dense[0].clone()
+    for kept in dense[1:]:
+        total += kept
+    assert torch.equal(c.average(payloads, torch.full((n,), 7.0)), total / ranks)
+    base = _vector(n, seed + 99)
+    assert torch.equal(c.average(payloads, base.clone(), accumulate=True), base + total / ranks)
+
+
 def test_stochastic_sign_unbiased_and_reproducible():
     x = torch.linspace(-1, 1, 41)
     c = compress.get("stochastic_sign", seed=7)

@@ -49,7 +49,8 @@ def comp_ams(
     """Comp-AMS's server step, AMSGrad (lines 13-16), on ``grad``, the average over the workers of
     their (compressed) gradients (lines 7-12): ``m = b1 m + (1-b1) g``, ``v = b2 v + (1-b2) g^2``, ``v^ = max(v^, v)``,
     ``x <- x - lr m / (sqrt(v^) + eps)`` (with ``bias_correction``: ``m / (1 - b1^t)`` and
-    ``v^ / (1 - b2^t)``, as ``torch.optim.AdamW(amsgrad=True)``); decoupled weight decay.
+    ``v^ / (1 - b2^t)``, as ``torch.optim.AdamW(amsgrad=True)``); decoupled weight decay. ``grad``
+    is used as scratch: it holds the denominators afterwards.
     """
     for p, (lo, hi), lr, (b1, b2), wd, on in zip(params, offsets, lrs, betas, weight_decays, active):
         if not on:  # no gradient on any rank: not updated
@@ -61,7 +62,7 @@ def comp_ams(
         torch.maximum(vmax, v, out=vmax)
         bc1 = 1.0 - b1**step if bias_correction else 1.0
         bc2 = 1.0 - b2**step if bias_correction else 1.0
-        denom = vmax.sqrt().div_(math.sqrt(bc2)).add_(eps)
+        denom = torch.sqrt(vmax, out=g).div_(math.sqrt(bc2)).add_(eps)  # into g: not read again
         apply_update_(p, m, denom, lr=lr, weight_decay=wd, step_size=lr / bc1)
 
 
