@@ -86,8 +86,9 @@ def setting(run: dict, date: str) -> tuple[str, str] | None:
     decay = a.get("error_decay", 1.0)  # runs from before the option kept their errors whole
     if a["compressor"] == "identity":
         return outer, "fp32"
-    if outer == "averaging" and a["error_feedback"] and decay != 1:
-        outer, feedback = SPARSELOCO, "" if decay == 0.95 else f", error decay {decay}"
+    if a["outer_momentum"] == 0.0 and a["error_feedback"] and decay != 1:  # SparseLoCo's, at any outer lr
+        outer = SPARSELOCO if a["outer_lr"] == 1.0 else f"{SPARSELOCO}, outer lr {a['outer_lr']}"
+        feedback = "" if decay == 0.95 else f", error decay {decay}"
     else:
         feedback = ", error feedback" + (f" decayed by {decay}" if decay != 1 else "") if a["error_feedback"] else ""
     exchange = f"{CODES.get(a['compressor'], a['compressor'])} {COLLECTIVES[a['collective']]}"

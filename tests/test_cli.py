@@ -517,7 +517,8 @@ def test_convergence_cells_leave_out_the_identity_controls_on_request():
         "adamw", "diloco_identity", "diloco", "diloco_nesterov", "diloco_ef", "diloco_allreduce",
         "diloco_allreduce_ef", "diloco_streamed", "diloco_rows", "diloco_fedavg", "diloco_fedavg_identity",
         "diloco_fedavg_ef", "diloco_sparseloco", "diloco_sparseloco_sign", "diloco_sparseloco_allreduce",
-        "diloco_sparseloco_sign_allreduce", "diloco_sparseloco_sign_rows", "diloco_sparseloco_sign_allreduce_rows"]
+        "diloco_sparseloco_sign_allreduce", "diloco_sparseloco_sign_rows", "diloco_sparseloco_sign_allreduce_rows",
+        "diloco_sparseloco_sign_rows_lr125", "diloco_sparseloco_sign_rows_lr15", "diloco_sparseloco_sign_rows_lr2"]
     # (no_ef and fedavg_no_ef are the paper's outer step's defaults, nesterov and fedavg: not run twice)
     # no softsign_sgd alone
     assert labels(optimizers=("diloco_fedavg",), extended=True) == ["adamw", "diloco_fedavg"]

@@ -166,7 +166,12 @@ BENCHMARKED: dict[str, Benchmarked] = {
                                     # both: bytes per worker flat in W, a scale per row
                                     "sparseloco_sign_allreduce_rows": Variant({**_SPARSELOCO, "compressor": "sign",
                                                                                "collective": "allreduce",
-                                                                               "scales": "row"}, extended=True)},
+                                                                               "scales": "row"}, extended=True),
+                                    # the default with a larger outer step (SparseLoCo's is 1)
+                                    **{f"sparseloco_sign_rows_lr{name}": Variant({**_SPARSELOCO, "compressor": "sign",
+                                                                                  "scales": "row", "outer_lr": lr},
+                                                                                 extended=True)
+                                       for name, lr in (("125", 1.25), ("15", 1.5), ("2", 2.0))}},
                           costs={"diloco": Cost("allgather_sign", "all-gather of signs+scales", exact="sync"),
                                  "diloco_allreduce": Cost("onebit", _ONEBIT, exact="sync"),
                                  "diloco_fp32": Cost("allreduce_fp32", "ring all-reduce fp32", kernels=0.0,
