@@ -50,11 +50,11 @@ class TopKCompressor(Compressor):
         return Payload((values, idx), error.numel())
 
     def average(self, payloads: list[Payload], out: Tensor, *, accumulate: bool = False) -> Tensor:
-        """As :meth:`Compressor.average`, each payload's values added at their indices instead of
-        decompressed into a dense copy: one pass over ``out`` in all, where the dense sum made two
-        a payload over a fresh scratch buffer. The same sums in the same order (a value absent from
-        a payload added nothing to it), but for the sign of a zero that every payload sent as
-        ``-0.0``: ``+0.0`` here."""
+        """As :meth:`Compressor.average`, each payload's values added at their indices: ``out`` is
+        zeroed once, where the dense sum decompressed each payload into a fresh scratch copy of
+        ``out`` and added it. The same sums in the same order (a value absent from a payload added
+        nothing to it), but for the sign of a zero that every payload sent as ``-0.0``: ``+0.0``
+        here."""
         target = torch.empty_like(out) if accumulate else out
         flat = target.view(-1).zero_()
         for payload in payloads:
