@@ -144,14 +144,18 @@ class Compressor(abc.ABC):
         """``(D(p_0) + D(p_1) + ...) / len(payloads)`` -- summed in list order, then divided --
         written to ``out``, or added to it with ``accumulate`` (a server error, say)."""
         target = torch.empty_like(out) if accumulate else out
+        self._sum(payloads, target)
+        target.div_(len(payloads))
+        return out.add_(target) if accumulate else out
+
+    def _sum(self, payloads: list[Payload], out: Tensor) -> None:
+        """``D(p_0) + D(p_1) + ...`` in list order, written to ``out`` (:meth:`average`'s sum)."""
         scratch = torch.empty_like(out)
         for i, payload in enumerate(payloads):
             if i == 0:
-                self._decompress(payload.tensors, payload.numel, target)
+                self._decompress(payload.tensors, payload.numel, out)
             else:
-                target.add_(self._decompress(payload.tensors, payload.numel, scratch))
-        target.div_(len(payloads))
-        return out.add_(target) if accumulate else out
+                out.add_(self._decompress(payload.tensors, payload.numel, scratch))
 
     def from_wire(self, tensors: tuple[Tensor, ...], numel: int) -> Payload:
         """Rebuild a payload received from the wire (no ``ctx``)."""

@@ -49,19 +49,15 @@ class TopKCompressor(Compressor):
         error[idx] = 0.0
         return Payload((values, idx), error.numel())
 
-    def average(self, payloads: list[Payload], out: Tensor, *, accumulate: bool = False) -> Tensor:
-        """As :meth:`Compressor.average`, each payload's values added at their indices: ``out`` is
-        zeroed once, where the dense sum decompressed each payload into a fresh scratch copy of
-        ``out`` and added it. The same sums in the same order (a value absent from a payload added
-        nothing to it), but for the sign of a zero that every payload sent as ``-0.0``: ``+0.0``
-        here."""
-        target = torch.empty_like(out) if accumulate else out
-        flat = target.view(-1).zero_()
+    def _sum(self, payloads: list[Payload], out: Tensor) -> None:
+        """Each payload's values added at their indices into ``out``, zeroed once (the dense sum
+        decompressed each payload into a fresh scratch copy of ``out`` and added it). The same sums
+        in the same order (a value absent from a payload added nothing to it), but for the sign of
+        a zero that every payload sent as ``-0.0``: ``+0.0`` here."""
+        flat = out.view(-1).zero_()
         for payload in payloads:
             values, idx = payload.tensors
             flat.index_add_(0, idx, values)
-        target.div_(len(payloads))
-        return out.add_(target) if accumulate else out
 
     def _decompress(self, tensors: tuple[Tensor, ...], numel: int, out: Tensor) -> Tensor:
         values, idx = tensors
