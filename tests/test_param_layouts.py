@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from _harness import run_ranks
-from _problem import OPTIMIZERS, last_stage, optimizer_class
+from _problem import OPTIMIZERS, data, digest, initial_params, last_stage, optimizer_class
 
 
 def _both(rank, world, name, kw):
@@ -53,3 +53,36 @@ def test_options_that_would_be_ignored_are_refused(name, kw):
     opt = make([{"params": [w], "name": "trunk"}], **kw)  # keys the optimizer does not know are the user's
     with pytest.raises(ValueError, match="cannot add a param group after construction"):
         opt.add_param_group({"params": [v]})
+
+
+def _closure_and_plain(rank, world, name, kw):
+    """The same steps taken as ``step(closure)`` (inside ``no_grad``, as a trainer may call it) and as
+    backward then ``step()``."""
+    out = []
+    for use_closure in (True, False):
+        params = [p.clone().requires_grad_() for p in initial_params()]
+        opt = optimizer_class(name)(params, **kw)
+        losses = []
+        for step in range(1, 5):
+            x, y = data(rank, step)
+
+            def closure():
+                opt.zero_grad()
+                loss = 0.5 * (x @ params[0] + params[1] - y).square().mean()
+                loss.backward()
+                return loss
+
+            if use_closure:
+                with torch.no_grad():
+                    losses.append(float(opt.step(closure)))
+            else:
+                losses.append(float(closure()))
+                assert opt.step() is None
+        out.append((digest(params), losses))
+    return out
+
+
+@pytest.mark.parametrize("name,kw", OPTIMIZERS, ids=[n for n, _ in OPTIMIZERS])
+def test_step_with_a_closure_returns_its_loss_and_takes_the_same_step(name, kw):
+    for (with_closure, closure_losses), (plain, plain_losses) in run_ranks(_closure_and_plain, 2, name, kw):
+        assert with_closure == plain and closure_losses == plain_losses

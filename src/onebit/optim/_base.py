@@ -23,7 +23,7 @@ from ._checkpoint import check_buffers, onebit_entry, own_state, saved_entry
 from ._contract import Algorithm
 from ._ddp import attach_ddp, check_ddp
 from ._exchange import Exchange, allreduce_factory
-from ._setup import check_groups, clip_, clip_coef, closure_loss, common_options, place
+from ._setup import check_groups, clip_, clip_coef, common_options, place
 from ._stages import Stage, Wire
 
 if TYPE_CHECKING:
@@ -210,10 +210,6 @@ class OnebitOptimizer(Algorithm):
                 if add:
                     target.add_(rows[0])
 
-    def _present(self) -> list[bool]:
-        """Per parameter: it has a gradient here, for the step's agreement."""
-        return [p.grad is not None for p in self.flat.params]
-
     # ------------------------------------------------------------------ stages
     def _advance(self) -> None:
         """After a step: the next step's stage. Entering one laid out otherwise: its state as it
@@ -274,11 +270,6 @@ class OnebitOptimizer(Algorithm):
         """This rank's own gradients (``None`` where it has none), read where they lie."""
         return [p.grad for p in self.flat.params]
 
-    def _clip_local_grads(self) -> None:
-        """With ``max_grad_norm``: ``clip_grad_norm_`` on this rank's own gradients, in place, the
-        norm taken in fp32 over all of them (the stages whose averaged gradient never exists)."""
-        clip_([p.grad for p in self.flat.params], self.max_grad_norm)
-
     def _clip_grad_(self, grad: Tensor) -> Tensor:
         """With ``max_grad_norm``: ``clip_grad_norm_`` on the flat averaged gradient (zeros where
         a parameter has no gradient), on the device."""
@@ -336,9 +327,13 @@ class OnebitOptimizer(Algorithm):
         6. **Advance**: the next step's stage (its state laid out where it changes), and whether
            its buckets leave during backward.
         """
-        loss = closure_loss(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         comm.check_world_size(self.process_group, self.world_size, type(self).__name__)
-        self._check_loaded_parameters()
+        if self._own_parameters is not None:  # loaded beside a state saved between synchronisations
+            self._check_loaded_parameters()
         if not self._ddp_checked:  # the model may have been wrapped after the optimizer was built
             check_ddp(self.flat.params, type(self).__name__, self.world_size, construction=False)
             self._ddp_checked = True
@@ -352,8 +347,9 @@ class OnebitOptimizer(Algorithm):
                                       or getattr(self, "found_inf", None) is not None)
                 wire = self._stages.current.wire
                 with comm.span("agree", "step"):  # 2
+                    present = [p.grad is not None for p in self.flat.params]  # per parameter: a gradient here
                     agreement = start_agreement(
-                        self.flat.params, self._present(), self._shards.agreement_group, self.timeout,
+                        self.flat.params, present, self._shards.agreement_group, self.timeout,
                         step=self._step_count + 1, rank=self.rank, on_nonfinite=self.on_nonfinite,
                         scale=getattr(self, "grad_scale", None), found_inf=getattr(self, "found_inf", None),
                         stale=buckets is not None and buckets.stale)
@@ -369,8 +365,8 @@ class OnebitOptimizer(Algorithm):
                 else:
                     self._step_count += 1
                     self._last_stage = wire.stage
-                    if wire.formed:  # 3
-                        self._clip_local_grads()
+                    if wire.formed and self.max_grad_norm is not None:  # 3
+                        clip_([p.grad for p in self.flat.params], self.max_grad_norm)
                     by_bucket = self._by_bucket(wire)
                     average = None
                     if wire.exchanged:

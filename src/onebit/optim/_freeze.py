@@ -34,22 +34,15 @@ decision on the same step without another collective.
 from __future__ import annotations
 
 import bisect
-import logging
 import math
 import warnings
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, Literal
 
-from torch import Tensor
-
 from .._checks import check_positive, check_positive_int
-from ..ops import zero_where_equal_
 
-__all__ = ["FreezeSchedule", "ZeroOneSchedule", "count_unused", "freeze_schedule", "mask_unused_",
-           "warn_early_freeze"]
-
-_log = logging.getLogger("onebit.optim")
+__all__ = ["FreezeSchedule", "ZeroOneSchedule", "freeze_schedule", "warn_early_freeze"]
 
 _RAW_THRESHOLD = 0.96  # the paper's, over 1 / (1 - beta2) steps of the raw EMA
 _CORRECTED_THRESHOLD = 0.85  # 1-bit Adam's, over 0.1 / (1 - beta2) steps of the bias-corrected variance
@@ -258,31 +251,3 @@ def warn_early_freeze(owner: str, frozen_at: int, beta2: float) -> None:
             f"step {math.ceil(math.log(0.5) / math.log(beta2))}.",
             stacklevel=7,  # warn_early_freeze, _enter, _advance, step, two torch.optim wrappers
         )
-
-
-def count_unused(owner: str, frozen: Tensor, value: float, offsets: Sequence[tuple[int, int]], *,
-                 log: bool = True) -> list[int]:
-    """The parameters (indices into ``offsets``) whose flat frozen state ``frozen`` holds
-    ``value`` somewhere: it had a zero variance at the freeze, no gradient through the whole
-    warm-up (an embedding row never looked up, a frozen tensor). No mask is kept:
-    :func:`mask_unused_` re-derives it from the frozen state of those parameters, at no memory
-    cost between steps. ``log``: say how many values at INFO."""
-    counts = [int((frozen[lo:hi] == value).sum()) for lo, hi in offsets]
-    if log and any(counts):
-        _log.info("%s: %d values had a zero gradient through the warm-up; their momentum is held at zero",
-                  owner, sum(counts))
-    return [i for i, count in enumerate(counts) if count]
-
-
-def mask_unused_(m: Tensor, frozen: Tensor, value: float, offsets: Sequence[tuple[int, int]],
-                 params: Iterable[int]) -> None:
-    """Zero the averaged momentum where the frozen state equals ``value``, in ``params`` (those
-    :func:`count_unused` found; the others hold no such value and are not read).
-
-    1-bit compression gives every value a magnitude; where the frozen variance is zero the
-    step would be ``lr * scale / eps``. DeepSpeed asks users for an ``exp_avg_mask``; the zero
-    variance is that mask, derived instead of asked for.
-    """
-    for i in params:
-        lo, hi = offsets[i]
-        zero_where_equal_(m[lo:hi], frozen[lo:hi], value)

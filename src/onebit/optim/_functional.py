@@ -1,19 +1,23 @@
 """The pieces of math the optimizers share, on flat fp32 buffers: moving averages, Adam's
-preconditioner and its step bound, and the parameter update (decoupled weight decay)."""
+preconditioner and its step bound, the parameter update (decoupled weight decay), and the values
+a frozen preconditioner holds no gradient for."""
 
 from __future__ import annotations
 
 import bisect
+import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
 
-from ..ops import clamp_scaled_
+from ..ops import clamp_scaled_, zero_where_equal_
 
 __all__ = ["UpdateByChunks", "adam_denominator", "adam_denominators", "adam_step_bound", "apply_update_",
-           "clip_to_adam_step_", "ema_"]
+           "clip_to_adam_step_", "count_unused", "ema_", "mask_unused_"]
+
+_log = logging.getLogger("onebit.optim")
 
 
 def adam_denominator(exp_avg_sq: Tensor, *, eps: float, bias_correction2: float, out: Tensor | None = None) -> Tensor:
@@ -131,3 +135,31 @@ class UpdateByChunks:
                     if b == end:
                         apply_update_(p, self._pending.pop(i), None, **kw)
             i += 1
+
+
+def count_unused(owner: str, frozen: Tensor, value: float, offsets: Sequence[tuple[int, int]], *,
+                 log: bool = True) -> list[int]:
+    """The parameters (indices into ``offsets``) whose flat frozen state ``frozen`` holds
+    ``value`` somewhere: it had a zero variance at the freeze, no gradient through the whole
+    warm-up (an embedding row never looked up, a frozen tensor). No mask is kept:
+    :func:`mask_unused_` re-derives it from the frozen state of those parameters, at no memory
+    cost between steps. ``log``: say how many values at INFO."""
+    counts = [int((frozen[lo:hi] == value).sum()) for lo, hi in offsets]
+    if log and any(counts):
+        _log.info("%s: %d values had a zero gradient through the warm-up; their momentum is held at zero",
+                  owner, sum(counts))
+    return [i for i, count in enumerate(counts) if count]
+
+
+def mask_unused_(m: Tensor, frozen: Tensor, value: float, offsets: Sequence[tuple[int, int]],
+                 params: Iterable[int]) -> None:
+    """Zero the averaged momentum where the frozen state equals ``value``, in ``params`` (those
+    :func:`count_unused` found; the others hold no such value and are not read).
+
+    1-bit compression gives every value a magnitude; where the frozen variance is zero the
+    step would be ``lr * scale / eps``. DeepSpeed asks users for an ``exp_avg_mask``; the zero
+    variance is that mask, derived instead of asked for.
+    """
+    for i in params:
+        lo, hi = offsets[i]
+        zero_where_equal_(m[lo:hi], frozen[lo:hi], value)

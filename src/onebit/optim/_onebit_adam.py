@@ -29,8 +29,9 @@ from .._checks import (
 )
 from ._base import OnebitOptimizer
 from ._stages import COMPRESSED_FORMED, EXACT_GRADIENT, RefreshedStages, Sends, Stage, TwoStages, Wire
-from ._freeze import count_unused, freeze_schedule, mask_unused_, warn_early_freeze
-from ._functional import adam_denominator, adam_denominators, apply_update_, clip_to_adam_step_, ema_
+from ._freeze import freeze_schedule, warn_early_freeze
+from ._functional import (adam_denominator, adam_denominators, apply_update_, clip_to_adam_step_, count_unused, ema_,
+                          mask_unused_)
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack

@@ -15,8 +15,8 @@ from .._checks import check_adam_args, check_beta, check_optional_positive, chec
 from ..ops import max_ratio
 from ._base import OnebitOptimizer
 from ._stages import COMPRESSED_FORMED, EXACT_GRADIENT, Stage, TwoStages, Wire
-from ._freeze import count_unused, freeze_schedule, mask_unused_
-from ._functional import apply_update_, clip_to_adam_step_, ema_
+from ._freeze import freeze_schedule
+from ._functional import apply_update_, clip_to_adam_step_, count_unused, ema_, mask_unused_
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack

@@ -191,9 +191,10 @@ class RefreshedStages(TwoStages):
         return self.stages[2 if step + 1 - self.updated_at >= self.every else 1]
 
     def advance(self, step: int, buffers: Mapping[str, Tensor]) -> None:
-        if self.current is self.stages[2]:
+        if self.frozen_at is None:
+            super().advance(step, buffers)
+        elif self.current is self.stages[2]:
             self.updated_at = step
-        super().advance(step, buffers)
         self.current = self._next(step)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

@@ -23,8 +23,9 @@ from .._checks import check_adam_args, check_bool, check_entries, check_optional
 from ..ops import zero_where_equal_
 from ._base import OnebitOptimizer
 from ._stages import COMPRESSED_FORMED, COMPRESSED_GRADIENT, LOCAL, Sends, Stage, StepStages, Wire
-from ._freeze import ZeroOneSchedule, count_unused, mask_unused_
-from ._functional import adam_denominator, adam_denominators, apply_update_, clip_to_adam_step_, ema_
+from ._freeze import ZeroOneSchedule
+from ._functional import (adam_denominator, adam_denominators, apply_update_, clip_to_adam_step_, count_unused, ema_,
+                          mask_unused_)
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
