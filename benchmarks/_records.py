@@ -72,3 +72,33 @@ def same_losses(records: list[dict], others: list[dict]) -> int:
     """How many first steps of two runs logged the same loss, bit for bit."""
     return next((i for i, (x, y) in enumerate(zip(records, others)) if x["loss"] != y["loss"]),
                 min(len(records), len(others)))
+
+
+Pick = tuple[Path, tuple[str, ...] | None]  # a comparison's directory, and the optimizers read (None: all)
+
+
+def parse_pick(arg: str) -> Pick:
+    """``DIR`` or ``DIR:NAME,NAME`` (a directory's own colons stay in it: names hold no ``/``)."""
+    path, colon, names = arg.rpartition(":")
+    if not colon or "/" in names:
+        return Path(arg), None
+    return Path(path), tuple(names.split(","))
+
+
+def picked_runs(pick: Pick) -> dict[str, tuple[dict, list[dict]]]:
+    """:func:`compare_runs` of the pick's directory, only the optimizers it names."""
+    d, names = pick
+    runs = compare_runs(d)
+    if names is None:
+        return runs
+    if unknown := set(names) - set(runs):
+        raise SystemExit(f"{d}: no {sorted(unknown)} run (it has {', '.join(runs)})")
+    return {n: runs[n] for n in names}
+
+
+def picked_sources(picks: list[Pick]) -> str:
+    """The picks' commands, and the runs of theirs left out."""
+    # the comparison's names from its summary (compare_runs would read every run's records again)
+    left = [f"{', '.join(n for n in json.loads((d / 'summary.json').read_text()) if n not in names)} of `{d}`"
+            for d, names in picks if names is not None]
+    return compare_sources([d for d, _ in picks]) + (f" Left out: {'; '.join(left)}." if left else "")

@@ -42,13 +42,16 @@ cluster run of its setting and link on the same machine.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import statistics
 from pathlib import Path
 
-from _records import added_up, compare_runs, compare_sources, refreshes_sent, same_losses
+from _records import (Pick, added_up, compare_runs, compare_sources, parse_pick, picked_runs, picked_sources,
+                      refreshes_sent, same_losses)
 
+from onebit import DiLoCo
 from onebit.bench._analysis import mean_interval, ratio_interval, step_time, steps_to_loss
 from onebit.bench._matrix import _gap, _run
 from onebit.optim._fragments import default_scales
@@ -69,6 +72,8 @@ SPARSELOCO = "SparseLoCo's"  # averaging, each rank's error carried with a decay
 EXACT = ("paper's", "fp32")  # what "vs fp32 DiLoCo" compares with
 COLLECTIVES = {"allgather": "all-gather", "allreduce": "all-reduce"}
 CODES = {"sign": "1-bit", "chunk_topk": "Top-k 2-bit", "block_sign": "Block-Sign"}
+# A run that left sync_every unset (None) took DiLoCo's default: today's, 500 since DiLoCo's first runs
+DEFAULT_H = inspect.signature(DiLoCo).parameters["sync_every"].default
 
 
 def setting(run: dict, date: str) -> tuple[str, str] | None:
@@ -179,8 +184,10 @@ def _setting(name: str, config: dict) -> str:
         # no "collective": a run from before the option (the compressed all-reduce, the default then);
         # None: today's default, the all-gather
         collective = COLLECTIVES[config.get("collective", "allreduce") or "allgather"]
-        return f"H = {config['sync_every']}{streamed}, {collective}"
-    return {"onebit_adam": "compressed steps", "local_adam": "no communication",
+        return f"H = {config['sync_every'] or DEFAULT_H}{streamed}, {collective}"
+    # compressor identity: Birder and Comp-AMS exchange fp32 every step (the label then says the compressor)
+    sends = "" if config.get("compressor") == "identity" else "compressed steps"
+    return {"onebit_adam": "compressed steps", "birder": sends, "comp_ams": sends, "local_adam": "no communication",
             "zero_one_adam": "compressed steps, fp32 variance refreshes"}.get(name, "")
 
 
@@ -242,22 +249,34 @@ def _curve_setting(name: str, summary: dict) -> str:
     return (_setting(name, config) or "every step, fp32") + extra
 
 
-def curves_report(dirs: list[Path], windows: list[int], width: int = 25) -> str:
+def curves_report(picks: list[Pick], windows: list[int], width: int = 25, reach: bool = False) -> str:
     """Each run's held-out loss, skipped steps and mean training loss over the ``width`` steps up
-    to each step of ``windows``: where a run leaves another's curve."""
+    to each step of ``windows``: where a run leaves another's curve. ``reach``: also the first step
+    whose 10-step mean training loss is at most the final loss (the mean of its last 10 steps) of
+    the first run of its seed given, as the time-to-loss runs' target."""
     # the result first: the columns a narrow page shows without scrolling
-    lines = ["| optimizer | setting | seed | held-out | skipped | " + " | ".join(f"{w - width + 1}–{w}" for w in windows)
-             + " |", "|---|---|---|---|---|" + "---|" * len(windows)]
-    for d in dirs:
-        for name, (summary, records) in compare_runs(d).items():
+    lines = ["| optimizer | setting | seed | held-out | skipped | " + ("reached | " if reach else "")
+             + " | ".join(f"{w - width + 1}–{w}" for w in windows) + " |",
+             "|---|---|---|---|---|" + "---|" * (len(windows) + reach)]
+    targets: dict[int, float] = {}  # each seed's: its first run's final loss
+    for pick in picks:
+        for name, (summary, records) in picked_runs(pick).items():
             if windows[-1] > len(records):
-                raise SystemExit(f"{d}: {name} ran {len(records)} steps, fewer than {windows[-1]}")
+                raise SystemExit(f"{pick[0]}: {name} ran {len(records)} steps, fewer than {windows[-1]}")
             means = [statistics.fmean(r["loss"] for r in records[w - width: w]) for w in windows]
             setting = _curve_setting(name, summary) + _refreshes(name, records)
-            lines.append(f"| {name} | {setting} | {summary['config']['seed']} "
-                         f"| {summary['eval_loss']:.3f} | {summary['skipped_steps'] or 0} | "
-                         + " | ".join(f"{m:.3f}" for m in means) + " |")
-    return "\n".join(lines) + f"\n\n{compare_sources(dirs)}\n"
+            seed = summary["config"]["seed"]
+            reached = ""
+            if reach and seed not in targets:
+                targets[seed] = summary["final_loss"]
+                reached = "— (the target) | "
+            elif reach:
+                at = steps_to_loss(records, targets[seed])
+                reached = f"not in {len(records):,} steps | " if at is None else f"step {at:,} of {len(records):,} | "
+            cells = [f"{m:.3f}" for m in means]
+            lines.append(f"| {name} | {setting} | {seed} | {summary['eval_loss']:.3f} "
+                         f"| {summary['skipped_steps'] or 0} | {reached}{' | '.join(cells)} |")
+    return "\n".join(lines) + f"\n\n{picked_sources(picks)}\n"
 
 
 # what must agree between a loss run and the cluster run timing it (the step's work), and DiLoCo's schedule
@@ -417,16 +436,20 @@ if __name__ == "__main__":
     what.add_argument("--report", nargs="+", type=Path, metavar="SUMMARY")
     what.add_argument("--cluster", nargs="+", type=Path, metavar="DIR")
     what.add_argument("--time-to-loss", nargs="+", type=Path, metavar="DIR")
-    what.add_argument("--curves", nargs="+", type=Path, metavar="DIR")
+    what.add_argument("--curves", nargs="+", type=parse_pick, metavar="DIR[:NAME,...]")
     parser.add_argument("--windows", default=[200, 400, 600, 800, 1024], type=lambda t: [int(w) for w in t.split(",")],
                         help="--curves: the last step of each window of 25 (default 200,400,600,800,1024)")
+    parser.add_argument("--reach", action="store_true",
+                        help="--curves: the step each run reached the final loss of its seed's first run")
     parser.add_argument("--cluster-times", nargs="+", type=Path, metavar="DIR", default=[])
     args = parser.parse_args()
+    if args.reach and not args.curves:
+        parser.error("--reach goes with --curves")
     if args.time_to_loss:
         if not args.cluster_times:
             parser.error("--time-to-loss needs --cluster-times")
         print(time_report(args.time_to_loss, args.cluster_times), end="")
     elif args.curves:
-        print(curves_report(args.curves, args.windows), end="")
+        print(curves_report(args.curves, args.windows, reach=args.reach), end="")
     else:
         print(report(args.report) if args.report else cluster_report(args.cluster), end="")

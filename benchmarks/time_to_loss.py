@@ -33,11 +33,11 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import statistics
 from pathlib import Path
 
-from _records import added_up, compare_runs, compare_sources, refreshes_sent, same_losses
+from _records import (Pick, added_up, compare_runs, compare_sources, parse_pick, picked_runs, picked_sources,
+                      refreshes_sent, same_losses)
 
 from onebit.bench._analysis import ratio_interval, steps_to_loss
 from onebit.optim import REGISTRY
@@ -118,37 +118,8 @@ def _ratio_text(ratios: dict[int, float | None], minutes: list[float]) -> str:
     return took + f"**{mean:.2f}x** [{low:.2f}, {high:.2f}]; worst seed {worst} {ratios[worst]:.2f}x"
 
 
-Pick = tuple[Path, tuple[str, ...] | None]  # a comparison's directory, and the optimizers read (None: all)
-
-
-def _pick(arg: str) -> Pick:
-    """``DIR`` or ``DIR:NAME,NAME`` (a directory's own colons stay in it: names hold no ``/``)."""
-    path, colon, names = arg.rpartition(":")
-    if not colon or "/" in names:
-        return Path(arg), None
-    return Path(path), tuple(names.split(","))
-
-
-def _runs(pick: Pick) -> dict[str, tuple[dict, list[dict]]]:
-    d, names = pick
-    runs = compare_runs(d)
-    if names is None:
-        return runs
-    if unknown := set(names) - set(runs):
-        raise SystemExit(f"{d}: no {sorted(unknown)} run (it has {', '.join(runs)})")
-    return {n: runs[n] for n in names}
-
-
-def _sources(picks: list[Pick]) -> str:
-    """The picks' commands, and the runs of theirs left out."""
-    # the comparison's names from its summary (compare_runs would read every run's records again)
-    left = [f"{', '.join(n for n in json.loads((d / 'summary.json').read_text()) if n not in names)} of `{d}`"
-            for d, names in picks if names is not None]
-    return compare_sources([d for d, _ in picks]) + (f" Left out: {'; '.join(left)}." if left else "")
-
-
 def report(curve_dirs: list[Pick], cluster_dirs: list[Path], on_cluster_dirs: list[Pick]) -> str:
-    curves = [(n, s, r) for pick in curve_dirs for n, (s, r) in _runs(pick).items()]
+    curves = [(n, s, r) for pick in curve_dirs for n, (s, r) in picked_runs(pick).items()]
     timed: dict[tuple, dict] = {}  # (link, name, work) -> the cluster run's summary
     for d in cluster_dirs:
         runs = compare_runs(d)
@@ -228,15 +199,15 @@ def report(curve_dirs: list[Pick], cluster_dirs: list[Path], on_cluster_dirs: li
         out.append(f"**{task}**\n\n" + "\n".join(lines))
     same = {_curve(n, s["config"]): r for n, s, r in curves}
     measured = [_measured(name, summary, records, timed, targets, same.get(_curve(name, summary["config"])))
-                for pick in on_cluster_dirs for name, (summary, records) in _runs(pick).items() if name != FLOOR]
+                for pick in on_cluster_dirs for name, (summary, records) in picked_runs(pick).items() if name != FLOOR]
     goals = [f"{against} on {task}" + (f" (lr {lr:g})" if lr else "")
              for task, against, lr in dict.fromkeys(key[:3] for key in targets)]
     return ("\n\n".join(out) + "\n\n" + "".join(f"- {m}\n" for m in measured) + ("\n" if measured else "")
             + f"Targets: each seed's final loss of {', '.join(goals)} "
             "(the mean of its last 10 steps' training loss); a run reaches it when the mean of 10 consecutive "
             "steps is at most that, and each link's time to it adds up each step at its stage's step time on the "
-            f"cluster. Curves: {_sources(curve_dirs)} Cluster times: {compare_sources(cluster_dirs)}"
-            + (f" On the cluster itself: {_sources(on_cluster_dirs)}" if on_cluster_dirs else "") + "\n")
+            f"cluster. Curves: {picked_sources(curve_dirs)} Cluster times: {compare_sources(cluster_dirs)}"
+            + (f" On the cluster itself: {picked_sources(on_cluster_dirs)}" if on_cluster_dirs else "") + "\n")
 
 
 def _measured(name: str, summary: dict, records: list[dict], timed: dict, targets: dict,
@@ -269,8 +240,8 @@ def _measured(name: str, summary: dict, records: list[dict], timed: dict, target
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--curves", nargs="+", type=_pick, required=True, metavar="DIR[:NAME,...]")
+    parser.add_argument("--curves", nargs="+", type=parse_pick, required=True, metavar="DIR[:NAME,...]")
     parser.add_argument("--cluster-times", nargs="+", type=Path, required=True, metavar="DIR")
-    parser.add_argument("--on-cluster", nargs="+", type=_pick, default=[], metavar="DIR[:NAME,...]")
+    parser.add_argument("--on-cluster", nargs="+", type=parse_pick, default=[], metavar="DIR[:NAME,...]")
     args = parser.parse_args()
     print(report(args.curves, args.cluster_times, args.on_cluster), end="")

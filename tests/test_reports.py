@@ -185,11 +185,37 @@ def test_the_time_to_loss_pairs_each_setting_with_ddp_and_the_others_over_shared
         time_report(loss_dirs + [on_cluster], [timing("vm2")])
 
 
+def test_the_curves_say_when_each_run_reached_its_seeds_first_run_and_read_only_the_runs_picked(tmp_path):
+    script = runpy.run_path(str(ROOT / "benchmarks" / "diloco_report.py"))
+    curves, pick = script["curves_report"], script["parse_pick"]
+
+    def run(seed: int, before: int, final: float, **config) -> tuple[dict, list[float]]:
+        # loss 2 for ``before`` steps, then 0.5 to step 50: a 10-step mean of at most 1.0 from step before + 7,
+        # of at most 0.6 from step before + 10
+        return ({"config": {"seed": seed, **config}, "final_loss": final, "eval_loss": 1.5, "skipped_steps": 0},
+                [2.0] * before + [0.5] * (50 - before))
+
+    ddp = [_compare_dir(tmp_path / f"ddp{seed}", "vm", {"ddp_allreduce": run(seed, 5, final)})
+           for seed, final in ((0, 1.0), (1, 0.6))]
+    both = _compare_dir(tmp_path / "both", "vm", {"birder": run(1, 20, 0.5), "comp_ams": run(1, 50, 2.0)})
+    exact = _compare_dir(tmp_path / "exact", "vm", {"birder": run(0, 44, 0.5, compressor="identity")})
+    text = curves([pick(str(d)) for d in ddp] + [pick(f"{both}:birder"), pick(str(exact))], [25, 50], reach=True)
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows[0].startswith("| optimizer | setting | seed | held-out | skipped | reached | 1–25 | 26–50 |")
+    assert rows[1].startswith("| ddp_allreduce | every step, fp32 | 0 | 1.500 | 0 | — (the target) |")
+    assert rows[2].startswith("| ddp_allreduce | every step, fp32 | 1 | 1.500 | 0 | — (the target) |")
+    # seed 1's target, 0.6: ten steps of 0.5 (seed 0's, 1.0, would be reached at step 27)
+    assert rows[3].startswith("| birder | compressed steps | 1 | 1.500 | 0 | step 30 of 50 |")
+    assert rows[4].startswith("| birder | every step, fp32, compressor identity | 0 | 1.500 | 0 | not in 50 steps |")
+    assert len(rows) == 5 and "Left out: comp_ams of" in text  # the run not picked
+    assert "reached" not in curves([pick(str(ddp[0]))], [25, 50])
+
+
 def test_the_time_to_the_counterparts_loss_prices_each_stage_and_refuses_what_is_not_the_defaults(tmp_path):
     script = runpy.run_path(str(ROOT / "benchmarks" / "time_to_loss.py"))
 
     def report(curves, clusters, on_cluster):
-        return script["report"]([script["_pick"](str(c)) for c in curves], clusters, on_cluster)
+        return script["report"]([script["parse_pick"](str(c)) for c in curves], clusters, on_cluster)
 
     base = {"task": "mlp", "lr": 1e-3, "freeze_step": None}
 
