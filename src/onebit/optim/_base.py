@@ -23,7 +23,7 @@ from ._checkpoint import check_buffers, onebit_entry, own_state, saved_entry
 from ._contract import Algorithm
 from ._ddp import attach_ddp, check_ddp
 from ._exchange import Exchange, allreduce_factory
-from ._setup import check_groups, clip_, clip_coef, common_options, place
+from ._setup import check_groups, clip_, clip_coef, closure_loss, common_options, place
 from ._stages import Stage, Wire
 
 if TYPE_CHECKING:
@@ -327,10 +327,7 @@ class OnebitOptimizer(Algorithm):
         6. **Advance**: the next step's stage (its state laid out where it changes), and whether
            its buckets leave during backward.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         comm.check_world_size(self.process_group, self.world_size, type(self).__name__)
         if self._own_parameters is not None:  # loaded beside a state saved between synchronisations
             self._check_loaded_parameters()

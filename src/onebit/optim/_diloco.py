@@ -29,7 +29,7 @@ from ._ddp import attach_ddp, check_ddp
 from ._fragments import (Schedule, build_fragments, by_size, check_exchange, check_fragments_state, check_state,
                          fragment_of, fragments_state, load_fragments, regroup_fragments)
 from ._membership import Healed, Membership
-from ._setup import check_groups, clip_, common_options, place
+from ._setup import check_groups, clip_, closure_loss, common_options, place
 from ._wrapped import check_outer_state, inner_optimizer, load_flat_momentum, outer_factory, outer_step_options
 
 if TYPE_CHECKING:
@@ -261,10 +261,7 @@ class DiLoCo(Optimizer):
         4. **Land** each synchronisation due at this step: the outer optimizer moves the
            fragment's anchors with the average, the parameters take them (or the merge).
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         comm.check_world_size(self.process_group, self.world_size, type(self).__name__)
         try:
             self._step()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -22,7 +22,7 @@ from ._flat import FlatState
 from ._shards import Shards
 
 __all__ = ["broadcast_parameters", "check_groups", "check_params", "check_same_parameters_everywhere", "clip_",
-           "clip_coef", "common_options", "place"]
+           "clip_coef", "closure_loss", "common_options", "place"]
 
 
 def common_options(options: Mapping[str, Any], owner: str) -> dict[str, Any]:
@@ -120,6 +120,14 @@ def broadcast_parameters(params: Iterable[Tensor], group: comm.Group, timeout: t
             buf = p.data.contiguous()
             comm.broadcast(buf, 0, group, timeout)
             p.data.copy_(buf)
+
+
+def closure_loss(closure: Callable[[], Any] | None) -> Any:
+    """``closure()`` evaluated with grad enabled (the loss ``step(closure)`` returns); None without one."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
 
 
 def clip_coef(max_grad_norm: float, norm: Tensor) -> Tensor:
