@@ -8,7 +8,7 @@ import torch
 
 import onebit
 from _harness import run_ranks
-from _problem import digest, grads, initial_params
+from _problem import OPTIMIZERS, digest, grads, initial_params, optimizer_class
 
 
 def _worker(rank, world, name, kw):
@@ -49,3 +49,51 @@ def test_another_ranks_state_restarts_per_rank_buffers_with_a_warning(name, kw):
     assert r0["kept_own_error"] and not r0["warned"]
     assert r1["error_zero"] and r1["warned"]
     assert r0["digest"] == r1["digest"]
+
+
+def _loads_of_steps(rank, world, picks):
+    """For every registry optimizer: each rank saves its parameters and state after steps 3 and 4,
+    and a fresh optimizer loads, beside the parameters saved with it, the state of step
+    ``picks[rank]``; its next step's error, or None."""
+    torch.set_num_threads(1)
+    out = {}
+    for name, kwargs in OPTIMIZERS:
+        params = [p.clone().requires_grad_() for p in initial_params()]
+        opt = optimizer_class(name)(params, **kwargs)
+        saved = {}
+        for step in range(1, 5):
+            for p, g in zip(params, grads([p.detach() for p in params], rank, step)):
+                p.grad = g
+            opt.step()
+            buf = io.BytesIO()
+            torch.save(opt.state_dict(), buf)
+            saved[step] = (buf.getvalue(), [p.detach().clone() for p in params])
+        state, values = saved[picks[rank]]
+        params = [v.clone().requires_grad_() for v in values]
+        fresh = optimizer_class(name)(params, **kwargs)
+        fresh.load_state_dict(torch.load(io.BytesIO(state), weights_only=True))
+        for p, g in zip(params, grads([p.detach() for p in params], rank, 5)):
+            p.grad = g
+        try:
+            fresh.step()
+            fresh.check_replicas()
+            out[name] = None
+        except onebit.ReplicaDivergence as exc:
+            out[name] = str(exc)
+    return out
+
+
+@pytest.mark.parametrize("picks", [(4, 3), (4, 4, 3), (4, 4, 4)], ids=["2-ranks", "3-ranks", "3-ranks-alike"])
+def test_ranks_that_load_states_of_different_steps_are_stopped_on_every_rank(picks):
+    """Before, a rank whose state was saved between synchronisations ran the check of its parameters
+    alone, and the collectives of the ranks stopped matching: a timeout, a size error, or unlike
+    exchanges paired without a word."""
+    for rank, errors in enumerate(run_ranks(_loads_of_steps, len(picks), list(picks))):
+        for name, _ in OPTIMIZERS:
+            if len(set(picks)) == 1:
+                assert errors[name] is None, (name, rank, errors[name])
+                continue
+            steps = ", ".join(f"rank {r}: step {s}" for r, s in enumerate(picks))
+            assert errors[name] == f"the ranks loaded {optimizer_class(name).__name__} states saved at different " \
+                                   f"steps ({steps}): every rank must load the state it saved at the same step", \
+                (name, rank)

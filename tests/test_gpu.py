@@ -201,7 +201,7 @@ def _warm_up_on_cuda(rank, world):
         models.append(torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 64),
                                           torch.nn.GELU(), torch.nn.Linear(64, 2)).cuda())
     a, b = models
-    oa = onebit.OnebitAdam(a.parameters(), lr=1e-2, freeze_step=100, bucket_cap_mb=0.004)
+    oa = onebit.OnebitAdam(a.parameters(), lr=1e-2, freeze_step=100, bucket_cap_mb=0.0005)
     ob = onebit.OnebitAdam(b.parameters(), lr=1e-2, freeze_step=100, overlap=False)
     gen = torch.Generator(device="cuda").manual_seed(rank)
     same, in_backward = [], []

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .. import comm
 
-__all__ = ["ReplicaDivergence", "parameter_sums", "require_own_parameters", "require_replicas", "start_agreement"]
+__all__ = ["ReplicaDivergence", "parameter_sums", "require_loaded_alike", "require_replicas", "start_agreement"]
 
 _log = logging.getLogger("onebit.optim")
 
@@ -107,24 +107,37 @@ def require_replicas(params: Sequence[Tensor], anchors: Sequence[Tensor] | None,
                             f"differs from rank 0{inside}")
 
 
-def require_own_parameters(params: Sequence[Tensor], saved: Sequence[int] | None, group: comm.Group,
-                           timeout: timedelta, *, step: int, owner: str,
-                           param_groups: Sequence[Mapping[str, Any]]) -> None:
-    """Where a state saved between synchronisations was loaded beside ``params`` (``saved``: the
-    :func:`parameter_sums` of those it was saved beside; None: nothing to check), raise
-    :class:`ReplicaDivergence` on every rank unless every rank holds the parameters saved with
-    the state it loaded; one all-reduce over ``group``, so that every rank raises alike. Between
-    synchronisations each rank holds its own parameters (DiLoCo's inner steps, fragments or
-    merge; 0/1 Adam's local steps) and its optimizer state is only right beside them: rank 0's
-    model, or the one :meth:`~onebit.DiLoCo.anchored` gives, loaded beside each rank's own state
-    resumes another run without a word from the replica check, whose anchors agree. (Rank 0's
-    model beside rank 0's state, on every rank, is consistent: each rank goes on as its copy.)"""
-    if saved is None:
-        return
-    differs = [i for i, (now, then) in enumerate(zip(parameter_sums(params), saved)) if now != then]
-    flags = torch.zeros(comm.get_world_size(group), dtype=torch.float32, device=params[0].device)
-    flags[comm.get_rank(group)] = 1.0 if differs else 0.0
-    ranks = [r for r, v in enumerate(comm.agree(flags, group, timeout)) if v]
+def require_loaded_alike(params: Sequence[Tensor], saved: Sequence[int] | None, group: comm.Group,
+                         timeout: timedelta, *, step: int, owner: str,
+                         param_groups: Sequence[Mapping[str, Any]]) -> None:
+    """After a load, before anything else is exchanged: raise :class:`ReplicaDivergence` on every
+    rank unless every rank loaded a state saved at the same ``step`` and, where it was saved
+    between synchronisations (``saved``: the :func:`parameter_sums` of the parameters it was saved
+    beside; None: at a synchronisation), holds those parameters. One all-reduce over ``group``,
+    run by every rank that loaded whatever it loaded, so that the ranks issue it alike.
+
+    States of different steps (one rank's file from another save) would ask for different
+    collectives from there on -- a stage, an interval or a synchronisation apart -- and fail as a
+    timeout or a size mismatch, or pair unlike exchanges without a word. Between synchronisations
+    each rank holds its own parameters (DiLoCo's inner steps, fragments or merge; 0/1 Adam's
+    local steps) and its optimizer state is only right beside them: rank 0's model, or the one
+    :meth:`~onebit.DiLoCo.anchored` gives, loaded beside each rank's own state resumes another run
+    without a word from the replica check, whose anchors agree. (Rank 0's model beside rank 0's
+    state, on every rank, is consistent: each rank goes on as its copy.)"""
+    differs = [] if saved is None else [i for i, (now, then) in enumerate(zip(parameter_sums(params), saved))
+                                        if now != then]
+    world, rank = comm.get_world_size(group), comm.get_rank(group)
+    # flags[r]: rank r's parameters are not those saved with its state; flags[world + r]: its step
+    flags = torch.zeros(2 * world, dtype=torch.int64, device=params[0].device)
+    flags[rank], flags[world + rank] = int(bool(differs)), step
+    flags = comm.all_reduce_max(flags, group, timeout).tolist()
+    steps = flags[world:]
+    if len(set(steps)) > 1:
+        raise ReplicaDivergence(
+            f"the ranks loaded {owner} states saved at different steps ("
+            + ", ".join(f"rank {r}: step {s}" for r, s in enumerate(steps))
+            + "): every rank must load the state it saved at the same step")
+    ranks = [r for r, v in enumerate(flags[:world]) if v]
     if ranks:
         here = f" (here, {_name(param_groups, differs[0], params)} first)" if differs else ""
         raise ReplicaDivergence(

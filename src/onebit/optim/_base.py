@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .. import comm
 from .._checks import check_entries
-from ._agreement import require_own_parameters, require_replicas, start_agreement
+from ._agreement import require_loaded_alike, require_replicas, start_agreement
 from ._buckets import Buckets
 from ._checkpoint import check_buffers, onebit_entry, own_state, saved_entry
 from ._contract import Algorithm
@@ -103,7 +103,8 @@ class OnebitOptimizer(Algorithm):
         self._bytes_last = 0
         self._last_stage: str | None = None
         self._ddp_checked = False
-        self._own_parameters: list[int] | None = None  # loaded beside a state saved between synchronisations
+        self._loaded = False  # load_state_dict ran: the next step first checks that the ranks loaded alike
+        self._own_parameters: list[int] | None = None  # the fingerprint kept with a state between synchronisations
         self._exchange: Exchange | None = None
         self._buckets: Buckets | None = None  # the overlap's hooks
         self._landing_now: Tensor | comm.Consume | None = None  # this step's, once asked
@@ -329,7 +330,7 @@ class OnebitOptimizer(Algorithm):
         """
         loss = closure_loss(closure)
         comm.check_world_size(self.process_group, self.world_size, type(self).__name__)
-        if self._own_parameters is not None:  # loaded beside a state saved between synchronisations
+        if self._loaded:
             self._check_loaded_parameters()
         if not self._ddp_checked:  # the model may have been wrapped after the optimizer was built
             check_ddp(self.flat.params, type(self).__name__, self.world_size, construction=False)
@@ -493,17 +494,18 @@ class OnebitOptimizer(Algorithm):
         Inside an interval of local steps (not :attr:`synchronised`) the ranks' parameters differ
         by design, and the anchors (the parameters of the last synchronisation) are compared.
         """
-        self._check_loaded_parameters()
+        if self._loaded:
+            self._check_loaded_parameters()
         require_replicas(self.flat.params, None if self.synchronised else self.flat.views("anchor"), self.process_group,
                          self.timeout, step=self._step_count, param_groups=self.param_groups)
 
     def _check_loaded_parameters(self) -> None:
-        """Before the first step after :meth:`load_state_dict` of a state saved between
-        synchronisations: raise :class:`~onebit.optim.ReplicaDivergence` unless every rank holds the parameters
-        saved with the state it loaded (:func:`onebit.optim._agreement.require_own_parameters`)."""
-        saved, self._own_parameters = self._own_parameters, None
-        require_own_parameters(self.flat.params, saved, self.process_group, self.timeout, step=self._step_count,
-                               owner=type(self).__name__, param_groups=self.param_groups)
+        """At the first step (or replica check) after :meth:`load_state_dict`: raise
+        :class:`~onebit.optim.ReplicaDivergence` on every rank unless the ranks loaded states of one step,
+        each beside the parameters saved with it (:func:`onebit.optim._agreement.require_loaded_alike`)."""
+        saved, self._own_parameters, self._loaded = self._own_parameters, None, False
+        require_loaded_alike(self.flat.params, saved, self.process_group, self.timeout, step=self._step_count,
+                             owner=type(self).__name__, param_groups=self.param_groups)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -547,7 +549,7 @@ class OnebitOptimizer(Algorithm):
             self.flat.buffers[key].copy_(buf)
         self._step_count = int(extra["step"])
         self._bytes_total = int(extra["bytes_sent_total"])
-        self._own_parameters = extra.get("own_parameters")  # checked on every rank, whoever saved it
+        self._loaded, self._own_parameters = True, extra.get("own_parameters")  # checked at the next step
         self._stages.load_state_dict(extra)
         if self._stages.current.averages != (self._grad is not None):  # stages alike but for that
             self._lay_out(self._stages.current)

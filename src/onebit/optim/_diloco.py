@@ -23,7 +23,7 @@ from torch.optim import Optimizer
 
 from .. import comm, compress
 from .._checks import check_positive_int
-from ._agreement import ReplicaDivergence, require_own_parameters, require_replicas, start_agreement
+from ._agreement import ReplicaDivergence, require_loaded_alike, require_replicas, start_agreement
 from ._checkpoint import own_state, saved_entry
 from ._ddp import attach_ddp, check_ddp
 from ._fragments import (Schedule, build_fragments, by_size, check_exchange, check_fragments_state, check_state,
@@ -235,7 +235,8 @@ class DiLoCo(Optimizer):
         # synchronisation's agreement has run)
         self._touched = [False] * len(params)
         self._late_bytes = 0  # sent by the flights' threads, counted when they land
-        self._own_parameters: list[int] | None = None  # loaded beside a state saved between synchronisations
+        self._loaded = False  # load_state_dict ran: the next step first checks that the ranks loaded alike
+        self._own_parameters: list[int] | None = None  # the fingerprint kept with a state between synchronisations
         self._ddp_checked = False
         check_ddp(self.flat.params, "DiLoCo", self.world_size, construction=True)
         if joining:
@@ -353,7 +354,7 @@ class DiLoCo(Optimizer):
         for f in self._fragments:  # what this replica had in flight is the state it gives up
             f.flight = f.retry = None
         self._load(healed["state"], warn=False)
-        self._own_parameters = None  # the parameters are the source's, below: nothing to check
+        self._loaded = False  # the parameters are the source's, below, and the others load nothing: no check
         with torch.no_grad():
             for p, value in zip(self.flat.params, healed["params"]):
                 p.copy_(value)
@@ -429,21 +430,21 @@ class DiLoCo(Optimizer):
             step=self._step_count, param_groups=self.param_groups))
 
     def _check_loaded_parameters(self) -> None:
-        """Before the first step after :meth:`load_state_dict` of a state saved between
-        synchronisations: raise :class:`~onebit.optim.ReplicaDivergence` unless every rank holds
-        the parameters saved with the state it loaded. The fingerprint is kept until every rank
-        has committed the check: on a quorum, a replica whose collective completed where another's
-        failed runs it again with the others on the group they re-form."""
-        if self._own_parameters is None:  # nothing to check (on a quorum, nothing to commit)
+        """At the first step (or replica check) after :meth:`load_state_dict`: raise
+        :class:`~onebit.optim.ReplicaDivergence` on every rank unless the ranks loaded states of one
+        step, each beside the parameters saved with it. Kept until every rank has committed the
+        check: on a quorum, a replica whose collective completed where another's failed runs it
+        again with the others on the group they re-form."""
+        if not self._loaded:
             return
         try:
-            self._collective(lambda: require_own_parameters(
+            self._collective(lambda: require_loaded_alike(
                 self.flat.params, self._own_parameters, self.process_group, self.timeout, step=self._step_count,
                 owner=type(self).__name__, param_groups=self.param_groups))
         except ReplicaDivergence:
-            self._own_parameters = None  # checked: every rank raises alike
+            self._loaded = False  # checked: every rank raises alike
             raise
-        self._own_parameters = None  # (kept where a dead peer's error left it unchecked, without a quorum)
+        self._loaded = False  # (kept where a dead peer's error left it unchecked, without a quorum)
 
     def attach_ddp(self, model: DistributedDataParallel | None = None) -> list[DistributedDataParallel]:
         """Switch off DDP's all-reduce on ``model`` (default: every DDP module holding these
@@ -503,7 +504,7 @@ class DiLoCo(Optimizer):
             load_flat_momentum(self.outer, self._anchors, self.flat.split(extra["flat"]["outer_momentum"]))
         self._step_count, self._bytes_total = int(extra["step"]), int(extra["bytes_sent_total"])
         self._touched = [bool(t) for t in extra["touched"]]
-        self._own_parameters = extra.get("own_parameters")  # checked on every rank, whoever saved it
+        self._loaded, self._own_parameters = True, extra.get("own_parameters")  # checked at the next step
         if not own and warn and quorum:  # a quorum's checkpoint: one replica's state, as a newcomer's
             _log.info("DiLoCo: rank %d of %d took the state of rank %d of %d; its compression errors restart at zero",
                       self.rank, self.world_size, int(extra.get("rank", self.rank)), extra["world_size"])
