@@ -7,9 +7,8 @@ import os
 import pytest
 import torch
 
-import onebit
 from _harness import run_ranks
-from _problem import digest, grads, initial_params
+from _problem import digest, grads, initial_params, optimizer_class
 from onebit.launch import RankFailure
 from test_reliability import OPTIMIZERS
 
@@ -20,7 +19,7 @@ KILLS = (450, 1130, 1777, 2501)  # never on a checkpoint step
 def _segment(rank, world, name, kwargs, folder, kill_at):
     path = os.path.join(folder, f"rank{rank}.pt") if folder else None
     params = [p.clone().requires_grad_() for p in initial_params()]
-    opt = getattr(onebit, name)(params, timeout=30, **kwargs)
+    opt = optimizer_class(name)(params, timeout=30, **kwargs)
     first = 1
     if path and os.path.exists(path):
         ckpt = torch.load(path, weights_only=True)

@@ -110,20 +110,20 @@ def require_replicas(params: Sequence[Tensor], anchors: Sequence[Tensor] | None,
 def require_loaded_alike(params: Sequence[Tensor], saved: Sequence[int] | None, group: comm.Group,
                          timeout: timedelta, *, step: int, owner: str,
                          param_groups: Sequence[Mapping[str, Any]]) -> None:
-    """After a load, before anything else is exchanged: raise :class:`ReplicaDivergence` on every
-    rank unless every rank loaded a state saved at the same ``step`` and, where it was saved
-    between synchronisations (``saved``: the :func:`parameter_sums` of the parameters it was saved
-    beside; None: at a synchronisation), holds those parameters. One all-reduce over ``group``,
-    run by every rank that loaded whatever it loaded, so that the ranks issue it alike.
+    """At the first step after a load: raise :class:`ReplicaDivergence` on every rank unless every
+    rank loaded a state saved at the same ``step`` and, where it was saved between
+    synchronisations (``saved``: the :func:`parameter_sums` of the parameters it was saved beside;
+    None: at a synchronisation), holds those parameters. One all-reduce over ``group``, run by
+    every rank that loaded whatever it loaded, so that the ranks issue it alike.
 
-    States of different steps (one rank's file from another save) would ask for different
-    collectives from there on -- a stage, an interval or a synchronisation apart -- and fail as a
-    timeout or a size mismatch, or pair unlike exchanges without a word. Between synchronisations
-    each rank holds its own parameters (DiLoCo's inner steps, fragments or merge; 0/1 Adam's
-    local steps) and its optimizer state is only right beside them: rank 0's model, or the one
-    :meth:`~onebit.DiLoCo.anchored` gives, loaded beside each rank's own state resumes another run
-    without a word from the replica check, whose anchors agree. (Rank 0's model beside rank 0's
-    state, on every rank, is consistent: each rank goes on as its copy.)"""
+    States of different steps (one rank's file from another save) ask for different collectives
+    from there on -- a stage, an interval or a synchronisation apart: unlike exchanges paired
+    without a word (the replicas diverge), or one waited for that the others never issue.
+    Between synchronisations each rank holds its own parameters (DiLoCo's inner steps, fragments
+    or merge; 0/1 Adam's local steps) and its optimizer state is only right beside them: rank 0's
+    model, or the one :meth:`~onebit.DiLoCo.anchored` gives, loaded beside each rank's own state
+    resumes another run without a word from the replica check, whose anchors agree. (Rank 0's
+    model beside rank 0's state, on every rank, is consistent: each rank goes on as its copy.)"""
     differs = [] if saved is None else [i for i, (now, then) in enumerate(zip(parameter_sums(params), saved))
                                         if now != then]
     world, rank = comm.get_world_size(group), comm.get_rank(group)
