@@ -136,7 +136,7 @@ def require_loaded_alike(params: Sequence[Tensor], saved: Sequence[int] | None, 
         raise ReplicaDivergence(
             f"the ranks loaded {owner} states saved at different steps ("
             + ", ".join(f"rank {r}: step {s}" for r, s in enumerate(steps))
-            + "): every rank must load the state it saved at the same step")
+            + "): every rank must load its state of one save (onebit.Checkpoints agrees on one)")
     ranks = [r for r, v in enumerate(flags[:world]) if v]
     if ranks:
         here = f" (here, {_name(param_groups, differs[0], params)} first)" if differs else ""
