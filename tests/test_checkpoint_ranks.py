@@ -97,3 +97,51 @@ def test_ranks_that_load_states_of_different_steps_are_stopped_on_every_rank(pic
             want = (f"the ranks loaded {optimizer_class(name).__name__} states saved at different steps ({steps}): "
                     "every rank must load its state of one save (onebit.Checkpoints agrees on one)")
             assert errors[name] == want, (name, rank)
+
+
+def _overlapped_loads(rank, world, name, kwargs, picks):
+    """The same with ``overlap=True`` and backward: buckets leave during backward, before ``step()``;
+    the states of steps ``picks`` sit on either side of a change of stage."""
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(rank)
+
+    def train(model, opt, steps):
+        for _ in range(steps):
+            opt.zero_grad()
+            model(torch.randn(8, 6, generator=gen)).square().mean().backward()
+            opt.step()
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3))
+        return model, optimizer_class(name)(model.parameters(), overlap=True, bucket_cap_mb=0.002, timeout=20,
+                                            **kwargs)
+
+    model, opt = build()
+    saved = {}
+    for step in range(1, max(picks) + 1):
+        train(model, opt, 1)
+        saved[step] = io.BytesIO()
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, saved[step])
+    model, opt = build()
+    state = torch.load(io.BytesIO(saved[picks[rank]].getvalue()), weights_only=True)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    try:
+        train(model, opt, 1)
+    except onebit.ReplicaDivergence as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("name,kwargs,picks", [
+    ("onebit_adam", dict(lr=0.01, freeze_step=3), (3, 2)),  # compressed in backward beside the warm-up
+    ("zero_one_adam", dict(lr=0.01, var_freeze_step=4, var_update_scaler=1, local_step_scaler=2), (7, 6)),
+])
+def test_states_of_different_steps_are_stopped_before_buckets_leave_in_backward(name, kwargs, picks):
+    """Before, the buckets of one rank's stage left during backward beside another collective on
+    the other rank, and both timed out (a CollectiveError) instead of naming the steps."""
+    for message in run_ranks(_overlapped_loads, 2, name, kwargs, list(picks)):
+        assert message is not None and message.startswith(
+            f"the ranks loaded {optimizer_class(name).__name__} states saved at different steps (rank 0: step "
+            f"{picks[0]}, rank 1: step {picks[1]})"), message

@@ -425,6 +425,8 @@ class OnebitOptimizer(Algorithm):
         """The overlap's one entry (:class:`~onebit.optim._buckets.Buckets`): backward produced
         bucket ``b``'s gradients (or ``step()`` flushes it); its values for the next step are
         formed and launched, before the ranks agreed to take the step."""
+        if self._loaded:  # the first exchange after a load: of states the ranks must have loaded alike
+            self._check_loaded_parameters()
         wire, step = self._stages.current.wire, self._step_count + 1
         if self._buckets.warmup:  # the warm-up's gradients, into where their mean lands
             lo, hi, members = self._exchange.warm_bounds[b]
@@ -500,12 +502,12 @@ class OnebitOptimizer(Algorithm):
                          self.timeout, step=self._step_count, param_groups=self.param_groups)
 
     def _check_loaded_parameters(self) -> None:
-        """At the first step (or replica check) after :meth:`load_state_dict`: raise
+        """At the first exchange, step or replica check after :meth:`load_state_dict`: raise
         :class:`~onebit.optim.ReplicaDivergence` on every rank unless the ranks loaded states of one step,
         each beside the parameters saved with it (:func:`onebit.optim._agreement.require_loaded_alike`)."""
         saved, self._own_parameters, self._loaded = self._own_parameters, None, False
-        require_loaded_alike(self.flat.params, saved, self.process_group, self.timeout, step=self._step_count,
-                             owner=type(self).__name__, param_groups=self.param_groups)
+        require_loaded_alike(self.flat.params, saved, self._shards.agreement_group, self.timeout,
+                             step=self._step_count, owner=type(self).__name__, param_groups=self.param_groups)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

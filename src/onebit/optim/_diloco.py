@@ -439,8 +439,8 @@ class DiLoCo(Optimizer):
             return
         try:
             self._collective(lambda: require_loaded_alike(
-                self.flat.params, self._own_parameters, self.process_group, self.timeout, step=self._step_count,
-                owner=type(self).__name__, param_groups=self.param_groups))
+                self.flat.params, self._own_parameters, self._shards.agreement_group, self.timeout,
+                step=self._step_count, owner=type(self).__name__, param_groups=self.param_groups))
         except ReplicaDivergence:
             self._loaded = False  # checked: every rank raises alike
             raise
