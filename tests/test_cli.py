@@ -159,6 +159,20 @@ def test_resume_continues_the_same_run(tmp_path):
     assert [r["stage"] for r in b] == ["warmup"] * 2 + ["compressed"] * 4
 
 
+def test_resume_after_a_death_in_a_save_goes_on_from_the_last_whole_one(tmp_path):
+    # rank 0 died saving step 4 after rank 1 had written its file: resumed from step 2, on every rank
+    common = ["--optimizer", "zero_one_adam", "--freeze-step", "2", "--batch-size", "4", "--hidden", "32", "--quiet"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert main(["train", "--steps", "6", "--out", str(straight), *common]) == 0
+    assert main(["train", "--steps", "4", "--out", str(split), "--checkpoint-every", "2", *common]) == 0
+    unfinished = split / "zero_one_adam" / "checkpoints" / "step-000000004"
+    (unfinished / "complete.json").unlink()
+    (unfinished / "rank0.pt").unlink()
+    assert main(["train", "--steps", "6", "--out", str(split), "--resume", *common]) == 0
+    a, b = _records(straight / "zero_one_adam" / "metrics.jsonl"), _records(split / "zero_one_adam" / "metrics.jsonl")
+    assert [r["step"] for r in b] == list(range(1, 7)) and [r["loss"] for r in a] == [r["loss"] for r in b]
+
+
 def test_streamed_diloco_trains_and_resumes_from_a_checkpoint_taken_in_flight(tmp_path):
     # step 3 sends a fragment, which lands at step 4: the checkpoint after step 3 holds it in flight
     a, b = _straight_and_resumed(tmp_path, "diloco", "--sync-every", "4", "--fragments", "2", "--delay", "1")
@@ -411,7 +425,7 @@ def test_truncated_checkpoint_gives_a_clear_error(tmp_path):
 
     common = ["--optimizer", "birder", "--batch-size", "4", "--hidden", "32", "--quiet", "--out", str(tmp_path)]
     assert main(["train", "--steps", "2", "--checkpoint-every", "2", *common]) == 0
-    ckpt = tmp_path / "birder" / "checkpoints" / "rank1.pt"
+    ckpt = tmp_path / "birder" / "checkpoints" / "step-000000002" / "rank1.pt"
     ckpt.write_bytes(ckpt.read_bytes()[:100])
     with pytest.raises(RankFailure, match="rank1.pt cannot be read"):
         main(["train", "--steps", "4", "--resume", *common])

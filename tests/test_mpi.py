@@ -147,20 +147,26 @@ def test_stalled_mpi_peer_gives_a_timeout_error_and_the_job_aborts(tmp_path):
 
 def test_onebit_train_under_mpirun_matches_the_spawned_gloo_run(tmp_path):
     """``mpirun -np 2 onebit train --backend mpi`` follows the gloo run loss for loss (two-rank
-    sums do not depend on the order), and only rank 0 writes the outputs. MPI has no bf16 sum: its
-    variance refresh sums in fp32, as the gloo run's with ``--refresh-dtype fp32``."""
-    flags = ["--optimizer", "onebit_adam", "--steps", "12", "--freeze-step", "4", "--batch-size", "8", "--quiet"]
-    proc = _launch(2, "-m", "onebit.cli", "train", "--backend", "mpi", "--out", str(tmp_path / "mpi"), *flags,
-                   timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("metrics: ") == 1
-    assert main(["train", "--world-size", "2", "--refresh-dtype", "fp32", "--out", str(tmp_path / "gloo"), *flags]) == 0
+    sums do not depend on the order), saved after step 6 and resumed over MPI (``onebit.Checkpoints``
+    on its communicator), and only rank 0 writes the outputs. MPI has no bf16 sum: its variance
+    refresh sums in fp32, as the gloo run's with ``--refresh-dtype fp32``."""
+    flags = ["--optimizer", "onebit_adam", "--freeze-step", "4", "--batch-size", "8", "--quiet"]
+    for steps, more in (("6", ["--checkpoint-every", "6"]), ("12", ["--resume"])):
+        proc = _launch(2, "-m", "onebit.cli", "train", "--backend", "mpi", "--out", str(tmp_path / "mpi"), "--steps",
+                       steps, *more, *flags, timeout=240)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert proc.stdout.count("metrics: ") == 1
+    assert main(["train", "--world-size", "2", "--refresh-dtype", "fp32", "--out", str(tmp_path / "gloo"),
+                 "--steps", "12", *flags]) == 0
     mpi, gloo = (
         [json.loads(line) for line in (tmp_path / run / "onebit_adam" / "metrics.jsonl").read_text().splitlines()]
         for run in ("mpi", "gloo")
     )
-    assert [(r["loss"], r["bytes_sent"], r["stage"]) for r in mpi] == [(r["loss"], r["bytes_sent"], r["stage"])
-                                                                      for r in gloo]
+    # the first step after the load also sends the check that the ranks loaded one save: an
+    # all-reduce of 2 int64 values per rank, 2 * (2 - 1) * 32 / 2 bytes a rank
+    check = [32 if r["step"] == 7 else 0 for r in gloo]
+    assert [(r["loss"], r["bytes_sent"], r["stage"]) for r in mpi] == [(r["loss"], r["bytes_sent"] + c, r["stage"])
+                                                                      for r, c in zip(gloo, check)]
     assert [r["stage"] for r in mpi][3:] == ["warmup"] + ["compressed"] * 7 + ["refresh"]  # every 8th step
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 import warnings
@@ -96,7 +97,8 @@ class Checkpoints:
 
     def load(self) -> tuple[int, dict[str, Any]] | None:
         """``(step, state)`` of the newest step every rank sees complete (None: nothing saved
-        yet); every rank calls it. The files load with ``weights_only=True``."""
+        yet); every rank calls it. The files load with ``weights_only=True``; one that cannot be
+        read (truncated, or not a checkpoint) raises ``ValueError`` naming it."""
         rank, world = comm.get_rank(self.group), comm.get_world_size(self.group)
         newest = self.latest()
         mine = -1.0 if newest is None else float(newest)
@@ -117,7 +119,11 @@ class Checkpoints:
         if int(done["world_size"]) != world:
             _log.warning("checkpoint step %d was saved on %d ranks, loaded on %d: rank %d reads rank %d's file",
                          agreed, done["world_size"], world, rank, source)
-        return agreed, torch.load(where / f"rank{source}.pt", weights_only=True)
+        path = where / f"rank{source}.pt"
+        try:
+            return agreed, torch.load(path, weights_only=True)
+        except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as exc:
+            raise ValueError(f"checkpoint {path} cannot be read (truncated or not a checkpoint): {exc}") from None
 
     def _prune(self, step: int) -> None:
         """Remove the complete steps older than the ``keep`` newest, and the unfinished saves

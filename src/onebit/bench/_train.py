@@ -7,7 +7,6 @@ import hashlib
 import json
 import math
 import os
-import pickle
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -17,6 +16,7 @@ from typing import Any
 import torch
 
 from .. import comm, compress
+from .._checkpoints import Checkpoints
 from ..launch import spawn
 from ._runs import NO_COMMUNICATION, OPTIMIZERS, REFRESH_DTYPES, build_run
 from ._tasks import TASKS, Task, TaskSpec
@@ -113,10 +113,6 @@ def lr_factor(cfg: TrainConfig, step: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def _checkpoint_path(out: Path, rank: int) -> Path:
-    return out / "checkpoints" / f"rank{rank}.pt"
-
-
 def _rank_main(rank: int, world: int, cfg: TrainConfig, out: Path, per_node: int | None,
                progress: bool) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
@@ -128,19 +124,18 @@ def _rank_main(rank: int, world: int, cfg: TrainConfig, out: Path, per_node: int
     gen = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
     records: list[dict[str, Any]] = []
     first = 1
-    ckpt = _checkpoint_path(out, rank)
-    if cfg.resume and ckpt.exists():
-        try:
-            state = torch.load(ckpt, weights_only=True)
-        except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as exc:
-            raise ValueError(f"checkpoint {ckpt} cannot be read (truncated or not a checkpoint): {exc}") from None
+    # The ranks resume from one save, the newest every rank completed: a rank that died in the
+    # middle of a save leaves the one before it whole.
+    checkpoints = Checkpoints(out / "checkpoints", group="mpi" if cfg.backend == "mpi" else None)
+    if cfg.resume and (found := checkpoints.load()) is not None:
+        step, state = found
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
         gen.set_state(state["generator"])
         if run.hook_state is not None and hasattr(run.hook_state, "load_state_dict"):
             run.hook_state.load_state_dict(state["hook"])
-        records, first = state["records"], int(state["step"]) + 1
+        records, first = state["records"], step + 1
     bar = None
     if progress and rank == 0:
         from tqdm import tqdm
@@ -190,7 +185,7 @@ def _rank_main(rank: int, world: int, cfg: TrainConfig, out: Path, per_node: int
             bar.update(1)
             bar.set_postfix(loss=f"{mean_loss:.3f}", stage=records[-1]["stage"])
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-            _save_checkpoint(ckpt, step, model, opt, schedule, gen, run, records)
+            _save_checkpoint(checkpoints, step, model, opt, schedule, gen, run, records)
     if bar is not None:
         bar.close()
     with torch.no_grad():
@@ -214,15 +209,12 @@ def _rank_main(rank: int, world: int, cfg: TrainConfig, out: Path, per_node: int
             "freeze_step": run.freeze_step(), "parameters": sum(p.numel() for p in model.parameters())}
 
 
-def _save_checkpoint(path: Path, step, model, opt, schedule, gen, run, records) -> None:
-    state = {"step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
-             "schedule": schedule.state_dict(), "generator": gen.get_state(), "records": records}
+def _save_checkpoint(checkpoints: Checkpoints, step, model, opt, schedule, gen, run, records) -> None:
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "schedule": schedule.state_dict(),
+             "generator": gen.get_state(), "records": records}
     if run.hook_state is not None and hasattr(run.hook_state, "state_dict"):
         state["hook"] = run.hook_state.state_dict()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    tmp.replace(path)  # a crash while saving never leaves a truncated checkpoint behind
+    checkpoints.save(step, **state)
 
 
 def _stage_median(records: list[dict[str, Any]], stage: str, key: str) -> float | None:
