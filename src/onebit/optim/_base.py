@@ -330,8 +330,6 @@ class OnebitOptimizer(Algorithm):
         """
         loss = closure_loss(closure)
         comm.check_world_size(self.process_group, self.world_size, type(self).__name__)
-        if self._loaded:
-            self._check_loaded_parameters()
         if not self._ddp_checked:  # the model may have been wrapped after the optimizer was built
             check_ddp(self.flat.params, type(self).__name__, self.world_size, construction=False)
             self._ddp_checked = True
@@ -339,6 +337,8 @@ class OnebitOptimizer(Algorithm):
         buckets, exchange, in_backward = self._buckets, self._exchange, 0
         try:
             with comm.measure() as meter:
+                if self._loaded:  # the first exchange after a load, where backward began none
+                    self._check_loaded_parameters()
                 if buckets is not None:
                     with comm.span("flush", "step"):  # 1
                         buckets.flush(scaled=getattr(self, "grad_scale", None) is not None

@@ -271,13 +271,13 @@ class DiLoCo(Optimizer):
         return loss
 
     def _step(self) -> None:
-        self._check_loaded_parameters()
         if not self._ddp_checked:  # the model may have been wrapped after the optimizer was built
             check_ddp(self.flat.params, "DiLoCo", self.world_size, construction=False)
             self._ddp_checked = True
         self._shards.bind_grads()
         try:
             with comm.measure() as meter:
+                self._check_loaded_parameters()
                 step = self._step_count + 1
                 sent = self._schedule.sent_at(step)
                 fragment = None if sent is None else self._fragments[sent]
