@@ -11,6 +11,13 @@ from _harness import run_ranks
 from _problem import OPTIMIZERS, digest, grads, initial_params, optimizer_class
 
 
+def _take_step(opt, params, rank, step):
+    """The test problem's gradients of ``step`` on ``rank``, then ``opt.step()``."""
+    for p, g in zip(params, grads([p.detach() for p in params], rank, step)):
+        p.grad = g
+    opt.step()
+
+
 def _worker(rank, world, name, kw):
     records = []
     handler = logging.Handler()
@@ -19,9 +26,7 @@ def _worker(rank, world, name, kw):
     params = [p.clone().requires_grad_() for p in initial_params()]
     opt = getattr(onebit, name)(params, **kw)
     for step in range(1, 6):
-        for p, g in zip(params, grads([p.detach() for p in params], rank, step)):
-            p.grad = g
-        opt.step()
+        _take_step(opt, params, rank, step)
     buf = io.BytesIO()
     torch.save(opt.state_dict(), buf)
     # rank 0's checkpoint, handed to every rank
@@ -32,9 +37,7 @@ def _worker(rank, world, name, kw):
     error = fresh.allreduce.state_dict()["worker_error"]["error"]
     mine = opt.allreduce.state_dict()["worker_error"]["error"]
     for step in range(6, 9):
-        for p, g in zip(params, grads([p.detach() for p in params], rank, step)):
-            p.grad = g
-        fresh.step()
+        _take_step(fresh, params, rank, step)
     return {
         "kept_own_error": error is not None and torch.equal(error, mine),
         "error_zero": error is None or not error.any(),
@@ -62,9 +65,7 @@ def _loads_of_steps(rank, world, picks):
         opt = optimizer_class(name)(params, **kwargs)
         saved = {}
         for step in range(1, 5):
-            for p, g in zip(params, grads([p.detach() for p in params], rank, step)):
-                p.grad = g
-            opt.step()
+            _take_step(opt, params, rank, step)
             buf = io.BytesIO()
             torch.save(opt.state_dict(), buf)
             saved[step] = (buf.getvalue(), [p.detach().clone() for p in params])
@@ -72,10 +73,8 @@ def _loads_of_steps(rank, world, picks):
         params = [v.clone().requires_grad_() for v in values]
         fresh = optimizer_class(name)(params, **kwargs)
         fresh.load_state_dict(torch.load(io.BytesIO(state), weights_only=True))
-        for p, g in zip(params, grads([p.detach() for p in params], rank, 5)):
-            p.grad = g
         try:
-            fresh.step()
+            _take_step(fresh, params, rank, 5)
             fresh.check_replicas()
             out[name] = None
         except onebit.ReplicaDivergence as exc:
