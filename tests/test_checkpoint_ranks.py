@@ -84,9 +84,8 @@ def _loads_of_steps(rank, world, picks):
 
 @pytest.mark.parametrize("picks", [(4, 3), (4, 4, 3), (4, 4, 4)], ids=["2-ranks", "3-ranks", "3-ranks-alike"])
 def test_ranks_that_load_states_of_different_steps_are_stopped_on_every_rank(picks):
-    """Before, a rank whose state was saved between synchronisations ran the check of its parameters
-    alone, and the collectives of the ranks stopped matching: a timeout, a size error, or unlike
-    exchanges paired without a word."""
+    """Before, 8 of the 10 registry optimizers went on with their replicas diverged (2 ranks, one a
+    step older: only check_replicas() saw it), QAdam and Birder from mismatched states."""
     for rank, errors in enumerate(run_ranks(_loads_of_steps, len(picks), list(picks))):
         for name, _ in OPTIMIZERS:
             if len(set(picks)) == 1:
@@ -104,11 +103,10 @@ def _overlapped_loads(rank, world, name, kwargs, picks):
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(rank)
 
-    def train(model, opt, steps):
-        for _ in range(steps):
-            opt.zero_grad()
-            model(torch.randn(8, 6, generator=gen)).square().mean().backward()
-            opt.step()
+    def train_step(model, opt):
+        opt.zero_grad()
+        model(torch.randn(8, 6, generator=gen)).square().mean().backward()
+        opt.step()
 
     def build():
         torch.manual_seed(0)
@@ -119,7 +117,7 @@ def _overlapped_loads(rank, world, name, kwargs, picks):
     model, opt = build()
     saved = {}
     for step in range(1, max(picks) + 1):
-        train(model, opt, 1)
+        train_step(model, opt)
         saved[step] = io.BytesIO()
         torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, saved[step])
     model, opt = build()
@@ -127,7 +125,7 @@ def _overlapped_loads(rank, world, name, kwargs, picks):
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["opt"])
     try:
-        train(model, opt, 1)
+        train_step(model, opt)
     except onebit.ReplicaDivergence as exc:
         return str(exc)
     return None
