@@ -34,6 +34,12 @@ def flag_bytes(world: int, tensors: int = 2) -> int:
     return 2 * (world - 1) * 4 * (2 + tensors) // world
 
 
+def check_bytes(world: int) -> int:
+    """Bytes of the check an optimizer's first exchange runs, fresh or after a load (the ranks hold
+    states of one step): a ring all-reduce of two int64 values per rank."""
+    return 2 * (world - 1) * 8 * 2 * world // world
+
+
 def data(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(10_000 * step + rank)
     x = torch.randn(BATCH, DIM, generator=g)

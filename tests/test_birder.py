@@ -6,7 +6,7 @@ import torch
 import onebit
 from _harness import run_ranks
 from _oracle import SplitMix64, chunks
-from _problem import DIM, flag_bytes, grads, initial_params, run_problem, teacher_student_loss
+from _problem import DIM, check_bytes, flag_bytes, grads, initial_params, run_problem, teacher_student_loss
 
 SIZES = [DIM, 1]
 
@@ -113,7 +113,7 @@ def test_matches_algorithm_1_with_the_same_random_bits(world):
         assert r["stats"][-1]["stage"] == "compressed" and r["stats"][-1]["freeze_step"] is None
     # 1 bit per value: the all-to-all and the all-gather each move (w - 1) slots of ceil(chunk / 8) bytes.
     slot = -(-chunks(DIM + 1, world, 8)[0][1] // 8)
-    assert res[0]["sent"][0] == 2 * (world - 1) * slot + flag_bytes(world)
+    assert res[0]["sent"][0] == 2 * (world - 1) * slot + flag_bytes(world) + check_bytes(world)
 
 
 def test_soft_sign_sgd_is_appendix_b_on_the_averaged_gradient():

@@ -8,6 +8,7 @@ import torch
 import onebit
 from _harness import run_ranks, run_torchrun
 from _oracle import SimulatedCompressedAllGather, SimulatedCompressedAllReduce, chunk_topk_compress, sign_compress
+from _problem import check_bytes
 
 H = 3  # inner steps per synchronisation
 STEPS = 2 * H + 2  # two synchronisations, then two steps into the third interval
@@ -121,7 +122,8 @@ def _ours(rank, world, compressor, collective, error_feedback, scales="tensor"):
         _inner_step(model, opt, rank, step)
         opt.step()
         history.append(_flat(model).clone())
-        stages.append((opt.stats["stage"], opt.stats["bytes_sent"] > 0))
+        # (the first step sends only the check that the ranks hold states of one step)
+        stages.append((opt.stats["stage"], opt.stats["bytes_sent"] > (check_bytes(world) if step == 1 else 0)))
     opt.check_replicas()  # inside an interval: the anchors
     return history, stages
 

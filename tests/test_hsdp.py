@@ -16,6 +16,7 @@ from torch import nn
 
 import onebit
 from _harness import run_ranks
+from _problem import optimizer_class
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
@@ -167,6 +168,50 @@ def test_every_optimizer_on_hsdp_agrees_skips_and_resumes():
             moved = r["moved"]
             assert moved["lin1.weight"] and moved["lin2.bias"], (name, moved)
             assert not moved["frozen.weight"] and not moved["unused"], (name, moved)
+
+
+def _loads_by_node(rank, world, picks):
+    """1-bit Adam and DiLoCo: every rank saves its state and shards after steps 2 and 3, and the
+    ranks of node ``n`` load those of step ``picks[n]`` (None: none) into fresh optimizers; the
+    next step's error, or None."""
+    mesh = _mesh()
+    out = {}
+    for name in ("onebit_adam", "diloco"):
+        kw = onebit.optim.REGISTRY[name].freeze(2)
+        model, opt = _hsdp(name, mesh, **kw)
+        saved = {}
+        for step in (1, 2, 3):
+            _train(model, opt, rank, 1, first=step)
+            saved[step] = io.BytesIO()
+            torch.save({"opt": opt.state_dict(), "shards": [p.to_local() for p in model.parameters()]}, saved[step])
+        model, opt = _hsdp(name, mesh, **kw)
+        pick = picks[rank // 2]  # the mesh's rows are the nodes
+        if pick is not None:
+            state = torch.load(io.BytesIO(saved[pick].getvalue()), weights_only=True)
+            with torch.no_grad():
+                for p, shard in zip(model.parameters(), state["shards"]):
+                    p.to_local().copy_(shard)
+            opt.load_state_dict(state["opt"])
+        try:
+            _train(model, opt, rank, 1, first=4)
+            out[name] = None
+        except onebit.ReplicaDivergence as exc:
+            out[name] = str(exc)
+    return out
+
+
+@pytest.mark.parametrize("picks", [(3, 2), (3, None), (3, 3)], ids=["a-step-apart", "one-node-fresh", "alike"])
+def test_nodes_that_load_states_of_different_steps_are_stopped_on_every_rank(picks):
+    """The check runs over the whole job: ranks of one replicate group are not enough, whose
+    replicas on the other node loaded the same step while the node's other shards did not."""
+    steps = ", ".join(f"rank {r}: " + ("none loaded" if picks[r // 2] is None else f"step {picks[r // 2]}")
+                      for r in range(4))
+    for res in run_ranks(_loads_by_node, 4, list(picks)):
+        for name in ("onebit_adam", "diloco"):
+            want = None if picks[0] == picks[1] else (
+                f"the ranks loaded {optimizer_class(name).__name__} states saved at different steps ({steps}): "
+                "every rank must load its state of one save (onebit.Checkpoints agrees on one)")
+            assert res[name] == want, (name, res[name])
 
 
 def _streamed_diloco(rank, world, strided):

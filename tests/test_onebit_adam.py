@@ -9,7 +9,7 @@ import torch
 import onebit
 from _harness import run_ranks
 from _oracle import SimulatedCompressedAllReduce
-from _problem import DIM, flag_bytes, run_problem, teacher_student_loss
+from _problem import DIM, check_bytes, flag_bytes, run_problem, teacher_student_loss
 from _problem import grads as _grads
 from _problem import initial_params as _params
 
@@ -178,7 +178,7 @@ def test_refresh_every_step_is_adamw(dtype):
         assert torch.equal(w, e) == (dtype == torch.float32)
     stats = res[0]["stats"]
     assert [s["stage"] for s in stats] == ["warmup"] * 3 + ["refresh"] * 7
-    payload = [s["bytes_sent"] - flag_bytes(2) for s in stats]
+    payload = [s["bytes_sent"] - flag_bytes(2) - (check_bytes(2) if i == 0 else 0) for i, s in enumerate(stats)]
     assert payload[3] * (4 // dtype.itemsize) == payload[0] == 2 * 4 * (DIM + 1) // 2
 
 
@@ -524,7 +524,8 @@ def test_naive_control_is_adam_on_compressed_gradients(world):
     # every step, from the first: 1-bit slots, not fp32; a slot holds its chunk's signs and a scale per piece
     oracle = SimulatedCompressedAllReduce(world, DIM + 1, segments=[0, DIM])
     slot = max(math.ceil((hi - lo) / 8) + 4 * len(p) for (lo, hi), p in zip(oracle.bounds, oracle.pieces))
-    assert all(s["bytes_sent"] == 2 * (world - 1) * slot + flag_bytes(world) for s in stats)
+    assert all(s["bytes_sent"] == 2 * (world - 1) * slot + flag_bytes(world) + (check_bytes(world) if i == 0 else 0)
+               for i, s in enumerate(stats))
 
 
 def _quiet_neighbour(rank, world, scales):

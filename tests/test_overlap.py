@@ -19,7 +19,7 @@ from torch import nn
 
 from _harness import run_ranks, run_torchrun
 from _oracle import chunks, pieces
-from _problem import flag_bytes
+from _problem import check_bytes, flag_bytes
 from onebit.optim import Birder, CompAMS, OnebitAdam, OnebitAdamNaive, OnebitLamb
 from onebit.optim._buckets import bucket_bounds
 
@@ -186,8 +186,9 @@ def test_several_buckets_keep_replicas_identical_and_send_one_exchange_per_bucke
         fp32 = sum(2 * (world - 1) * 4 * n // world for n in r0["bucket_sizes"])
         onebit = sum(_sign_wire_bytes(n, world, starts if per_tensor else None)
                      for n, starts in zip(r0["bucket_sizes"], r0["bucket_starts"]))
-        assert r0["bytes"][:warmup] == [fp32 + agreement] * warmup, name
-        assert r0["bytes"][warmup:] == [onebit + agreement] * (len(r0["bytes"]) - warmup), name
+        want = [fp32 + agreement] * warmup + [onebit + agreement] * (len(r0["bytes"]) - warmup)
+        want[0] += check_bytes(world)  # the first exchange's check that the ranks hold states of one step
+        assert r0["bytes"] == want, name
 
 
 def _by_bucket(rank, world, steps):
@@ -509,7 +510,7 @@ def test_comp_ams_block_sign_overlapped_gives_the_one_shot_bits(world):
             assert block == "tensor" or spans != buckets, f"{name}: no bucket boundary cut a block"
             sent = (world - 1) * sum(math.ceil(n / 8) + 4 * (1 if block == "tensor" else math.ceil(n / block))
                                      for n in spans if n)
-        assert res[name][0]["bytes"] == [sent + agreement] * steps, name
+        assert res[name][0]["bytes"] == [sent + agreement + check_bytes(world)] + [sent + agreement] * (steps - 1), name
 
 
 def _stepped(rank, name, steps, **kw):

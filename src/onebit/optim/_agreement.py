@@ -108,13 +108,16 @@ def require_replicas(params: Sequence[Tensor], anchors: Sequence[Tensor] | None,
 
 
 def require_loaded_alike(params: Sequence[Tensor], saved: Sequence[int] | None, group: comm.Group,
-                         timeout: timedelta, *, step: int, owner: str,
+                         timeout: timedelta, *, step: int, loaded: bool, owner: str,
                          param_groups: Sequence[Mapping[str, Any]]) -> None:
-    """At the first step after a load: raise :class:`ReplicaDivergence` on every rank unless every
-    rank loaded a state saved at the same ``step`` and, where it was saved between
-    synchronisations (``saved``: the :func:`parameter_sums` of the parameters it was saved beside;
-    None: at a synchronisation), holds those parameters. One all-reduce over ``group``, run by
-    every rank that loaded whatever it loaded, so that the ranks issue it alike.
+    """At an optimizer's first exchange, fresh or after a load: raise :class:`ReplicaDivergence` on
+    every rank unless every rank holds a state of one step -- each loaded a state saved at the
+    same ``step`` (``loaded``), or none did -- and, where it was saved between synchronisations
+    (``saved``: the :func:`parameter_sums` of the parameters it was saved beside; None: at a
+    synchronisation), holds those parameters. One all-reduce over ``group``, run by every rank at
+    its first exchange whatever it loaded, so that the ranks issue it alike: a rank that loaded
+    nothing while the others loaded (its file missing) runs it too, where it would otherwise pair
+    its first collective with theirs (gloo aborts the process on the mismatched sizes).
 
     States of different steps (one rank's file from another save) ask for different collectives
     from there on -- a stage, an interval or a synchronisation apart: unlike exchanges paired
@@ -127,15 +130,17 @@ def require_loaded_alike(params: Sequence[Tensor], saved: Sequence[int] | None, 
     differs = [] if saved is None else [i for i, (now, then) in enumerate(zip(parameter_sums(params), saved))
                                         if now != then]
     world, rank = comm.get_world_size(group), comm.get_rank(group)
-    # flags[r]: rank r's parameters are not those saved with its state; flags[world + r]: its step
-    flags = torch.zeros(2 * world, dtype=torch.int64, device=params[0].device)
-    flags[rank], flags[world + rank] = int(bool(differs)), step
+    # flags[r]: rank r's parameters are not those saved with its state; flags[world + r]: the step
+    # of the state it loaded, -1 where it loaded none. Each rank writes its own entries over the
+    # others' lowest value, so the maximum carries every rank's.
+    flags = torch.full((2 * world,), torch.iinfo(torch.int64).min, dtype=torch.int64, device=params[0].device)
+    flags[rank], flags[world + rank] = int(bool(differs)), step if loaded else -1
     flags = comm.all_reduce_max(flags, group, timeout).tolist()
     steps = flags[world:]
     if len(set(steps)) > 1:
         raise ReplicaDivergence(
             f"the ranks loaded {owner} states saved at different steps ("
-            + ", ".join(f"rank {r}: step {s}" for r, s in enumerate(steps))
+            + ", ".join(f"rank {r}: " + (f"step {s}" if s >= 0 else "none loaded") for r, s in enumerate(steps))
             + "): every rank must load its state of one save (onebit.Checkpoints agrees on one)")
     ranks = [r for r, v in enumerate(flags[:world]) if v]
     if ranks:

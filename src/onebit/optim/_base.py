@@ -103,7 +103,8 @@ class OnebitOptimizer(Algorithm):
         self._bytes_last = 0
         self._last_stage: str | None = None
         self._ddp_checked = False
-        self._loaded = False  # load_state_dict ran: the next step first checks that the ranks loaded alike
+        self._loaded = False  # the state came from load_state_dict
+        self._unchecked = True  # the first exchange checks that the ranks hold states of one step (fresh or loaded)
         self._own_parameters: list[int] | None = None  # the fingerprint kept with a state between synchronisations
         self._exchange: Exchange | None = None
         self._buckets: Buckets | None = None  # the overlap's hooks
@@ -337,8 +338,8 @@ class OnebitOptimizer(Algorithm):
         buckets, exchange, in_backward = self._buckets, self._exchange, 0
         try:
             with comm.measure() as meter:
-                if self._loaded:  # the first exchange after a load, where backward began none
-                    self._check_loaded_parameters()
+                if self._unchecked:  # the first exchange, where backward began none
+                    self._check_alike()
                 if buckets is not None:
                     with comm.span("flush", "step"):  # 1
                         buckets.flush(scaled=getattr(self, "grad_scale", None) is not None
@@ -425,8 +426,8 @@ class OnebitOptimizer(Algorithm):
         """The overlap's one entry (:class:`~onebit.optim._buckets.Buckets`): backward produced
         bucket ``b``'s gradients (or ``step()`` flushes it); its values for the next step are
         formed and launched, before the ranks agreed to take the step."""
-        if self._loaded:  # the first exchange after a load: of states the ranks must have loaded alike
-            self._check_loaded_parameters()
+        if self._unchecked:  # the first exchange: of states the ranks must hold alike
+            self._check_alike()
         wire, step = self._stages.current.wire, self._step_count + 1
         if self._buckets.warmup:  # the warm-up's gradients, into where their mean lands
             lo, hi, members = self._exchange.warm_bounds[b]
@@ -496,18 +497,22 @@ class OnebitOptimizer(Algorithm):
         Inside an interval of local steps (not :attr:`synchronised`) the ranks' parameters differ
         by design, and the anchors (the parameters of the last synchronisation) are compared.
         """
-        if self._loaded:
-            self._check_loaded_parameters()
+        if self._unchecked:
+            self._check_alike()
         require_replicas(self.flat.params, None if self.synchronised else self.flat.views("anchor"), self.process_group,
                          self.timeout, step=self._step_count, param_groups=self.param_groups)
 
-    def _check_loaded_parameters(self) -> None:
-        """At the first exchange, step or replica check after :meth:`load_state_dict`: raise
-        :class:`~onebit.optim.ReplicaDivergence` on every rank unless the ranks loaded states of one step,
-        each beside the parameters saved with it (:func:`onebit.optim._agreement.require_loaded_alike`)."""
-        saved, self._own_parameters, self._loaded = self._own_parameters, None, False
-        require_loaded_alike(self.flat.params, saved, self._shards.agreement_group, self.timeout,
-                             step=self._step_count, owner=type(self).__name__, param_groups=self.param_groups)
+    def _check_alike(self) -> None:
+        """At the first exchange, step or replica check of this optimizer, fresh or after
+        :meth:`load_state_dict`: raise :class:`~onebit.optim.ReplicaDivergence` on every rank unless
+        the ranks hold states of one step, each beside the parameters saved with it
+        (:func:`onebit.optim._agreement.require_loaded_alike`). Over the warm-up's group where it has
+        one: it may run during backward, beside collectives of the user's own on the user's group."""
+        saved, self._own_parameters, self._unchecked = self._own_parameters, None, False
+        warm = self._exchange.warm_group
+        require_loaded_alike(self.flat.params, saved, self._shards.agreement_group if warm is None else warm,
+                             self.timeout, step=self._step_count, loaded=self._loaded, owner=type(self).__name__,
+                             param_groups=self.param_groups)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -551,7 +556,8 @@ class OnebitOptimizer(Algorithm):
             self.flat.buffers[key].copy_(buf)
         self._step_count = int(extra["step"])
         self._bytes_total = int(extra["bytes_sent_total"])
-        self._loaded, self._own_parameters = True, extra.get("own_parameters")  # checked at the next step
+        self._loaded = self._unchecked = True  # checked at the next exchange, with the parameters saved beside it
+        self._own_parameters = extra.get("own_parameters")
         self._stages.load_state_dict(extra)
         if self._stages.current.averages != (self._grad is not None):  # stages alike but for that
             self._lay_out(self._stages.current)

@@ -63,7 +63,8 @@ class DiLoCo(Optimizer):
     intervals of 256 steps and more, the paper's at 64 (the DiLoCo page of the docs).
     The inner optimizer's state is never averaged or reset. Its param groups are this
     optimizer's: a learning-rate scheduler built on either schedules the inner steps. An inner
-    step sends nothing, not even the agreement on skipping it: a rank with a non-finite
+    step sends nothing (but the first, fresh or after a load: the ranks' check that they hold
+    states of one step), not even the agreement on skipping it: a rank with a non-finite
     gradient skips its own inner step, which still counts towards ``sync_every``; a
     synchronisation step is skipped on every rank at once, as every onebit step. With
     ``fragments`` P and ``delay`` tau, Streaming DiLoCo (arXiv 2501.18512, section 2): each
@@ -235,7 +236,10 @@ class DiLoCo(Optimizer):
         # synchronisation's agreement has run)
         self._touched = [False] * len(params)
         self._late_bytes = 0  # sent by the flights' threads, counted when they land
-        self._loaded = False  # load_state_dict ran: the next step first checks that the ranks loaded alike
+        self._loaded = False  # the state came from load_state_dict
+        # The first step checks that the ranks hold states of one step, fresh or loaded (a joiner takes
+        # a peer's, and the others check nothing then)
+        self._unchecked = not joining
         self._own_parameters: list[int] | None = None  # the fingerprint kept with a state between synchronisations
         self._ddp_checked = False
         check_ddp(self.flat.params, "DiLoCo", self.world_size, construction=True)
@@ -277,7 +281,7 @@ class DiLoCo(Optimizer):
         self._shards.bind_grads()
         try:
             with comm.measure() as meter:
-                self._check_loaded_parameters()
+                self._check_alike()
                 step = self._step_count + 1
                 sent = self._schedule.sent_at(step)
                 fragment = None if sent is None else self._fragments[sent]
@@ -354,7 +358,7 @@ class DiLoCo(Optimizer):
         for f in self._fragments:  # what this replica had in flight is the state it gives up
             f.flight = f.retry = None
         self._load(healed["state"], warn=False)
-        self._loaded = False  # the parameters are the source's, below, and the others load nothing: no check
+        self._unchecked = False  # the parameters are the source's, below, and the others load nothing: no check
         with torch.no_grad():
             for p, value in zip(self.flat.params, healed["params"]):
                 p.copy_(value)
@@ -424,27 +428,27 @@ class DiLoCo(Optimizer):
             pass
 
     def _check_replicas(self) -> None:
-        self._check_loaded_parameters()
+        self._check_alike()
         self._collective(lambda: require_replicas(
             self.flat.params, None if self.synchronised else self._anchors, self.process_group, self.timeout,
             step=self._step_count, param_groups=self.param_groups))
 
-    def _check_loaded_parameters(self) -> None:
-        """At the first step (or replica check) after :meth:`load_state_dict`: raise
-        :class:`~onebit.optim.ReplicaDivergence` on every rank unless the ranks loaded states of one
+    def _check_alike(self) -> None:
+        """At the first step (or replica check), fresh or after :meth:`load_state_dict`: raise
+        :class:`~onebit.optim.ReplicaDivergence` on every rank unless the ranks hold states of one
         step, each beside the parameters saved with it. Kept until every rank has committed the
         check: on a quorum, a replica whose collective completed where another's failed runs it
         again with the others on the group they re-form."""
-        if not self._loaded:
+        if not self._unchecked:
             return
         try:
             self._collective(lambda: require_loaded_alike(
                 self.flat.params, self._own_parameters, self._shards.agreement_group, self.timeout,
-                step=self._step_count, owner=type(self).__name__, param_groups=self.param_groups))
+                step=self._step_count, loaded=self._loaded, owner=type(self).__name__, param_groups=self.param_groups))
         except ReplicaDivergence:
-            self._loaded = False  # checked: every rank raises alike
+            self._unchecked = False  # checked: every rank raises alike
             raise
-        self._loaded = False  # (kept where a dead peer's error left it unchecked, without a quorum)
+        self._unchecked = False  # (kept where a dead peer's error left it unchecked, without a quorum)
 
     def attach_ddp(self, model: DistributedDataParallel | None = None) -> list[DistributedDataParallel]:
         """Switch off DDP's all-reduce on ``model`` (default: every DDP module holding these
@@ -504,7 +508,8 @@ class DiLoCo(Optimizer):
             load_flat_momentum(self.outer, self._anchors, self.flat.split(extra["flat"]["outer_momentum"]))
         self._step_count, self._bytes_total = int(extra["step"]), int(extra["bytes_sent_total"])
         self._touched = [bool(t) for t in extra["touched"]]
-        self._loaded, self._own_parameters = True, extra.get("own_parameters")  # checked at the next step
+        self._loaded = self._unchecked = True  # checked at the next step, with the parameters saved beside it
+        self._own_parameters = extra.get("own_parameters")
         if not own and warn and quorum:  # a quorum's checkpoint: one replica's state, as a newcomer's
             _log.info("DiLoCo: rank %d of %d took the state of rank %d of %d; its compression errors restart at zero",
                       self.rank, self.world_size, int(extra.get("rank", self.rank)), extra["world_size"])
