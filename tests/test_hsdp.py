@@ -170,10 +170,10 @@ def test_every_optimizer_on_hsdp_agrees_skips_and_resumes():
             assert not moved["frozen.weight"] and not moved["unused"], (name, moved)
 
 
-def _loads_by_node(rank, world, picks):
-    """1-bit Adam and DiLoCo: every rank saves its state and shards after steps 2 and 3, and the
-    ranks of node ``n`` load those of step ``picks[n]`` (None: none) into fresh optimizers; the
-    next step's error, or None."""
+def _loads_by_rank(rank, world, picks):
+    """1-bit Adam and DiLoCo: every rank saves its state and shards after steps 2 and 3, and rank
+    ``r`` loads those of step ``picks[r]`` (None: none) into fresh optimizers; the next step's
+    error, or None."""
     mesh = _mesh()
     out = {}
     for name in ("onebit_adam", "diloco"):
@@ -185,7 +185,7 @@ def _loads_by_node(rank, world, picks):
             saved[step] = io.BytesIO()
             torch.save({"opt": opt.state_dict(), "shards": [p.to_local() for p in model.parameters()]}, saved[step])
         model, opt = _hsdp(name, mesh, **kw)
-        pick = picks[rank // 2]  # the mesh's rows are the nodes
+        pick = picks[rank]
         if pick is not None:
             state = torch.load(io.BytesIO(saved[pick].getvalue()), weights_only=True)
             with torch.no_grad():
@@ -200,15 +200,16 @@ def _loads_by_node(rank, world, picks):
     return out
 
 
-@pytest.mark.parametrize("picks", [(3, 2), (3, None), (3, 3)], ids=["a-step-apart", "one-node-fresh", "alike"])
-def test_nodes_that_load_states_of_different_steps_are_stopped_on_every_rank(picks):
-    """The check runs over the whole job: ranks of one replicate group are not enough, whose
-    replicas on the other node loaded the same step while the node's other shards did not."""
-    steps = ", ".join(f"rank {r}: " + ("none loaded" if picks[r // 2] is None else f"step {picks[r // 2]}")
-                      for r in range(4))
-    for res in run_ranks(_loads_by_node, 4, list(picks)):
+# The mesh's rows are the nodes (ranks 0, 1 and 2, 3), its columns the replicate groups (0, 2 and 1, 3)
+@pytest.mark.parametrize("picks", [(3, 2, 3, 2), (3, 3, None, None), (3, 3, 3, 3)],
+                         ids=["shards-a-step-apart", "one-node-fresh", "alike"])
+def test_ranks_that_load_states_of_different_steps_are_stopped_on_every_rank(picks):
+    """The check runs over the whole job: with the shards of each node a step apart, every
+    replicate group loaded one step, and only the whole job sees it."""
+    steps = ", ".join(f"rank {r}: " + ("none loaded" if s is None else f"step {s}") for r, s in enumerate(picks))
+    for res in run_ranks(_loads_by_rank, 4, list(picks)):
         for name in ("onebit_adam", "diloco"):
-            want = None if picks[0] == picks[1] else (
+            want = None if len(set(picks)) == 1 else (
                 f"the ranks loaded {optimizer_class(name).__name__} states saved at different steps ({steps}): "
                 "every rank must load its state of one save (onebit.Checkpoints agrees on one)")
             assert res[name] == want, (name, res[name])

@@ -226,7 +226,7 @@ def _uneven(rank, world, steps):
     for step in range(1, steps + 1):
         opt.zero_grad()
         h = model[:4](_batch(rank, step))
-        y = h @ last.weight.t() + (0 if rank == 1 and step % 2 == 0 else last.bias)
+        y = h @ last.weight.t() + (0 if rank == 1 and step % 2 else last.bias)
         y.pow(2).mean().backward()
         opt.step()
     return _digest(model), opt.stats["stage"]
@@ -414,9 +414,10 @@ def test_the_warm_up_in_backward_keeps_replicas_identical_on_three_ranks():
 
 
 def _warm_uneven(rank, world, name):
-    """Rank 1 leaves the last layer's bias out of the graph on even steps (its first bucket then
-    waits for step() there), rank 0 alone clips after backward on step 2 (stale on one rank), and
-    both all-reduce their loss between backward and step() on the optimizer's own group."""
+    """Rank 1 leaves the last layer's bias out of the graph on odd steps (its first bucket then
+    waits for step() there; on step 1, beside rank 0's first bucket, the optimizers' first
+    exchange), rank 0 alone clips after backward on step 2 (stale on one rank), and both
+    all-reduce their loss between backward and step() on the optimizer's own group."""
     torch.set_num_threads(1)
     a, b = _model(), _model()
     oa, ob = _opt(a, name, bucket_cap_mb=0.0005), _opt(b, name, overlap=False)
@@ -426,7 +427,7 @@ def _warm_uneven(rank, world, name):
             opt.zero_grad()
             last = model[4]
             h = model[:4](_batch(rank, step))
-            loss = (h @ last.weight.t() + (0 if rank == 1 and step % 2 == 0 else last.bias)).pow(2).mean()
+            loss = (h @ last.weight.t() + (0 if rank == 1 and step % 2 else last.bias)).pow(2).mean()
             loss.backward()
             if rank == 0 and step == 2:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)

@@ -426,7 +426,7 @@ class OnebitOptimizer(Algorithm):
         """The overlap's one entry (:class:`~onebit.optim._buckets.Buckets`): backward produced
         bucket ``b``'s gradients (or ``step()`` flushes it); its values for the next step are
         formed and launched, before the ranks agreed to take the step."""
-        if self._unchecked:  # the first exchange: of states the ranks must hold alike
+        if self._unchecked and not self._buckets.warmup:  # the first exchange: of states the ranks must hold alike
             self._check_alike()
         wire, step = self._stages.current.wire, self._step_count + 1
         if self._buckets.warmup:  # the warm-up's gradients, into where their mean lands
@@ -506,12 +506,13 @@ class OnebitOptimizer(Algorithm):
         """At the first exchange, step or replica check of this optimizer, fresh or after
         :meth:`load_state_dict`: raise :class:`~onebit.optim.ReplicaDivergence` on every rank unless
         the ranks hold states of one step, each beside the parameters saved with it
-        (:func:`onebit.optim._agreement.require_loaded_alike`). Over the warm-up's group where it has
-        one: it may run during backward, beside collectives of the user's own on the user's group."""
+        (:func:`onebit.optim._agreement.require_loaded_alike`). During backward only with
+        ``overlap=True``, whose buckets leave there on the user's group anyway: the warm-up's leave
+        on a group of their own and complete in ``step()``, so the check waits for ``step()``
+        rather than block a rank in backward while another is in a collective of the user's."""
         saved, self._own_parameters, self._unchecked = self._own_parameters, None, False
-        warm = self._exchange.warm_group
-        require_loaded_alike(self.flat.params, saved, self._shards.agreement_group if warm is None else warm,
-                             self.timeout, step=self._step_count, loaded=self._loaded, owner=type(self).__name__,
+        require_loaded_alike(self.flat.params, saved, self._shards.agreement_group, self.timeout,
+                             step=self._step_count, loaded=self._loaded, owner=type(self).__name__,
                              param_groups=self.param_groups)
 
     # ------------------------------------------------------------------ checkpoints

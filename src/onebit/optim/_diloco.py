@@ -259,7 +259,8 @@ class DiLoCo(Optimizer):
         1. **Agree**: at a synchronisation, one small all-reduce of "a gradient here is not
            finite" and of which parameters had a gradient since their fragment's last one; if
            any rank's is not finite, every rank skips the step (it does not count). An inner
-           step sends nothing: a rank with a non-finite gradient skips its own, which counts.
+           step sends nothing (but the first's check that the ranks hold states of one step): a
+           rank with a non-finite gradient skips its own, which counts.
         2. **Inner step** on this rank's own gradients (clipped with ``max_grad_norm``).
         3. **Send** the fragment's outer gradients; with a ``delay`` its exchange stays in flight,
            completed on a thread.
