@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 
 import torch
 
@@ -38,6 +39,14 @@ def check_bytes(world: int) -> int:
     """Bytes of the check an optimizer's first exchange runs, fresh or after a load (the ranks hold
     states of one step): a ring all-reduce of two int64 values per rank."""
     return 2 * (world - 1) * 8 * 2 * world // world
+
+
+def different_steps(name: str, picks: Sequence[int | None]) -> str:
+    """``ReplicaDivergence``'s message where rank ``r`` loaded registry optimizer ``name``'s state
+    of step ``picks[r]`` (None: none)."""
+    steps = ", ".join(f"rank {r}: " + ("none loaded" if s is None else f"step {s}") for r, s in enumerate(picks))
+    return (f"the ranks loaded {optimizer_class(name).__name__} states saved at different steps ({steps}): "
+            "every rank must load its state of one save (onebit.Checkpoints agrees on one)")
 
 
 def data(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:

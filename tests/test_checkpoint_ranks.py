@@ -8,7 +8,7 @@ import torch
 
 import onebit
 from _harness import run_ranks
-from _problem import OPTIMIZERS, digest, grads, initial_params, optimizer_class
+from _problem import OPTIMIZERS, different_steps, digest, grads, initial_params, optimizer_class
 
 
 def _take_step(opt, params, rank, step):
@@ -83,10 +83,6 @@ def _loads_of_steps(rank, world, picks):
     return out
 
 
-def _steps(picks):
-    return ", ".join(f"rank {r}: " + ("none loaded" if s is None else f"step {s}") for r, s in enumerate(picks))
-
-
 @pytest.mark.parametrize("picks", [(4, 3), (4, 4, 3), (4, 4, 4), (4, None), (None, 4, 4)],
                          ids=["2-ranks", "3-ranks", "3-ranks-alike", "2-ranks-one-fresh", "3-ranks-one-fresh"])
 def test_ranks_that_load_states_of_different_steps_are_stopped_on_every_rank(picks):
@@ -99,10 +95,7 @@ def test_ranks_that_load_states_of_different_steps_are_stopped_on_every_rank(pic
             if len(set(picks)) == 1:
                 assert errors[name] is None, (name, rank, errors[name])
                 continue
-            want = (f"the ranks loaded {optimizer_class(name).__name__} states saved at different steps "
-                    f"({_steps(picks)}): "
-                    "every rank must load its state of one save (onebit.Checkpoints agrees on one)")
-            assert errors[name] == want, (name, rank)
+            assert errors[name] == different_steps(name, picks), (name, rank)
 
 
 def _overlapped_loads(rank, world, name, kwargs, picks):
@@ -152,6 +145,4 @@ def test_states_of_different_steps_are_stopped_before_buckets_leave_in_backward(
     """Before, the buckets of one rank's stage left during backward beside another collective on
     the other rank, and both timed out (a CollectiveError) instead of naming the steps."""
     for message in run_ranks(_overlapped_loads, 2, name, kwargs, list(picks)):
-        assert message is not None and message.startswith(
-            f"the ranks loaded {optimizer_class(name).__name__} states saved at different steps ({_steps(picks)})"), \
-            message
+        assert message == different_steps(name, picks), message

@@ -16,7 +16,7 @@ from torch import nn
 
 import onebit
 from _harness import run_ranks
-from _problem import optimizer_class
+from _problem import different_steps
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
@@ -206,12 +206,9 @@ def _loads_by_rank(rank, world, picks):
 def test_ranks_that_load_states_of_different_steps_are_stopped_on_every_rank(picks):
     """The check runs over the whole job: with the shards of each node a step apart, every
     replicate group loaded one step, and only the whole job sees it."""
-    steps = ", ".join(f"rank {r}: " + ("none loaded" if s is None else f"step {s}") for r, s in enumerate(picks))
     for res in run_ranks(_loads_by_rank, 4, list(picks)):
         for name in ("onebit_adam", "diloco"):
-            want = None if len(set(picks)) == 1 else (
-                f"the ranks loaded {optimizer_class(name).__name__} states saved at different steps ({steps}): "
-                "every rank must load its state of one save (onebit.Checkpoints agrees on one)")
+            want = None if len(set(picks)) == 1 else different_steps(name, picks)
             assert res[name] == want, (name, res[name])
 
 

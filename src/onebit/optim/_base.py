@@ -338,7 +338,7 @@ class OnebitOptimizer(Algorithm):
         buckets, exchange, in_backward = self._buckets, self._exchange, 0
         try:
             with comm.measure() as meter:
-                if self._unchecked:  # the first exchange, where backward began none
+                if self._unchecked:  # the first exchange (in backward only with overlap=True)
                     self._check_alike()
                 if buckets is not None:
                     with comm.span("flush", "step"):  # 1
