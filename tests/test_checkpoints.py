@@ -163,3 +163,29 @@ def test_ranks_that_do_not_share_the_directory_are_told_so(tmp_path):
     for message in run_ranks(_apart, 2, str(tmp_path)):
         assert "finds no complete checkpoint where a rank finds step 5: the directory must be the same storage" \
             in message
+
+
+def _unreadable(rank, world, directory, broken):
+    """Step 7 saved by every rank; rank ``broken``'s file then cut short, as a disk that filled up leaves it."""
+    onebit.Checkpoints(directory).save(7, rank=rank)
+    torch.distributed.barrier()
+    if rank == broken:
+        path = onebit.Checkpoints(directory).directory / "step-000000007" / f"rank{rank}.pt"
+        path.write_bytes(path.read_bytes()[:100])
+    torch.distributed.barrier()
+    try:
+        onebit.Checkpoints(directory).load()
+    except ValueError as exc:
+        return str(exc)
+
+
+@pytest.mark.parametrize("world,broken", [(2, 1), (3, 0)])
+def test_a_file_one_rank_cannot_read_stops_every_rank_naming_it(tmp_path, world, broken):
+    # Before, only the rank that read it raised; the others went on to wait for it in their next collective.
+    path = tmp_path / "step-000000007" / f"rank{broken}.pt"
+    for rank, message in enumerate(run_ranks(_unreadable, world, str(tmp_path), broken)):
+        if rank == broken:
+            assert message.startswith(f"checkpoint {path} cannot be read (truncated or not a checkpoint): ")
+        else:
+            assert message == ("checkpoint step 7 cannot be resumed: another rank's file cannot be read (truncated or "
+                               f"not a checkpoint; rank {broken}: {path})")

@@ -97,8 +97,8 @@ class Checkpoints:
 
     def load(self) -> tuple[int, dict[str, Any]] | None:
         """``(step, state)`` of the newest step every rank sees complete (None: nothing saved
-        yet); every rank calls it. The files load with ``weights_only=True``; one that cannot be
-        read (truncated, or not a checkpoint) raises ``ValueError`` naming it."""
+        yet); every rank calls it. The files load with ``weights_only=True``; where one cannot be
+        read (truncated, or not a checkpoint), every rank raises ``ValueError`` naming it."""
         rank, world = comm.get_rank(self.group), comm.get_world_size(self.group)
         newest = self.latest()
         mine = -1.0 if newest is None else float(newest)
@@ -114,16 +114,29 @@ class Checkpoints:
                                f"checkpoint where a rank finds step {highest}: the directory must be the same "
                                "storage on every rank")
         where = self.directory / f"step-{agreed:09d}"
-        done = json.loads((where / _DONE).read_text())
-        source = rank % int(done["world_size"])
-        if int(done["world_size"]) != world:
+        saved = int(json.loads((where / _DONE).read_text())["world_size"])
+        source = rank % saved
+        if saved != world:
             _log.warning("checkpoint step %d was saved on %d ranks, loaded on %d: rank %d reads rank %d's file",
-                         agreed, done["world_size"], world, rank, source)
+                         agreed, saved, world, rank, source)
         path = where / f"rank{source}.pt"
         try:
-            return agreed, torch.load(path, weights_only=True)
+            state, error = torch.load(path, weights_only=True), None
         except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as exc:
-            raise ValueError(f"checkpoint {path} cannot be read (truncated or not a checkpoint): {exc}") from None
+            state, error = None, exc
+        # Every rank learns which could not read its file (one flag a rank, all-reduce(max)) and
+        # raises: a rank going on alone would wait in its first collective for the one stopped
+        # here until the timeout, and the error that says why would be on that rank only.
+        flags = torch.zeros(world, dtype=torch.float64, device=comm.device_of(self.group))
+        flags[rank] = error is not None
+        failed = comm.all_reduce_max(flags, self.group, self.timeout).nonzero().flatten().tolist()
+        if error is not None:
+            raise ValueError(f"checkpoint {path} cannot be read (truncated or not a checkpoint): {error}") from None
+        if failed:
+            files = ", ".join(f"rank {r}: {where / f'rank{r % saved}.pt'}" for r in failed)
+            raise ValueError(f"checkpoint step {agreed} cannot be resumed: another rank's file cannot be read "
+                             f"(truncated or not a checkpoint; {files})")
+        return agreed, state
 
     def _prune(self, step: int) -> None:
         """Remove the complete steps older than the ``keep`` newest, and the unfinished saves
