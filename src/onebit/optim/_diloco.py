@@ -4,16 +4,16 @@ as torchft's ``DiLoCo`` (the class says how).
 
 Its pieces: the fragments, their exchanges and what is in flight (``_fragments.py``,
 ``_flight.py``), the inner and outer optimizers (``_wrapped.py``), a quorum's protocol
-(``_membership.py``). What it shares with the 1-bit family -- the agreement on skipping a step,
-the replica check, the checks at construction -- are helpers that take values (``_agreement.py``,
-``_setup.py``); it calls :mod:`onebit.comm` itself.
+(``_membership.py``), its checkpoints (``_diloco_checkpoint.py``). What it shares with the 1-bit
+family -- the agreement on skipping a step, the replica check, the checks at construction, what
+every ``state_dict`` holds -- are helpers that take values (``_agreement.py``, ``_setup.py``,
+``_checkpoint.py``); it calls :mod:`onebit.comm` itself.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,13 +24,12 @@ from torch.optim import Optimizer
 from .. import comm, compress
 from .._checks import check_positive_int
 from ._agreement import ReplicaDivergence, require_loaded_alike, require_replicas, start_agreement
-from ._checkpoint import own_state, saved_entry
 from ._ddp import attach_ddp, check_ddp
-from ._fragments import (Schedule, build_fragments, by_size, check_exchange, check_fragments_state, check_state,
-                         fragment_of, fragments_state, load_fragments, regroup_fragments)
+from ._diloco_checkpoint import DiLoCoCheckpoints
+from ._fragments import Schedule, build_fragments, by_size, check_exchange, fragment_of, regroup_fragments
 from ._membership import Healed, Membership
 from ._setup import check_groups, clip_, closure_loss, common_options, place
-from ._wrapped import check_outer_state, inner_optimizer, load_flat_momentum, outer_factory, outer_step_options
+from ._wrapped import inner_optimizer, outer_factory, outer_step_options
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -39,40 +38,25 @@ if TYPE_CHECKING:
 
 __all__ = ["DiLoCo"]
 
-_log = logging.getLogger("onebit.optim")
 
-
-class DiLoCo(Optimizer):
+class DiLoCo(DiLoCoCheckpoints, Optimizer):
     """DiLoCo's outer loop around any ``torch.optim`` optimizer, its outer gradients sent at 1 bit
     a value (section 3, Algorithm 1 of arXiv 2311.08105).
 
     ``params`` is the inner optimizer itself (any ``torch.optim`` optimizer, built on every rank
     over the same parameters), or parameters (or param groups) for ``inner(params, lr=lr)``,
     AdamW by default. ``step()`` is the inner optimizer's step on this rank's own gradients;
-    every ``sync_every`` steps it is followed by the synchronisation: ``delta_i = anchor - x_i``
-    is averaged over the group (``compressor="sign"``: 1 bit per value and one scale per row,
-    every rank's all-gathered; ``"identity"``: the exact fp32 mean) and the outer optimizer
-    moves the anchor with it in the place of a gradient, and every rank's parameters then take
-    the anchor, bit for bit; :meth:`check_replicas` compares the anchors between
-    synchronisations. The outer step by default is SparseLoCo's (arXiv 2508.15706, Algorithm
-    1): each rank adds ``delta_i`` to its own error accumulator decayed by 0.95, ``e_i <- 0.95
-    e_i + delta_i``, sends ``C(e_i)`` and keeps ``e_i - C(e_i)``, and the anchor moves by the
-    plain average of what was sent; ``outer_step="nesterov"`` is DiLoCo's (Algorithm 1 line 12:
-    Nesterov momentum SGD on the average, no error carried), DiLoCo as published with
-    ``compressor="identity"``. At 1 bit, SparseLoCo's came closer to fp32 DiLoCo's loss at
-    intervals of 256 steps and more, the paper's at 64 (the DiLoCo page of the docs).
-    The inner optimizer's state is never averaged or reset. Its param groups are this
-    optimizer's: a learning-rate scheduler built on either schedules the inner steps. An inner
-    step sends nothing (but the first, fresh or after a load: the ranks' check that they hold
-    states of one step), not even the agreement on skipping it: a rank with a non-finite
-    gradient skips its own inner step, which still counts towards ``sync_every``; a
-    synchronisation step is skipped on every rank at once, as every onebit step. With
-    ``fragments`` P and ``delay`` tau, Streaming DiLoCo (arXiv 2501.18512, section 2): each
-    fragment is synchronised on its own schedule, staggered by H / P, so that one
-    synchronisation sends 1 / P of the model, its exchange launched tau steps before it lands;
-    ``state_dict()`` in the middle of a delayed synchronisation waits for its exchange to
-    complete and saves the average not yet landed; :meth:`wait` waits for it alone (before
-    destroying the process group at the end of a run).
+    every ``sync_every`` steps the synchronisation follows it: ``delta_i = anchor - x_i`` is
+    averaged over the group, compressed (``compressor``, ``collective``), the outer optimizer
+    moves the anchor with the average in the place of a gradient, and every rank's parameters
+    take the anchor, bit for bit. The outer step is SparseLoCo's by default (arXiv 2508.15706,
+    Algorithm 1), DiLoCo's with ``outer_step="nesterov"``. The inner optimizer's state is never
+    averaged or reset; its param groups are this optimizer's, so a learning-rate scheduler built
+    on either schedules the inner steps. An inner step sends nothing (but the first's check that
+    the ranks hold states of one step): a rank with a non-finite gradient skips its own inner
+    step, which still counts towards ``sync_every``; a synchronisation is skipped on every rank
+    at once. ``fragments`` and ``delay`` make it Streaming DiLoCo (arXiv 2501.18512, section 2).
+    The DiLoCo page of the docs compares the outer steps, compressors and intervals, measured.
 
     Args:
         params: the inner optimizer (e.g. ``torch.optim.AdamW(model.parameters(), lr=1e-3)``),
@@ -350,20 +334,6 @@ class DiLoCo(Optimizer):
         self.world_size, self.rank = self.process_group.size(), self.process_group.rank()
         regroup_fragments(self._fragments, self._build_fragments())
 
-    def _give_state(self) -> dict[str, Any]:
-        """What a replica taken into the quorum receives: the state dict and the parameters."""
-        return {"state": self.state_dict(), "params": [p.detach() for p in self.flat.params]}
-
-    def _take_state(self, healed: Mapping[str, Any]) -> None:
-        """A live peer's :meth:`_give_state`, in the place of this replica's."""
-        for f in self._fragments:  # what this replica had in flight is the state it gives up
-            f.flight = f.retry = None
-        self._load(healed["state"], warn=False)
-        self._unchecked = False  # the parameters are the source's, below, and the others load nothing: no check
-        with torch.no_grad():
-            for p, value in zip(self.flat.params, healed["params"]):
-                p.copy_(value)
-
     # ------------------------------------------------------------------ API
     @property
     def stats(self) -> dict[str, Any]:
@@ -464,54 +434,3 @@ class DiLoCo(Optimizer):
                              "sized for the parameters it was built with); pass every group to the constructor, "
                              "with lr=0 for groups that start later")
         super().add_param_group(param_group)
-
-    # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        """The anchors, the inner and outer optimizers' states, the synchronisations in flight
-        (waited for, their averages saved) and the collectives' errors: everything needed to
-        resume bit-exactly (loads with ``weights_only=True``)."""
-        sd = super().state_dict()
-        sd["state"] = {}  # the anchors are saved once, as the flat buffer below
-        sd["onebit"] = {
-            **saved_entry(world_size=self.world_size, rank=self.rank, step=self._step_count,
-                          bytes_sent_total=self._bytes_total, buffers={"anchor": self.flat.buffers["anchor"]},
-                          params=self.flat.params, synchronised=self.synchronised),
-            "inner": self.inner.state_dict(), "outer": self.outer.state_dict(), "touched": list(self._touched),
-            "streaming": [self.fragments, self.delay], "fragment_of": self._fragment_of, "collective": self.collective,
-            "scales": self._scales,
-            "error_feedback": [self.error_feedback, self.error_decay],
-            **fragments_state(self._fragments),
-        }
-        return sd
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` (also onebit 0.x's, whose outer momentum was a flat buffer);
-        a state saved by another rank or on another world size restarts the errors (with a warning)."""
-        self._load(state_dict, warn=True)
-
-    def _load(self, state_dict: Mapping[str, Any], *, warn: bool) -> None:
-        extra = check_state(state_dict, self.flat, fragments=self.fragments, delay=self.delay,
-                            fragment_of=self._fragment_of, collective=self.collective, exact=self._fragments[0].exact,
-                            error_feedback=self.error_feedback, error_decay=self.error_decay, scales=self._scales)
-        if "outer" in extra:
-            check_outer_state(self.outer_step, self._outer_given, extra["outer"])
-        quorum = self._membership is not None
-        own = own_state(extra, self.world_size, self.rank, owner="DiLoCo", restarts="the compression errors restart "
-                        "at zero", warn=warn and not quorum)
-        check_fragments_state(self._fragments, extra, own)
-        self.wait()  # an exchange still in flight writes into the collectives' errors: done first
-        self.flat.buffers["anchor"].copy_(extra["flat"]["anchor"])
-        self.inner.load_state_dict(extra["inner"])
-        self.param_groups = self.inner.param_groups  # one list again: loading made the inner's anew
-        if "outer" in extra:
-            self.outer.load_state_dict(extra["outer"])
-        else:
-            load_flat_momentum(self.outer, self._anchors, self.flat.split(extra["flat"]["outer_momentum"]))
-        self._step_count, self._bytes_total = int(extra["step"]), int(extra["bytes_sent_total"])
-        self._touched = [bool(t) for t in extra["touched"]]
-        self._loaded = self._unchecked = True  # checked at the next step, with the parameters saved beside it
-        self._own_parameters = extra.get("own_parameters")
-        if not own and warn and quorum:  # a quorum's checkpoint: one replica's state, as a newcomer's
-            _log.info("DiLoCo: rank %d of %d took the state of rank %d of %d; its compression errors restart at zero",
-                      self.rank, self.world_size, int(extra.get("rank", self.rank)), extra["world_size"])
-        load_fragments(self._fragments, extra, own, self.flat.device)

@@ -1,5 +1,6 @@
 """When to end the warm-up (1-bit Adam section 3.3 / 7.1, docs/design.md, "The automatic freeze"), and
-0/1 Adam's schedule of variance refreshes and synchronisations (:class:`ZeroOneSchedule`).
+0/1 Adam's schedule of variance refreshes and synchronisations (:class:`ZeroOneSchedule`), with the
+sums of its interval of local steps so far (:class:`Interval`).
 
 The criterion is the paper's (section 7.1): the variance is stable once
 ``||v_t||_1 / ||v_{t-D}||_1 >= threshold`` (0.96, ``D = 1 / (1 - beta2)``). The paper
@@ -37,12 +38,12 @@ import bisect
 import math
 import warnings
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from .._checks import check_positive, check_positive_int
+from .._checks import check_entries, check_positive, check_positive_int
 
-__all__ = ["FreezeSchedule", "ZeroOneSchedule", "freeze_schedule", "warn_early_freeze"]
+__all__ = ["FreezeSchedule", "Interval", "ZeroOneSchedule", "freeze_schedule", "warn_early_freeze"]
 
 _RAW_THRESHOLD = 0.96  # the paper's, over 1 / (1 - beta2) steps of the raw EMA
 _CORRECTED_THRESHOLD = 0.85  # 1-bit Adam's, over 0.1 / (1 - beta2) steps of the bias-corrected variance
@@ -218,6 +219,43 @@ class ZeroOneSchedule:
     def synchronises(self, step: int) -> bool:
         """Whether ``step`` ends with a 1-bit synchronisation (``T_u``)."""
         return (step + self.offset) % self.interval(step) == 0
+
+
+class Interval:
+    """0/1 Adam's interval of local steps so far (the steps since the last ``T_u`` step), per
+    parameter: ``lr_sums``, its learning rates summed; ``weight_sums``, its ``lr / bc1`` summed;
+    ``touched``, whether it took a step. The same on every rank: the ranks' parameters differ
+    inside an interval, never its sums. (The momentum it accumulated is the optimizer's flat
+    buffer ``accum``.)"""
+
+    __slots__ = ("lr_sums", "weight_sums", "touched")
+    _KEYS = ("lr_sums", "weight_sums", "touched")
+
+    def __init__(self, n: int) -> None:
+        self.lr_sums: list[float] = [0.0] * n
+        self.weight_sums: list[float] = [0.0] * n
+        self.touched: list[bool] = [False] * n
+
+    def add(self, lrs: Sequence[float], weights: Sequence[float], active: Sequence[bool]) -> None:
+        """A step's ``lrs`` and ``weights`` into the sums of the parameters it steps (``active``)."""
+        for i, lr in enumerate(lrs):
+            if active[i]:
+                self.lr_sums[i] += lr
+                self.weight_sums[i] += weights[i]
+                self.touched[i] = True
+
+    def state_dict(self) -> dict[str, list[Any]]:
+        return {"lr_sums": list(self.lr_sums), "weight_sums": list(self.weight_sums), "touched": list(self.touched)}
+
+    @classmethod
+    def check_state(cls, state: Mapping[str, Any]) -> None:
+        """Refuse (``ValueError``) a saved interval lacking one of its entries."""
+        check_entries(state, cls._KEYS, "ZeroOneAdam interval")
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.lr_sums = [float(x) for x in state["lr_sums"]]
+        self.weight_sums = [float(x) for x in state["weight_sums"]]
+        self.touched = [bool(x) for x in state["touched"]]
 
 
 def freeze_schedule(freeze_step: int | str, beta2: float, *, threshold: float | None, window: int | None,

@@ -1,12 +1,10 @@
 """0/1 Adam (Lu et al., "Maximizing Communication Efficiency for Large-scale Training via 0/1 Adam",
 ICLR 2023, arXiv 2202.06009): adaptive variance freezing and 1-bit synchronisation with local steps.
 
-The math (plain functions on flat fp32 state, parameter ``i`` at ``offsets[i]``; ``active[i]``
-says whether it has a gradient on some rank): :func:`refresh_variance` is a step of ``T_v``
-(Algorithm 1's variance update), :func:`local_step` a step outside ``T_u`` (its ``x_{t+1/2}``,
-``u_{t+1/2}``) and :func:`synchronise` a step of ``T_u`` (``m_{t+1} = u_bar / sum(lr)``,
-``x_{t+1} = x_{t'} - u_bar / sqrt(v)``), each with the denominator ``d = sqrt(v / (1 - beta2^k))
-+ eps`` of :meth:`ZeroOneSchedule.variance_age`'s ``k`` (1 without bias correction).
+The math, plain functions on flat fp32 state: :func:`refresh_variance` (a step of ``T_v``),
+:func:`local_step` (a step outside ``T_u``: its ``x_{t+1/2}``, ``u_{t+1/2}``) and
+:func:`synchronise` (a step of ``T_u``: ``m_{t+1} = u_bar / sum(lr)``, ``x_{t+1} = x_{t'} - u_bar /
+sqrt(v)``), each dividing by ``d = sqrt(v / (1 - beta2^k)) + eps`` (:meth:`ZeroOneSchedule.variance_age`).
 """
 
 from __future__ import annotations
@@ -19,11 +17,11 @@ import torch
 from torch import Tensor
 
 from .. import comm
-from .._checks import check_adam_args, check_bool, check_entries, check_optional_positive
+from .._checks import check_adam_args, check_bool, check_optional_positive
 from ..ops import zero_where_equal_
 from ._base import OnebitOptimizer
 from ._stages import COMPRESSED_FORMED, COMPRESSED_GRADIENT, LOCAL, Sends, Stage, StepStages, Wire
-from ._freeze import ZeroOneSchedule
+from ._freeze import Interval, ZeroOneSchedule
 from ._functional import (adam_denominator, adam_denominators, apply_update_, clip_to_adam_step_, count_unused, ema_,
                           mask_unused_)
 
@@ -158,45 +156,33 @@ class ZeroOneAdam(OnebitOptimizer):
     """0/1 Adam (Algorithm 1 of Lu et al., ICLR 2023): the variance refreshed on a thinning
     schedule, then frozen; 1-bit synchronisation, with local steps between synchronisations.
 
-    * **Variance refreshes** (``T_v``, steps ``<= var_freeze_step``): every step at first, then
-      more rarely -- the interval doubles after every ``var_update_scaler`` refreshes, up to
-      ``max_refresh_interval`` (8; not in the paper, where it doubles without bound). A refresh
-      step all-reduces the gradients in fp32 and takes an exact Adam step with them
-      (:func:`refresh_variance`), the variance taking them as if every step since the last
-      refresh had seen them (``refresh_weight="steps"``; the paper's, ``"refresh"``, weighs each
-      refresh as one step). After ``var_freeze_step`` the variance is frozen.
-    * **1-bit synchronisation** (``T_u``): every other step exchanges through the
-      error-compensated 1-bit all-reduce (:class:`onebit.comm.CompressedAllReduce`) -- up to
-      ``var_freeze_step`` the gradients, whose average enters ``m`` (as DeepSpeed, the
-      authors' implementation, does; the docs compare the two); after it the momentum, whose
-      average replaces ``m`` (the errors restart at the freeze).
-    * **Local steps** (after ``var_freeze_step``): the synchronisation interval ``H`` starts at 1
-      and doubles every ``local_step_scaler`` steps, up to ``local_step_clipper``. Between
-      synchronisations each rank steps on its own gradients and sends nothing
-      (:func:`local_step`); the synchronisation then exchanges the interval's step-weighted
-      average momentum and moves every rank to the same parameters (:func:`synchronise`).
+    ``stats["stage"]`` says which of three steps the last was:
 
-    Replicas are bit-identical after every refresh and synchronisation; between them, during
-    an interval of local steps, each rank's parameters differ **by design**. The optimizer
-    keeps the parameters of the last synchronisation (the *anchor*): :meth:`check_replicas`
-    (and ``check_replicas_every``) compares the anchors during an interval, and a
-    :meth:`state_dict` saved there holds this rank's anchor and accumulated momentum, from
-    which :meth:`load_state_dict` restores this rank's own parameters exactly (load it after
-    the model's weights; save one per rank, as for every onebit optimizer).
+    * ``"variance"``, a **refresh** (``T_v``, steps ``<= var_freeze_step``): the gradients
+      all-reduced in fp32 and an exact Adam step with them (:func:`refresh_variance`); every step
+      at first, then the interval doubles after every ``var_update_scaler`` refreshes, up to
+      ``max_refresh_interval``. After ``var_freeze_step`` the variance is frozen.
+    * ``"compressed"``, a **1-bit synchronisation** (``T_u``): the error-compensated 1-bit
+      all-reduce (:class:`onebit.comm.CompressedAllReduce`) of the gradients, whose average
+      enters ``m`` (DeepSpeed's form, the authors' own), and after ``var_freeze_step`` of the
+      momentum, whose average replaces ``m`` (the errors restart at the freeze).
+    * ``"local"``, a **local step** (after ``var_freeze_step``): between synchronisations, ``H``
+      steps apart (doubling every ``local_step_scaler`` steps up to ``local_step_clipper``), each
+      rank steps on its own gradients and sends nothing but the step's agreement
+      (:func:`local_step`); the synchronisation exchanges the interval's step-weighted average
+      momentum and moves every rank to the same parameters (:func:`synchronise`).
 
-    Differences from DeepSpeed 0.19.6's ``ZeroOneAdam`` (see the comparison in the docs): bias
-    correction is applied (``bias_correction=False`` is DeepSpeed's update); refreshes come at
-    least every 8th step and weigh the steps since the last (``max_refresh_interval=None,
-    refresh_weight="refresh"`` is DeepSpeed's schedule); weight decay is
-    decoupled and stays out of the momentum; the whole model is one fused 1-bit exchange;
-    parameters that never had a gradient at a refresh keep a zero momentum, and each value's
-    step is clipped to ``clip_update`` times Adam's largest (as :class:`OnebitAdam`); replicas
-    are bit-identical after every synchronisation.
+    Replicas are bit-identical after every refresh and synchronisation and differ inside an
+    interval of local steps **by design**: :meth:`check_replicas` then compares the parameters
+    of the last synchronisation (the *anchor*), and a :meth:`state_dict` saved there holds this
+    rank's anchor and accumulated momentum, from which :meth:`load_state_dict` restores this
+    rank's own parameters exactly (load it after the model's weights; save one per rank). Where
+    it differs from DeepSpeed 0.19.6's ``ZeroOneAdam``, and why: the Coming from DeepSpeed page.
 
     State: ``m``, ``v`` (the preconditioner ``sqrt(v / (1 - beta2^k)) + eps`` once frozen,
     ``state[p]["frozen_denom"]``), the collective's worker and server errors and, up to the
-    freeze, the gradients' average: 4 + 1/w model sizes, then 3 + 1/w;
-    once intervals of local steps begin, the anchor and the accumulated momentum: 5 + 1/w.
+    freeze, the gradients' average: 4 + 1/w model sizes, then 3 + 1/w; 5 + 1/w with the anchor
+    and the accumulated momentum, once intervals of local steps begin.
 
     Args:
         params: parameters or param groups (options ``lr``, ``betas``, ``weight_decay``).
@@ -213,21 +199,15 @@ class ZeroOneAdam(OnebitOptimizer):
             100000: on shorter runs the variance is never frozen and no local steps happen).
         var_update_scaler: refreshes per interval before the interval doubles (kappa).
         max_refresh_interval: the longest interval between refreshes (``None``: the paper's
-            and DeepSpeed's, doubling without bound, which at a constant learning rate leaves the
-            variance behind the gradients: the 12.9M GPT's loss rose after ~700 steps).
+            and DeepSpeed's, doubling without bound; the 0/1 Adam page of the docs says why not).
         refresh_weight: ``"steps"``: a refresh updates ``v`` as if each step since the last had
-            seen its gradients, so that ``v`` keeps Adam's memory of ``1 / (1 - beta2)`` steps
-            (bias-corrected by ``1 - beta2^t``, ``t`` the last refresh's step); ``"refresh"``:
-            Algorithm 1's, one ``(1 - beta2) g^2`` per refresh (by ``1 - beta2^k``, ``k``
-            refreshes), which weighs the frequent early refreshes over the later ones.
+            seen its gradients (Adam's memory of ``1 / (1 - beta2)`` steps); ``"refresh"``:
+            Algorithm 1's, one ``(1 - beta2) g^2`` per refresh (:class:`ZeroOneSchedule`).
         local_step_scaler: steps after the freeze before the local-step interval doubles.
         local_step_clipper: the largest local-step interval (H).
-        compressor: compressor of the synchronisation (``"sign"``; ``"identity"`` isolates the
-            cost of the bits).
-        scales: ``"tensor"``: a compressor with scales (``"sign"``) gives each parameter's
-            piece of a rank's chunk its own, as DeepSpeed's per-tensor exchange (4 bytes more per
-            piece); ``"chunk"``: one per rank's chunk of the fused buffer, which gives a layer of
-            small values the magnitude of its larger neighbours.
+        compressor: compressor of the synchronisation (``"sign"``; ``"identity"``: the exact mean).
+        scales: ``"tensor"``: each parameter's piece of a rank's chunk has its own scale, as in
+            DeepSpeed's per-tensor exchange (4 bytes more per piece); ``"chunk"``: one per chunk.
         clip_update: clip each value's synchronised step to this many times Adam's largest
             step (:func:`onebit.optim.clip_to_adam_step_`; ``None``: no clip).
         hierarchical: Birder's Hierarchical-1-bit-All-Reduce for the synchronisation
@@ -237,9 +217,6 @@ class ZeroOneAdam(OnebitOptimizer):
             local steps send nothing).
         bucket_cap_mb: bucket size of the overlapped exchange, in MB of fp32 state (as DDP's).
         **options: :class:`onebit.optim.CommonOptions`.
-
-    ``stats["stage"]`` is ``"variance"`` (a refresh: fp32), ``"compressed"`` (a 1-bit
-    synchronisation) or ``"local"`` (nothing sent but the step's agreement, a few bytes).
 
     Examples:
         >>> model = torch.nn.Linear(4, 2)
@@ -286,7 +263,7 @@ class ZeroOneAdam(OnebitOptimizer):
                                   freeze_step=schedule.var_freeze_step)
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay}, group=group,
                          **options)
-        self._restart_interval()
+        self._interval = Interval(len(self.flat.params))
         self._unused: list[int] = []  # the parameters with values unused before the freeze
         self._drive(self._allreduce(compressor, hierarchical=hierarchical, ranks_per_node=ranks_per_node,
                                     overlap=overlap, scales=scales), overlap=overlap, bucket_cap_mb=bucket_cap_mb)
@@ -296,11 +273,6 @@ class ZeroOneAdam(OnebitOptimizer):
         """The refresh and synchronisation steps (:class:`ZeroOneSchedule`)."""
         return self._stages.schedule
 
-    @property
-    def refresh_weight(self) -> str:
-        """How a refresh weighs in the variance (the schedule's :attr:`ZeroOneSchedule.refresh_weight`)."""
-        return self.schedule.refresh_weight
-
     # ------------------------------------------------------------------ the contract
     def _form(self, i: int, lo: int, hi: int, grad: Tensor | None, live: bool, group: dict[str, Any], step: int,
               scratch: Tensor, out: Tensor, agreed: bool) -> None:
@@ -309,17 +281,15 @@ class ZeroOneAdam(OnebitOptimizer):
         step or with ``S + w = 0``); a parameter without a gradient adds no ``w m'``."""
         m = self.flat.buffers["exp_avg"][lo:hi]
         weight = self._weight(group, step) if live else 0.0
-        total = self._weight_sums[i] + weight
+        total = self._interval.weight_sums[i] + weight
         accum = self.flat.buffers.get("accum")
-        if accum is None or total == 0.0 or not self._touched[i]:
-            if live:
-                ema_(m, grad, group["betas"][0], out=out)
-            else:
-                out.copy_(m)
-            return
+        alone = accum is None or total == 0.0 or not self._interval.touched[i]  # m' alone
         if live:
             ema_(m, grad, group["betas"][0], out=out)
-            out.mul_(weight).add_(accum[lo:hi]).div_(total)
+            if not alone:
+                out.mul_(weight).add_(accum[lo:hi]).div_(total)
+        elif alone:
+            out.copy_(m)
         else:
             torch.div(accum[lo:hi], total, out=out)
 
@@ -374,7 +344,7 @@ class ZeroOneAdam(OnebitOptimizer):
     def _local(self) -> None:
         step, b = self._step_count, self.flat.buffers
         weights = self._weights(step)
-        self._add_step(weights)
+        self._interval.add(self._hyper("lr"), weights, self._active)
         m, denom = b["exp_avg"], b["frozen_denom"]
         for (lo, hi), g, (beta1, _), active in zip(self.flat.offsets, self._local_grads(), self._hyper("betas"),
                                                    self._active):
@@ -382,7 +352,7 @@ class ZeroOneAdam(OnebitOptimizer):
                 ema_(m[lo:hi], g, beta1)
         self._protect(m, denom, self._active, step)
         local_step(self.flat.params, self.flat.offsets, active=self._active, exp_avg=m, accum=b["accum"],
-                   anchor=b["anchor"], denom=denom, weights=weights, lr_sums=self._lr_sums,
+                   anchor=b["anchor"], denom=denom, weights=weights, lr_sums=self._interval.lr_sums,
                    weight_decays=self._hyper("weight_decay"))
 
     def _synchronise(self, gradient: Tensor | None) -> None:
@@ -393,33 +363,17 @@ class ZeroOneAdam(OnebitOptimizer):
             for (lo, hi), (beta1, _), active in zip(self.flat.offsets, self._hyper("betas"), self._active):
                 if active:
                     ema_(b["exp_avg"][lo:hi], gradient[lo:hi], beta1)
-        self._add_step(self._weights(step))
-        moving = self._touched  # the parameters that stepped in the interval
+        interval = self._interval
+        interval.add(self._hyper("lr"), self._weights(step), self._active)
+        moving = interval.touched  # the parameters that stepped in the interval
         m, denom = b["exp_avg"], self._denominator()
         self._protect(m, denom, moving, step)
         synchronise(self.flat.params, self.flat.offsets, moving=moving, exp_avg=m, anchor=b.get("anchor"),
-                    denom=denom, weight_sums=self._weight_sums, lr_sums=self._lr_sums,
+                    denom=denom, weight_sums=interval.weight_sums, lr_sums=interval.lr_sums,
                     weight_decays=self._hyper("weight_decay"))
-        self._restart_interval()
-
-    def _add_step(self, weights: Sequence[float]) -> None:
-        """This step's ``lr`` and ``weights`` (``lr / bc1``) into the interval's sums of the
-        parameters it steps."""
-        for i, lr in enumerate(self._hyper("lr")):
-            if self._active[i]:
-                self._lr_sums[i] += lr
-                self._weight_sums[i] += weights[i]
-                self._touched[i] = True
-
-    def _restart_interval(self) -> None:
-        """A new interval of local steps. Per parameter, the interval so far: ``sum(lr)``,
-        ``sum(lr / bc1)``, whether it took a step; and the momentum it accumulated."""
-        n = len(self.flat.params)
-        self._lr_sums: list[float] = [0.0] * n
-        self._weight_sums: list[float] = [0.0] * n
-        self._touched: list[bool] = [False] * n
-        if "accum" in self.flat.buffers:
-            self.flat.buffers["accum"].zero_()
+        self._interval = Interval(len(self.flat.params))  # a new interval, its momentum from zero
+        if "accum" in b:
+            b["accum"].zero_()
 
     def _protect(self, m: Tensor, denom: Tensor, moving: Sequence[bool], step: int) -> None:
         """Before ``m`` moves the parameters: zero it where no refresh has seen a gradient (the
@@ -458,7 +412,7 @@ class ZeroOneAdam(OnebitOptimizer):
     @property
     def synchronised(self) -> bool:
         """False inside an interval of local steps, where the ranks' parameters differ by design."""
-        return not any(self._touched)
+        return not any(self._interval.touched)
 
     def _refreshes(self) -> dict[str, Any]:
         return {"max_refresh_interval": self.schedule.max_refresh_interval,
@@ -467,11 +421,10 @@ class ZeroOneAdam(OnebitOptimizer):
     _extra_required = ("interval",)  # (the refreshes' schedule: absent from older states)
 
     def _extra_state(self) -> dict[str, Any]:
-        return {"interval": {"lr_sums": list(self._lr_sums), "weight_sums": list(self._weight_sums),
-                             "touched": list(self._touched)}, "refreshes": self._refreshes()}
+        return {"interval": self._interval.state_dict(), "refreshes": self._refreshes()}
 
     def _check_extra_state(self, state: Mapping[str, Any]) -> None:
-        check_entries(state["interval"], ("lr_sums", "weight_sums", "touched"), "ZeroOneAdam interval")
+        Interval.check_state(state["interval"])
 
     def _load_extra_state(self, state: Mapping[str, Any], own_state: bool) -> None:
         # The variance saved was refreshed on the saved schedule; this one goes on with its own
@@ -481,21 +434,17 @@ class ZeroOneAdam(OnebitOptimizer):
             warnings.warn(f"ZeroOneAdam state saved with refreshes {dict(saved)}, loaded into one with "
                           f"{self._refreshes()}: the variance goes on with this optimizer's", stacklevel=3)
         b = self.flat.buffers
-        frozen = "frozen_denom" in b
-        self._unused = count_unused(type(self).__name__, b["frozen_denom"], self.eps, self.flat.offsets) \
-            if frozen else []
-        interval = state["interval"]
-        self._lr_sums = [float(x) for x in interval["lr_sums"]]
-        self._weight_sums = [float(x) for x in interval["weight_sums"]]
-        self._touched = [bool(x) for x in interval["touched"]]
-        if not any(self._touched):
+        self._unused = [] if "frozen_denom" not in b else \
+            count_unused(type(self).__name__, b["frozen_denom"], self.eps, self.flat.offsets)
+        self._interval.load_state_dict(state["interval"])
+        if self.synchronised:
             return
         # The parameters inside the interval, from its anchor and accumulated momentum (whichever
         # rank's weights the model was loaded with). Another rank's interval is taken whole: this
         # rank goes on as a copy of that one. (Restarting it from the anchor, where a rank that
         # loaded its own goes on, would give the ranks other sums at the synchronisation: other
         # parameters after it, for good.)
-        for p, (lo, hi), lr_sum, wd in zip(self.flat.params, self.flat.offsets, self._lr_sums,
+        for p, (lo, hi), lr_sum, wd in zip(self.flat.params, self.flat.offsets, self._interval.lr_sums,
                                            self._hyper("weight_decay")):
             _from_anchor(p, b["anchor"][lo:hi], b["accum"][lo:hi], b["frozen_denom"][lo:hi], lr=lr_sum,
                          weight_decay=wd, step_size=1.0)
