@@ -1,5 +1,5 @@
 """onebit.Checkpoints on real gloo ranks: a resume bit for bit, a save a rank never finished, another
-world size, pruning, and its arguments."""
+world size, pruning, a file a rank cannot read, and its arguments."""
 
 import json
 import warnings
@@ -166,10 +166,10 @@ def test_ranks_that_do_not_share_the_directory_are_told_so(tmp_path):
 
 
 def _unreadable(rank, world, directory, broken):
-    """Step 7 saved by every rank; rank ``broken``'s file then cut short, as a disk that filled up leaves it."""
+    """Step 7 saved by every rank; the files of the ranks ``broken`` then cut short (a disk that filled up)."""
     onebit.Checkpoints(directory).save(7, rank=rank)
     torch.distributed.barrier()
-    if rank == broken:
+    if rank in broken:
         path = onebit.Checkpoints(directory).directory / "step-000000007" / f"rank{rank}.pt"
         path.write_bytes(path.read_bytes()[:100])
     torch.distributed.barrier()
@@ -179,13 +179,15 @@ def _unreadable(rank, world, directory, broken):
         return str(exc)
 
 
-@pytest.mark.parametrize("world,broken", [(2, 1), (3, 0)])
-def test_a_file_one_rank_cannot_read_stops_every_rank_naming_it(tmp_path, world, broken):
+@pytest.mark.parametrize("world,broken,who", [(2, [1], "rank 1 cannot read its"),
+                                               (3, [0, 2], "ranks 0, 2 cannot read their")])
+def test_a_file_a_rank_cannot_read_stops_every_rank_naming_it(tmp_path, world, broken, who):
     # Before, only the rank that read it raised; the others went on to wait for it in their next collective.
-    path = tmp_path / "step-000000007" / f"rank{broken}.pt"
+    step = tmp_path / "step-000000007"
     for rank, message in enumerate(run_ranks(_unreadable, world, str(tmp_path), broken)):
-        if rank == broken:
-            assert message.startswith(f"checkpoint {path} cannot be read (truncated or not a checkpoint): ")
+        if rank in broken:
+            assert message.startswith(f"checkpoint {step / f'rank{rank}.pt'} cannot be read (truncated or not a "
+                                      "checkpoint): ")
         else:
-            assert message == ("checkpoint step 7 cannot be resumed: another rank's file cannot be read (truncated or "
-                               f"not a checkpoint; rank {broken}: {path})")
+            assert message == (f"checkpoint {step} cannot be resumed: {who} files there (the error on each says "
+                               f"why); to resume from the step before, if one is kept, remove {step / 'complete.json'}")

@@ -114,29 +114,41 @@ class Checkpoints:
                                f"checkpoint where a rank finds step {highest}: the directory must be the same "
                                "storage on every rank")
         where = self.directory / f"step-{agreed:09d}"
-        saved = int(json.loads((where / _DONE).read_text())["world_size"])
-        source = rank % saved
-        if saved != world:
-            _log.warning("checkpoint step %d was saved on %d ranks, loaded on %d: rank %d reads rank %d's file",
-                         agreed, saved, world, rank, source)
-        path = where / f"rank{source}.pt"
         try:
-            state, error = torch.load(path, weights_only=True), None
-        except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as exc:
+            state, error = self._read(where, rank, world), None
+        except Exception as exc:  # raised below, once every rank knows: the others would wait for this one
             state, error = None, exc
-        # Every rank learns which could not read its file (one flag a rank, all-reduce(max)) and
+        # Every rank learns which could not read its files (one flag a rank, all-reduce(max)) and
         # raises: a rank going on alone would wait in its first collective for the one stopped
         # here until the timeout, and the error that says why would be on that rank only.
         flags = torch.zeros(world, dtype=torch.float64, device=comm.device_of(self.group))
         flags[rank] = error is not None
         failed = comm.all_reduce_max(flags, self.group, self.timeout).nonzero().flatten().tolist()
         if error is not None:
-            raise ValueError(f"checkpoint {path} cannot be read (truncated or not a checkpoint): {error}") from None
+            raise error
         if failed:
-            files = ", ".join(f"rank {r}: {where / f'rank{r % saved}.pt'}" for r in failed)
-            raise ValueError(f"checkpoint step {agreed} cannot be resumed: another rank's file cannot be read "
-                             f"(truncated or not a checkpoint; {files})")
+            who = f"rank {failed[0]} cannot read its" if len(failed) == 1 else \
+                f"ranks {', '.join(map(str, failed))} cannot read their"
+            raise ValueError(f"checkpoint {where} cannot be resumed: {who} files there (the error on each says "
+                             f"why); to resume from the step before, if one is kept, remove {where / _DONE}")
         return agreed, state
+
+    def _read(self, where: Path, rank: int, world: int) -> dict[str, Any]:
+        """This rank's state in the complete step ``where``: its own file, or rank ``rank`` modulo
+        the saved world size's; ``ValueError`` naming a file that cannot be read."""
+        try:
+            saved = int(json.loads((where / _DONE).read_text())["world_size"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"checkpoint {where / _DONE} cannot be read: {exc!r}") from None
+        source = rank % saved
+        if saved != world:
+            _log.warning("checkpoint %s was saved on %d ranks, loaded on %d: rank %d reads rank %d's file",
+                         where.name, saved, world, rank, source)
+        path = where / f"rank{source}.pt"
+        try:
+            return torch.load(path, weights_only=True)
+        except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as exc:
+            raise ValueError(f"checkpoint {path} cannot be read (truncated or not a checkpoint): {exc}") from None
 
     def _prune(self, step: int) -> None:
         """Remove the complete steps older than the ``keep`` newest, and the unfinished saves

@@ -1,5 +1,5 @@
 """What every onebit ``state_dict`` holds in its ``"onebit"`` entry, and the checks on loading one:
-helpers that take values, shared by the 1-bit family (``_base.py``) and DiLoCo (``_diloco.py``)."""
+helpers that take values, shared by the 1-bit family (``_state.py``) and DiLoCo (``_diloco_checkpoint.py``)."""
 
 from __future__ import annotations
 

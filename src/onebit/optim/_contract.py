@@ -37,7 +37,8 @@ __all__ = ["Algorithm"]
 
 class Algorithm(Optimizer):
     """The declarations and methods a 1-bit-family optimizer writes; it subclasses
-    :class:`~onebit.optim._base.OnebitOptimizer`, which calls them."""
+    :class:`~onebit.optim._base.OnebitOptimizer`, whose step calls the phases (and whose state, in
+    :class:`~onebit.optim._state.FlatStateOptimizer`, the stages' and the checkpoints' hooks)."""
 
     _stages: OneStage | TwoStages | StepStages  # set by the subclass before OnebitOptimizer.__init__ runs
 

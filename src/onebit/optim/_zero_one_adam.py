@@ -2,9 +2,9 @@
 ICLR 2023, arXiv 2202.06009): adaptive variance freezing and 1-bit synchronisation with local steps.
 
 The math, plain functions on flat fp32 state: :func:`refresh_variance` (a step of ``T_v``),
-:func:`local_step` (a step outside ``T_u``: its ``x_{t+1/2}``, ``u_{t+1/2}``) and
-:func:`synchronise` (a step of ``T_u``: ``m_{t+1} = u_bar / sum(lr)``, ``x_{t+1} = x_{t'} - u_bar /
-sqrt(v)``), each dividing by ``d = sqrt(v / (1 - beta2^k)) + eps`` (:meth:`ZeroOneSchedule.variance_age`).
+:func:`local_step` (outside ``T_u``: ``x_{t+1/2}``, ``u_{t+1/2}``), :func:`synchronise` (a step of
+``T_u``: ``m_{t+1} = u_bar / sum(lr)``, ``x_{t+1} = x_{t'} - u_bar / sqrt(v)``), each dividing by
+``d = sqrt(v / (1 - beta2^k)) + eps`` (:meth:`ZeroOneSchedule.variance_age`'s ``k``; 1 without bias correction).
 """
 
 from __future__ import annotations
