@@ -134,8 +134,9 @@ class Checkpoints:
         return agreed, state
 
     def _read(self, where: Path, rank: int, world: int) -> dict[str, Any]:
-        """This rank's state in the complete step ``where``: its own file, or rank ``rank`` modulo
-        the saved world size's; ``ValueError`` naming a file that cannot be read."""
+        """This rank's state in the complete step ``where``: the file of rank ``rank`` modulo the
+        saved world size (its own, on the same world size); ``ValueError`` naming a file that
+        cannot be read."""
         try:
             saved = int(json.loads((where / _DONE).read_text())["world_size"])
         except (OSError, ValueError, KeyError, TypeError) as exc:
